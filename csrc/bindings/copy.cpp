@@ -1,0 +1,51 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/copy_engine.h"
+#include "core/errors.h"
+
+namespace py = pybind11;
+using namespace colomem;
+
+namespace {
+Direction parse_direction(const std::string& s) {
+  if (s == "d2h") return Direction::D2H;
+  if (s == "h2d") return Direction::H2D;
+  throw InvalidArgument(cat("direction must be 'd2h' or 'h2d', got '", s, "'"));
+}
+}  // namespace
+
+void register_copy(py::module_& m) {
+  py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer", "An in-flight submission of copies.")
+      .def("done", &Transfer::done, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("completed_copies", &Transfer::completed_copies, py::call_guard<py::gil_scoped_release>())
+      .def("elapsed_ms", &Transfer::elapsed_ms)
+      .def_property_readonly("direction", [](const Transfer& t) { return direction_name(t.direction); })
+      .def_readonly("nbytes", &Transfer::nbytes)
+      .def_readonly("ncopies", &Transfer::ncopies)
+      .def_readonly("nchunks", &Transfer::nchunks);
+
+  py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
+                                                      "Chunked async copies; one stream per direction.")
+      .def(py::init(&make_copy_engine), py::arg("device"), py::arg("chunk_bytes") = 64ull << 20,
+           py::arg("small_copy_bytes") = 1ull << 20)
+      .def(
+          "submit",
+          [](CopyEngine& e, const std::string& direction, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& copies,
+             uintptr_t wait_stream, uintptr_t signal_stream, bool timing) {
+            std::vector<CopyOp> ops;
+            ops.reserve(copies.size());
+            for (const auto& [dst, src, n] : copies) ops.push_back({dst, src, n});
+            Direction d = parse_direction(direction);
+            py::gil_scoped_release nogil;
+            return e.submit(d, ops, wait_stream, signal_stream, timing);
+          },
+          py::arg("direction"), py::arg("copies"), py::arg("wait_stream") = 0, py::arg("signal_stream") = 0,
+          py::arg("timing") = false,
+          "copies: list of (dst_address, src_address, nbytes). The engine stream first waits for work queued on "
+          "wait_stream; signal_stream waits for completion.")
+      .def_property_readonly("device", &CopyEngine::device)
+      .def_property_readonly("chunk_bytes", &CopyEngine::chunk_bytes)
+      .def("stream", [](const CopyEngine& e, const std::string& d) { return e.stream(parse_direction(d)); });
+}

@@ -1,0 +1,63 @@
+// Chunked, asynchronous copies between device memory and host (pool) memory.
+//
+// One engine owns one stream per direction, so an offload (D2H) and a reload (H2D) run at once. A
+// submission first makes its stream wait for the work already queued on `wait_stream` (the producer),
+// splits every copy into chunks, records an event per chunk, and can make `signal_stream` (the consumer)
+// wait for its completion without blocking the host. device < 0 selects the host backend: plain memcpy on
+// one worker thread per direction, with the same handles, so the host-only build exercises the same API.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colomem {
+
+enum class Direction { D2H, H2D };
+
+inline const char* direction_name(Direction d) { return d == Direction::D2H ? "d2h" : "h2d"; }
+
+struct CopyOp {
+  uintptr_t dst;
+  uintptr_t src;
+  size_t nbytes;
+};
+
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  // True once every copy of the submission completed. Throws CudaError if the device reported an error.
+  virtual bool done() = 0;
+  // Blocks (GIL released by the binding) until done or timeout_s passed; Timeout then, and the transfer
+  // keeps running: wait again. timeout_s < 0 waits without bound (not used by colomem itself).
+  virtual void wait(double timeout_s) = 0;
+  // Number of leading copies (in submission order) that completed.
+  virtual size_t completed_copies() = 0;
+  // Copy time measured on the device (CUDA events) or the host backend's clock; needs timing and done().
+  virtual double elapsed_ms() = 0;
+
+  Direction direction = Direction::D2H;
+  size_t nbytes = 0;
+  size_t ncopies = 0;
+  size_t nchunks = 0;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual std::shared_ptr<Transfer> submit(Direction dir, const std::vector<CopyOp>& ops, uintptr_t wait_stream,
+                                           uintptr_t signal_stream, bool timing) = 0;
+  virtual int device() const = 0;
+  virtual size_t chunk_bytes() const = 0;
+  // The engine's stream for a direction as an integer handle (0 on the host backend).
+  virtual uintptr_t stream(Direction dir) const = 0;
+};
+
+// device >= 0: CUDA engine (NotAvailable in the host-only build); device < 0: host backend.
+std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
+std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes);
+std::shared_ptr<CopyEngine> make_cuda_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
+
+}  // namespace colomem

@@ -1,0 +1,152 @@
+// The host backend of the copy engine: memcpy on one worker thread per direction.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "core/copy_engine.h"
+#include "core/errors.h"
+
+namespace colomem {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class HostTransfer : public Transfer {
+ public:
+  std::vector<CopyOp> ops;
+  size_t chunk = 0;
+  std::atomic<size_t> completed{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  bool timing = false;
+  double ms = 0;
+
+  bool done() override {
+    std::lock_guard<std::mutex> lk(mu);
+    return finished;
+  }
+  void wait(double timeout_s) override {
+    std::unique_lock<std::mutex> lk(mu);
+    if (timeout_s < 0) {
+      cv.wait(lk, [&] { return finished; });
+      return;
+    }
+    if (!cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished; }))
+      throw Timeout(cat("host ", direction_name(direction), " transfer of ", nbytes, " bytes not done after ",
+                        timeout_s, " s (", completed.load(), "/", ncopies,
+                        " copies done); it keeps running, wait again"));
+  }
+  size_t completed_copies() override { return completed.load(); }
+  double elapsed_ms() override {
+    require(timing, "elapsed_ms() needs a transfer submitted with timing=True");
+    if (!done()) throw InvalidArgument("elapsed_ms() before the transfer is done; wait() first");
+    return ms;
+  }
+
+  void run() {
+    auto t0 = Clock::now();
+    for (const auto& op : ops) {
+      for (size_t off = 0; off < op.nbytes; off += chunk) {
+        size_t n = std::min(chunk, op.nbytes - off);
+        std::memcpy(reinterpret_cast<void*>(op.dst + off), reinterpret_cast<const void*>(op.src + off), n);
+      }
+      completed.fetch_add(1);
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    finished = true;
+    cv.notify_all();
+  }
+};
+
+// One FIFO worker thread.
+class Worker {
+ public:
+  Worker() : th_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    th_.join();  // drains the queue first: submitted copies always complete
+  }
+  void push(std::shared_ptr<HostTransfer> t) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      q_.push_back(std::move(t));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::shared_ptr<HostTransfer> t;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
+        if (q_.empty()) return;
+        t = std::move(q_.front());
+        q_.pop_front();
+      }
+      t->run();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<HostTransfer>> q_;
+  bool stop_ = false;
+  std::thread th_;
+};
+
+class HostCopyEngine : public CopyEngine {
+ public:
+  explicit HostCopyEngine(size_t chunk) : chunk_(chunk) {}
+
+  std::shared_ptr<Transfer> submit(Direction dir, const std::vector<CopyOp>& ops, uintptr_t wait_stream,
+                                   uintptr_t signal_stream, bool timing) override {
+    require(wait_stream == 0 && signal_stream == 0,
+            "the host copy engine has no streams: pass wait_stream=0 and signal_stream=0");
+    auto t = std::make_shared<HostTransfer>();
+    t->direction = dir;
+    t->chunk = chunk_;
+    t->timing = timing;
+    t->ops = ops;
+    for (const auto& op : ops) {
+      require(op.nbytes == 0 || (op.dst != 0 && op.src != 0), "copy with a null pointer");
+      t->nbytes += op.nbytes;
+      t->nchunks += (op.nbytes + chunk_ - 1) / chunk_;
+    }
+    t->ncopies = ops.size();
+    (dir == Direction::D2H ? d2h_ : h2d_).push(t);
+    return t;
+  }
+  int device() const override { return -1; }
+  size_t chunk_bytes() const override { return chunk_; }
+  uintptr_t stream(Direction) const override { return 0; }
+
+ private:
+  size_t chunk_;
+  Worker d2h_, h2d_;  // declared last: destroyed (drained, joined) first
+};
+
+}  // namespace
+
+std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes) {
+  require(chunk_bytes > 0, "chunk_bytes must be positive");
+  return std::make_shared<HostCopyEngine>(chunk_bytes);
+}
+
+std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes) {
+  if (device < 0) return make_host_copy_engine(chunk_bytes);
+  return make_cuda_copy_engine(device, chunk_bytes, small_copy_bytes);
+}
+
+}  // namespace colomem

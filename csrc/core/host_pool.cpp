@@ -1,0 +1,257 @@
+#include "core/host_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/errors.h"
+#include "core/pinning.h"
+
+namespace colomem {
+
+namespace {
+
+constexpr size_t kHugePage = 2ull << 20;
+constexpr size_t kMaxSegment = 64ull << 30;  // one cudaHostRegister call per segment, at most 64 GiB
+
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string gib(size_t n) { return cat(static_cast<double>(n) / (1ull << 30), " GiB"); }
+
+// Maps `size` bytes aligned to 2 MiB (so transparent huge pages can back all of it).
+char* map_aligned(size_t size) {
+  size_t span = size + kHugePage;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED)
+    throw PoolExhausted(cat("mmap of ", gib(size), " of host memory failed: ", std::strerror(errno),
+                            ". Lower the pool size or free host RAM."));
+  uintptr_t base = reinterpret_cast<uintptr_t>(raw);
+  uintptr_t aligned = round_up(base, kHugePage);
+  if (aligned > base) munmap(raw, aligned - base);
+  size_t tail = (base + span) - (aligned + size);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
+  return reinterpret_cast<char*>(aligned);
+}
+
+// First-touch every page from several threads: the kernel's page-fault path scales across cores,
+// and cudaHostRegister of already-populated pages is about 8x cheaper than of untouched ones.
+void prefault(char* base, size_t size, int threads) {
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t per = round_up((size + threads - 1) / threads, kHugePage);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    size_t begin = static_cast<size_t>(t) * per;
+    if (begin >= size) break;
+    size_t end = std::min(size, begin + per);
+    pool.emplace_back([=] {
+      volatile char* p = base;
+      for (size_t off = begin; off < end; off += page) p[off] = 0;
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+HostPool::HostPool(const PoolConfig& cfg) : cfg_(cfg) {
+  require(cfg_.alignment > 0 && (cfg_.alignment & (cfg_.alignment - 1)) == 0,
+          cat("alignment must be a power of two, got ", cfg_.alignment));
+  require(cfg_.segment_bytes > 0, "segment_bytes must be positive");
+  require(cfg_.max_bytes == 0 || cfg_.initial_bytes <= cfg_.max_bytes,
+          cat("initial_bytes (", cfg_.initial_bytes, ") is larger than max_bytes (", cfg_.max_bytes, ")"));
+  if (cfg_.prefault_threads <= 0)
+    cfg_.prefault_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+  cfg_.segment_bytes = std::min(cfg_.segment_bytes, kMaxSegment);
+  st_.pinned = cfg_.pin;
+  if (cfg_.pin && !pinning_available()) pin_range(nullptr, 0);  // throws the explanatory error
+  if (cfg_.initial_bytes > 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t left = cfg_.initial_bytes; left > 0;) {
+      size_t n = std::min(left, kMaxSegment);
+      add_segment_locked(n);
+      left -= n;
+    }
+  }
+}
+
+HostPool::~HostPool() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return;
+  if (!live_.empty())
+    warn(cat("HostPool destroyed with ", live_.size(), " live blocks; their memory is released now"));
+  release_segments_locked();
+  closed_ = true;
+}
+
+void HostPool::check_open_locked() const {
+  if (closed_) throw PoolClosed("this pinned pool was closed; create a new PinnedPool");
+}
+
+void HostPool::add_segment_locked(size_t nbytes) {
+  size_t size = round_up(nbytes, cfg_.huge_pages ? kHugePage : static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  size = std::min(size, kMaxSegment);
+  auto t0 = std::chrono::steady_clock::now();
+  char* base = map_aligned(size);
+  if (cfg_.huge_pages) (void)madvise(base, size, MADV_HUGEPAGE);  // best effort: THP may be off
+  st_.map_seconds += seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  prefault(base, size, cfg_.prefault_threads);
+  st_.prefault_seconds += seconds_since(t0);
+  auto seg = std::make_unique<Segment>();
+  seg->base = base;
+  seg->size = size;
+  if (cfg_.pin) {
+    t0 = std::chrono::steady_clock::now();
+    try {
+      pin_range(base, size);
+    } catch (...) {
+      munmap(base, size);
+      throw;
+    }
+    seg->registered = true;
+    st_.pin_seconds += seconds_since(t0);
+  }
+  segs_.push_back(std::move(seg));
+  st_.reserved_bytes += size;
+  insert_free_locked(segs_.size() - 1, 0, size);
+}
+
+void HostPool::insert_free_locked(size_t seg, size_t off, size_t size) {
+  segs_[seg]->free_by_offset.emplace(off, size);
+  free_by_size_.emplace(size, seg, off);
+}
+
+void HostPool::erase_free_locked(size_t seg, size_t off, size_t size) {
+  segs_[seg]->free_by_offset.erase(off);
+  free_by_size_.erase(FreeKey{size, seg, off});
+}
+
+void HostPool::reserve(size_t nbytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open_locked();
+  size_t need = round_up(std::max<size_t>(nbytes, 1), cfg_.alignment);
+  if (!free_by_size_.empty() && std::get<0>(*free_by_size_.rbegin()) >= need) return;
+  if (cfg_.max_bytes && st_.reserved_bytes + need > cfg_.max_bytes)
+    throw PoolExhausted(cat("cannot reserve ", gib(need), ": the pool holds ", gib(st_.reserved_bytes),
+                            " of its cap ", gib(cfg_.max_bytes), "; raise max_bytes"));
+  add_segment_locked(need);
+}
+
+BlockInfo HostPool::alloc(size_t nbytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open_locked();
+  size_t size = round_up(std::max<size_t>(nbytes, 1), cfg_.alignment);
+  require(size <= kMaxSegment, cat("a single block of ", gib(size), " exceeds the 64 GiB segment limit; "
+                                   "split the tensor"));
+  auto it = free_by_size_.lower_bound(FreeKey{size, 0, 0});
+  if (it == free_by_size_.end()) {
+    size_t grow = std::max(cfg_.segment_bytes, size);
+    if (cfg_.max_bytes) {
+      size_t room = cfg_.max_bytes > st_.reserved_bytes ? cfg_.max_bytes - st_.reserved_bytes : 0;
+      grow = std::min(grow, room);
+      if (grow < size) {
+        size_t largest = free_by_size_.empty() ? 0 : std::get<0>(*free_by_size_.rbegin());
+        throw PoolExhausted(cat("pinned pool exhausted: asked for ", size, " bytes; ", st_.reserved_bytes -
+                                st_.in_use_bytes, " bytes free (largest free block ", largest, "), ",
+                                st_.reserved_bytes, " reserved of the cap ", cfg_.max_bytes,
+                                ". Raise max_bytes, or release offloaded sets you no longer need."));
+      }
+    }
+    add_segment_locked(grow);
+    it = free_by_size_.lower_bound(FreeKey{size, 0, 0});
+    if (it == free_by_size_.end())  // rounding left the new segment short: cannot happen, but never UB
+      throw PoolExhausted(cat("pinned pool could not fit ", size, " bytes after growing"));
+  }
+  auto [fsize, seg, off] = *it;
+  erase_free_locked(seg, off, fsize);
+  if (fsize > size) insert_free_locked(seg, off + size, fsize - size);
+  uint64_t id = next_id_++;
+  live_.emplace(id, Live{seg, off, size});
+  st_.in_use_bytes += size;
+  st_.peak_in_use_bytes = std::max(st_.peak_in_use_bytes, st_.in_use_bytes);
+  ++st_.allocs;
+  return BlockInfo{id, reinterpret_cast<uintptr_t>(segs_[seg]->base + off), size};
+}
+
+void HostPool::free(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open_locked();
+  auto it = live_.find(id);
+  if (it == live_.end()) {
+    if (id > 0 && id < next_id_)
+      throw DoubleRelease(cat("block ", id, " was already released; each block is released once"));
+    throw DoubleRelease(cat("block ", id, " does not belong to this pool"));
+  }
+  Live b = it->second;
+  live_.erase(it);
+  st_.in_use_bytes -= b.size;
+  ++st_.frees;
+  auto& fm = segs_[b.seg]->free_by_offset;
+  size_t off = b.offset, size = b.size;
+  auto next = fm.lower_bound(off);
+  if (next != fm.end() && next->first == off + size) {
+    size_t nsize = next->second;
+    erase_free_locked(b.seg, next->first, nsize);
+    size += nsize;
+  }
+  auto after = fm.lower_bound(off);
+  if (after != fm.begin()) {
+    auto prev = std::prev(after);
+    if (prev->first + prev->second == off) {
+      size_t poff = prev->first, psize = prev->second;
+      erase_free_locked(b.seg, poff, psize);
+      off = poff;
+      size += psize;
+    }
+  }
+  insert_free_locked(b.seg, off, size);
+}
+
+PoolStats HostPool::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  PoolStats s = st_;
+  s.free_bytes = s.reserved_bytes - s.in_use_bytes;
+  s.largest_free_block = free_by_size_.empty() ? 0 : std::get<0>(*free_by_size_.rbegin());
+  s.segments = segs_.size();
+  s.blocks = live_.size();
+  return s;
+}
+
+void HostPool::release_segments_locked() {
+  for (auto& seg : segs_) {
+    if (seg->registered) unpin_range(seg->base);
+    munmap(seg->base, seg->size);
+  }
+  segs_.clear();
+  free_by_size_.clear();
+  live_.clear();
+  st_.reserved_bytes = st_.in_use_bytes = 0;
+}
+
+void HostPool::close(bool force) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return;
+  if (!live_.empty() && !force) {
+    throw PoolBusy(cat("cannot close the pinned pool: ", live_.size(), " blocks (", st_.in_use_bytes,
+                       " bytes) are still in use, e.g. by offloaded tensors whose only copy they hold. "
+                       "Reload or drop those sets first, or close(force=True) to discard them."));
+  }
+  release_segments_locked();
+  closed_ = true;
+}
+
+bool HostPool::closed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return closed_;
+}
+
+}  // namespace colomem
