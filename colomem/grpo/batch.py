@@ -1,0 +1,141 @@
+"""GRPOBatch: prompts + sampled completions as padded tensors, with the masks the loss needs.
+
+Layout of one row (right padding):  [ prompt tokens | completion tokens | pad ... ]
+- attention_mask   1 on prompt and completion tokens, 0 on padding
+- completion_mask  1 on the completion tokens that get loss, 0 on the prompt and the padding
+- old_logprobs     at position t: log p(input_ids[t] | input_ids[:t]) under the rollout policy (0 elsewhere)
+
+A completion cut at max_new_tokens (finish="length") keeps all of its tokens in the mask and gets no EOS
+appended: the model is judged on what it actually sampled. `mask_truncated=True` drops such rows from the
+loss instead (their advantage still counts in their group's statistics).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from colomem.errors import InvalidArgumentError
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion. `token_ids` include the EOS/stop token when finish == "stop"."""
+    token_ids: list[int]
+    logprobs: Optional[list[float]] = None     # per token of token_ids, under the rollout policy
+    finish: str = "length"                     # "stop" (EOS or stop token) | "length" (cut at max_new_tokens)
+
+    def __post_init__(self):
+        if self.finish not in FINISH_REASONS:
+            raise InvalidArgumentError(f"Completion.finish must be one of {FINISH_REASONS}, got {self.finish!r}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise InvalidArgumentError(f"Completion has {len(self.token_ids)} tokens but "
+                                       f"{len(self.logprobs)} logprobs")
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish == "length"
+
+
+@dataclass
+class GRPOBatch:
+    """One optimisation batch, already padded, on any device (contract: docs/design.md)."""
+    input_ids: Tensor                       # [B, T] prompt + completion, right-padded
+    attention_mask: Tensor                  # [B, T] 1 on real tokens
+    completion_mask: Tensor                 # [B, T] 1 on completion tokens that count (prompt, padding: 0)
+    advantages: Tensor                      # [B] group-normalised
+    old_logprobs: Optional[Tensor] = None   # [B, T] aligned with input_ids, or None (= on-policy, ratio 1)
+    ref_logprobs: Optional[Tensor] = None   # [B, T] for the KL term, or None
+    # Share of the full optimisation batch this (micro-)batch stands for; grpo_loss multiplies by it so the
+    # summed gradients of the micro-batches equal the gradient of the whole batch (see step.split_micro_batches).
+    loss_weight: float = 1.0
+    rewards: Optional[Tensor] = field(default=None, repr=False)   # [B] raw rewards, for metrics only
+
+    def __post_init__(self):
+        if self.input_ids.dim() != 2:
+            raise InvalidArgumentError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
+        shape = tuple(self.input_ids.shape)
+        for name in ("attention_mask", "completion_mask", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise InvalidArgumentError(f"GRPOBatch.{name} has shape {tuple(t.shape)}, expected {shape}")
+        if tuple(self.advantages.shape) != shape[:1]:
+            raise InvalidArgumentError(f"GRPOBatch.advantages has shape {tuple(self.advantages.shape)}, "
+                                       f"expected ({shape[0]},)")
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum().item())
+
+    def _map(self, fn) -> "GRPOBatch":
+        kw = {}
+        for name in ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logprobs",
+                     "ref_logprobs", "rewards"):
+            t = getattr(self, name)
+            kw[name] = None if t is None else fn(t)
+        return replace(self, **kw)
+
+    def to(self, device, non_blocking: bool = False) -> "GRPOBatch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def select(self, rows: Sequence[int] | Tensor | slice) -> "GRPOBatch":
+        """Rows of the batch (e.g. one rank's share); trailing all-padding columns are trimmed."""
+        if not isinstance(rows, slice):
+            rows = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        sub = self._map(lambda t: t[rows])
+        if len(sub) == 0:
+            return sub
+        width = int(sub.attention_mask.sum(dim=1).max().item())
+        width = max(width, 1)
+        return sub._map(lambda t: t[:, :width] if t.dim() == 2 else t)
+
+
+def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],
+                advantages: Tensor | Sequence[float], *, pad_id: int, mask_truncated: bool = False,
+                rewards: Tensor | Sequence[float] | None = None, device=None) -> GRPOBatch:
+    """Flatten groups (prompt i, completion j -> row i * n + j) into a right-padded GRPOBatch.
+
+    old_logprobs are filled when every completion carries logprobs, else left None (the loss then treats
+    the batch as on-policy). `advantages` (and `rewards`) are in the same row order, one per completion.
+    """
+    if len(prompt_ids) != len(completions):
+        raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(completions)} completion groups")
+    rows: list[tuple[Sequence[int], Completion]] = []
+    for i, (p, group) in enumerate(zip(prompt_ids, completions)):
+        if len(p) == 0:
+            raise InvalidArgumentError(f"prompt {i} is empty; every prompt needs at least one token")
+        rows.extend((p, c) for c in group)
+    adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    if adv.numel() != len(rows):
+        raise InvalidArgumentError(f"{adv.numel()} advantages for {len(rows)} completions")
+    if not rows:
+        raise InvalidArgumentError("build_batch needs at least one completion")
+
+    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    B = len(rows)
+    input_ids = torch.full((B, width), int(pad_id), dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    completion_mask = torch.zeros((B, width), dtype=torch.float32)
+    have_lp = all(c.logprobs is not None for _, c in rows)
+    old = torch.zeros((B, width), dtype=torch.float32) if have_lp else None
+    for b, (p, c) in enumerate(rows):
+        lp, lc = len(p), len(c.token_ids)
+        input_ids[b, :lp] = torch.as_tensor(list(p), dtype=torch.long)
+        if lc:
+            input_ids[b, lp:lp + lc] = torch.as_tensor(list(c.token_ids), dtype=torch.long)
+        attention_mask[b, :lp + lc] = 1
+        if not (mask_truncated and c.truncated):
+            completion_mask[b, lp:lp + lc] = 1.0
+        if old is not None and lc:
+            old[b, lp:lp + lc] = torch.as_tensor(c.logprobs, dtype=torch.float32)
+    rew = None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    batch = GRPOBatch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
+                      advantages=adv, old_logprobs=old, rewards=rew)
+    return batch.to(device) if device is not None else batch

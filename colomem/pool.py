@@ -1,0 +1,134 @@
+"""PinnedPool: page-locked host memory reserved once and reused by every offload of the run."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from colomem import _C
+from colomem.errors import InvalidArgumentError, PoolClosedError
+from colomem.units import format_bytes, parse_bytes
+
+Size = Union[int, float, str]
+
+
+def _resolve_pin(pin) -> bool:
+    if pin == "auto":
+        return _C.device_count() > 0
+    if isinstance(pin, bool):
+        return pin
+    raise InvalidArgumentError(f"pin must be True, False or 'auto', got {pin!r}")
+
+
+@dataclass(frozen=True)
+class Block:
+    """A sub-allocation of the pool. `address` is valid until `release()` or the pool closes."""
+
+    pool: "PinnedPool"
+    block_id: int
+    address: int
+    nbytes: int
+
+    def release(self) -> None:
+        self.pool.free(self)
+
+    def as_tensor(self, nbytes: Optional[int] = None):
+        """A CPU uint8 torch tensor viewing the block (no copy). Keep the block alive while it is used."""
+        import torch
+
+        n = self.nbytes if nbytes is None else nbytes
+        if n > self.nbytes:
+            raise InvalidArgumentError(f"view of {n} bytes on a block of {self.nbytes}")
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address), dtype=torch.uint8)
+
+
+class PinnedPool:
+    """Host memory for offloaded tensors, page-locked once (`pin='auto'`: when a GPU is visible).
+
+    initial: bytes reserved now ('16GiB', an int, ...), pinned with parallel pre-faulting and huge pages.
+    max_bytes: cap on what the pool may grow to (None: no cap); beyond it `alloc` raises
+        PoolExhaustedError. segment_bytes: size of each growth step (a larger request gets its own size).
+    """
+
+    def __init__(self, initial: Size = 0, *, max_bytes: Optional[Size] = None, segment_bytes: Size = "1GiB",
+                 pin="auto", huge_pages: bool = True, prefault_threads: int = 0, alignment: int = 4096):
+        self._pin = _resolve_pin(pin)
+        self._core = _C.HostPool(
+            initial_bytes=parse_bytes(initial),
+            max_bytes=0 if max_bytes is None else parse_bytes(max_bytes),
+            segment_bytes=parse_bytes(segment_bytes),
+            pin=self._pin, huge_pages=huge_pages, prefault_threads=prefault_threads, alignment=alignment,
+        )
+        self._live: dict[int, Block] = {}
+        self._lock = threading.Lock()
+
+    # -- blocks -------------------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Block:
+        block_id, address, size = self._core.alloc(int(nbytes))
+        block = Block(self, block_id, address, size)
+        with self._lock:
+            self._live[block_id] = block
+        return block
+
+    def free(self, block: Block) -> None:
+        if block.pool is not self:
+            raise InvalidArgumentError("this block belongs to another pool")
+        self._core.free(block.block_id)  # DoubleReleaseError on a second release
+        with self._lock:
+            self._live.pop(block.block_id, None)
+
+    # -- state --------------------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> bool:
+        return self._pin
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def check_open(self) -> None:
+        if self._core.closed:
+            raise PoolClosedError("this pinned pool was closed; create a new PinnedPool")
+
+    def reserve(self, nbytes: Size) -> None:
+        """Grows the pool now so a block of `nbytes` can be allocated later without pinning."""
+        self._core.reserve(parse_bytes(nbytes))
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    def close(self, force: bool = False) -> None:
+        """Releases all memory. PoolBusyError while blocks still hold data, unless force=True."""
+        self._core.close(force)
+        with self._lock:
+            self._live.clear()
+
+    def __enter__(self) -> "PinnedPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=exc[0] is not None)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "PinnedPool(closed)"
+        s = self.stats()
+        return (f"PinnedPool(reserved={format_bytes(s['reserved_bytes'])}, in_use={format_bytes(s['in_use_bytes'])},"
+                f" pinned={s['pinned']}, segments={s['segments']})")
+
+
+_default_pool: Optional[PinnedPool] = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> PinnedPool:
+    """The process-wide pool used when a SwapSet is given none; it grows in 1 GiB segments, no cap."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.closed:
+            _default_pool = PinnedPool(0)
+        return _default_pool

@@ -1,0 +1,400 @@
+"""SwapSet: move a group of tensors between GPU memory and the pinned pool, keeping every tensor object.
+
+The unit of a swap is a storage. Offload copies each unique storage into a pool block (chunked, on the
+engine's D2H stream, after the producer stream's work), then shrinks the storage to zero bytes, which hands
+the memory back to the caching allocator (and to the driver with release=True). Reload re-grows the storage
+and copies the bytes back. Parameters, views, optimizer references and DeepSpeed's flat buffers all keep
+pointing at the same storage objects, so nothing outside has to be re-wired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+
+from colomem import _torch
+from colomem.errors import (
+    CudaOutOfMemoryError,
+    DeviceMismatchError,
+    ForeignTensorError,
+    InvalidArgumentError,
+    PhaseOrderError,
+    PoolClosedError,
+)
+from colomem.pool import Block, PinnedPool, default_pool
+from colomem.units import format_bytes
+
+TensorSource = Union[Iterable, Callable[[], Iterable]]
+
+RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Entry:
+    name: str
+    storage: torch.UntypedStorage
+    nbytes: int
+    block: Optional[Block] = None
+
+
+@dataclass
+class SwapStats:
+    direction: str
+    nbytes: int
+    storages: int
+    seconds: float          # host wall time from submit to completion
+    device_ms: float = 0.0  # copy time on the device (CUDA events), when measured
+    freed_bytes: int = 0    # driver-visible memory given back (offload with release=True)
+
+    @property
+    def gbps(self) -> float:
+        t = self.device_ms / 1e3 if self.device_ms else self.seconds
+        return self.nbytes / t / 1e9 if t > 0 else float("inf")
+
+
+class SwapHandle:
+    """An offload or reload in flight. `wait()` finishes it (an offload frees GPU memory only then)."""
+
+    def __init__(self, swapset: "SwapSet", transfer, finish: Callable[[], SwapStats], t0: float):
+        self._set = swapset
+        self._transfer = transfer
+        self._finish = finish
+        self._t0 = t0
+        self._stats: Optional[SwapStats] = None
+
+    def done(self) -> bool:
+        return self._stats is not None or self._transfer.done()
+
+    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> SwapStats:
+        """Blocks up to `timeout` seconds; TransferTimeoutError then (wait again: nothing is lost)."""
+        if self._stats is None:
+            self._set._pool.check_open()
+            self._transfer.wait(-1.0 if timeout is None else float(timeout))
+            self._stats = self._finish()
+        return self._stats
+
+
+def _iter_named(source) -> Iterator[tuple[str, torch.Tensor]]:
+    items = source() if callable(source) else source
+    if isinstance(items, dict):
+        items = items.items()
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        else:
+            yield f"tensor[{i}]", item
+
+
+class SwapSet:
+    """A group of tensors offloaded and reloaded together (see the module docstring).
+
+    source: tensors, (name, tensor) pairs, a dict, or a callable returning one of those; a callable is
+        evaluated at each offload, so tensors that appear later (gradients, optimizer state) are included.
+    pool: the PinnedPool that holds the bytes while offloaded (default: colomem.default_pool()).
+    device: 'cuda', 'cuda:N' or 'cpu' (the host path: memcpy, for CPU-only runs and tests). Default: the
+        device of the first tensor, which must then be CUDA.
+    release: after offload, return freed memory to the driver (torch.cuda.empty_cache()).
+    keep_blocks: keep the pool blocks across cycles, so the next offload allocates nothing.
+    skip_other_devices: silently leave out tensors on other devices (e.g. Adam's CPU `step` scalars).
+    """
+
+    def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
+                 device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False):
+        self.name = name
+        self._source = source
+        self._pool = pool if pool is not None else default_pool()
+        self._device = torch.device(device) if device is not None else None
+        if self._device is not None and self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self.release = release
+        self.keep_blocks = keep_blocks
+        self.skip_other_devices = skip_other_devices
+        self.state = RESIDENT
+        self._entries: list[_Entry] = []
+        self._kept: list[Block] = []
+        self.last_stats: Optional[SwapStats] = None
+
+    # -- constructors for what users hold -----------------------------------------------------------------
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, pool: Optional[PinnedPool] = None, *, params: bool = True,
+                    buffers: bool = True, grads: bool = False, **kw) -> "SwapSet":
+        """A module's parameters and buffers (and their gradients with grads=True, found at each offload)."""
+
+        def collect():
+            if params:
+                for n, p in module.named_parameters():
+                    yield n, p
+                    if grads and p.grad is not None:
+                        yield n + ".grad", p.grad
+            elif grads:
+                for n, p in module.named_parameters():
+                    if p.grad is not None:
+                        yield n + ".grad", p.grad
+            if buffers:
+                for n, b in module.named_buffers():
+                    yield n, b
+
+        kw.setdefault("name", type(module).__name__)
+        return cls(collect, pool, **kw)
+
+    @classmethod
+    def from_grads(cls, module: torch.nn.Module, pool: Optional[PinnedPool] = None, **kw) -> "SwapSet":
+        """Only the gradients of a module's parameters (those present at offload time)."""
+        kw.setdefault("name", type(module).__name__ + ".grads")
+        return cls.from_module(module, pool, params=False, buffers=False, grads=True, **kw)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, pool: Optional[PinnedPool] = None,
+                       **kw) -> "SwapSet":
+        """The tensors of an optimizer's state (exp_avg, exp_avg_sq, ...), found at each offload."""
+
+        def collect():
+            index = {id(p): f"{gi}.{pi}" for gi, g in enumerate(optimizer.param_groups)
+                     for pi, p in enumerate(g["params"])}
+            for p, st in optimizer.state.items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        yield f"state[{index.get(id(p), '?')}].{k}", v
+
+        kw.setdefault("name", type(optimizer).__name__ + ".state")
+        kw.setdefault("skip_other_devices", True)
+        return cls(collect, pool, **kw)
+
+    @classmethod
+    def from_tensors(cls, source: TensorSource, pool: Optional[PinnedPool] = None, **kw) -> "SwapSet":
+        return cls(source, pool, **kw)
+
+    # -- introspection ------------------------------------------------------------------------------------
+    @property
+    def device(self) -> Optional[torch.device]:
+        return self._device
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._pool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved by the last (or current) offload."""
+        return sum(e.nbytes for e in self._entries)
+
+    @property
+    def host_bytes(self) -> int:
+        """Pool bytes this set holds now (kept blocks included)."""
+        return sum(b.nbytes for b in self._kept) + sum(e.block.nbytes for e in self._entries
+                                                       if e.block is not None and e.block not in self._kept)
+
+    def __repr__(self) -> str:
+        return f"SwapSet({self.name!r}, {self.state}, {len(self._entries)} storages, {format_bytes(self.nbytes)})"
+
+    # -- planning -----------------------------------------------------------------------------------------
+    def _check_tensor(self, name: str, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{self.name}: {name} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise InvalidArgumentError(f"{self.name}: {name} has layout {t.layout} on {t.device}; only dense "
+                                       "strided tensors can be swapped")
+        if self._device is None:
+            if t.device.type != "cuda":
+                raise DeviceMismatchError(
+                    f"{self.name}: {name} is on {t.device}; offload moves CUDA tensors to host memory. For the "
+                    "host path (CPU-only runs and tests) create the set with device='cpu'")
+            self._device = t.device
+        if t.device != self._device:
+            if self.skip_other_devices:
+                return False
+            raise DeviceMismatchError(f"{self.name}: {name} is on {t.device} but the set moves tensors of "
+                                      f"{self._device}; make one set per device")
+        return True
+
+    def _plan(self) -> list[_Entry]:
+        entries: dict[int, _Entry] = {}
+        for name, t in _iter_named(self._source):
+            if not self._check_tensor(name, t):
+                continue
+            st = t.untyped_storage()
+            n = st.nbytes()
+            if n == 0:
+                continue  # nothing to move (e.g. ZeRO-3's released full params)
+            ptr = st.data_ptr()
+            if ptr in entries:
+                continue  # shared storage: moved once, every view follows
+            if not st.resizable():
+                raise ForeignTensorError(
+                    f"{self.name}: {name} lives in memory colomem cannot free and re-grow (from_blob, DLPack, "
+                    "vLLM's cumem pool or an IPC mapping); copy its bytes with colomem.copy_* instead")
+            entries[ptr] = _Entry(name, st, n)
+        if not entries and self._device is None:
+            self._device = torch.device("cpu")  # empty set: nothing to move anywhere
+        return list(entries.values())
+
+    def _take_blocks(self, entries: list[_Entry]) -> None:
+        """Gives each entry a pool block, reusing kept ones when the layout is unchanged."""
+        if self._kept and [b.nbytes >= e.nbytes for b, e in zip(self._kept, entries)] == [True] * len(entries) \
+                and len(self._kept) == len(entries):
+            for e, b in zip(entries, self._kept):
+                e.block = b
+            return
+        self._drop_kept()
+        taken: list[Block] = []
+        try:
+            for e in entries:
+                e.block = self._pool.alloc(e.nbytes)
+                taken.append(e.block)
+        except BaseException:
+            for b in taken:
+                b.release()
+            for e in entries:
+                e.block = None
+            raise
+        if self.keep_blocks:
+            self._kept = taken
+
+    def _drop_kept(self) -> None:
+        if self._kept and not self._pool.closed:
+            for b in self._kept:
+                b.release()
+        self._kept = []
+
+    def _give_back_blocks(self) -> None:
+        if not self.keep_blocks and not self._pool.closed:
+            for e in self._entries:
+                if e.block is not None:
+                    e.block.release()
+        for e in self._entries:
+            e.block = None
+
+    # -- offload ------------------------------------------------------------------------------------------
+    def offload_async(self, *, timing: bool = False) -> SwapHandle:
+        """Starts copying the set to the pool. GPU memory is freed when the handle's wait() returns."""
+        if self.state != RESIDENT:
+            raise PhaseOrderError(f"{self.name}: offload while {self.state}; reload it (or wait) first")
+        self._pool.check_open()
+        entries = self._plan()
+        self._take_blocks(entries)
+        self._entries = entries
+        device = self._device
+        eng = _torch.engine_for(device)
+        copies = [(e.block.address, e.storage.data_ptr(), e.nbytes) for e in entries]
+        t0 = time.perf_counter()
+        try:
+            transfer = eng.submit("d2h", copies, wait_stream=_torch.stream_handle(device), timing=timing)
+        except BaseException:
+            self._give_back_blocks()
+            self._entries = []
+            raise
+        self.state = OFFLOADING
+        free_before = _torch.mem_get_info(device)[0]
+
+        def finish() -> SwapStats:
+            for e in self._entries:
+                e.storage.resize_(0)  # the D2H of this storage completed: its memory can go
+            if self.release and device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.state = OFFLOADED
+            stats = SwapStats("d2h", transfer.nbytes, len(entries), time.perf_counter() - t0,
+                              transfer.elapsed_ms() if timing else 0.0,
+                              max(0, _torch.mem_get_info(device)[0] - free_before))
+            self.last_stats = stats
+            return stats
+
+        return SwapHandle(self, transfer, finish, t0)
+
+    def offload(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *, timing: bool = False) -> SwapStats:
+        """Copies the set to the pool and frees its GPU memory; the tensors stay valid objects."""
+        return self.offload_async(timing=timing).wait(timeout)
+
+    # -- reload -------------------------------------------------------------------------------------------
+    def _regrow(self) -> None:
+        grown = []
+        try:
+            for e in self._entries:
+                e.storage.resize_(e.nbytes)
+                grown.append(e)
+        except torch.OutOfMemoryError as exc:
+            for e in grown:
+                e.storage.resize_(0)  # roll back: the set stays fully offloaded, bytes safe in the pool
+            need = sum(e.nbytes for e in self._entries)
+            free, total = _torch.mem_get_info(self._device)
+            raise CudaOutOfMemoryError(
+                f"{self.name}: reload needs {format_bytes(need)} on {self._device} but only {format_bytes(free)} "
+                f"of {format_bytes(total)} is free. Free GPU memory first (put the rollout engine to sleep, "
+                f"lower gpu_memory_utilization or the micro-batch) and call reload() again; the data is still "
+                f"in the pinned pool. ({exc})") from exc
+
+    def reload_async(self, *, timing: bool = False) -> SwapHandle:
+        """Re-grows the storages and starts copying the bytes back; later work on the current stream waits."""
+        if self.state != OFFLOADED:
+            raise PhaseOrderError(f"{self.name}: reload while {self.state}; offload it first")
+        if self._pool.closed:
+            raise PoolClosedError(f"{self.name}: its pool was closed while the set was offloaded; the data is gone")
+        device = self._device
+        self._regrow()
+        stream = _torch.stream_handle(device)
+        copies = [(e.storage.data_ptr(), e.block.address, e.nbytes) for e in self._entries]
+        t0 = time.perf_counter()
+        try:
+            # Wait for the current stream first (the allocator may hand out memory it still reads), and make
+            # it wait for the copies, so kernels queued after reload() see the restored bytes.
+            transfer = _torch.engine_for(device).submit("h2d", copies, wait_stream=stream, signal_stream=stream,
+                                                        timing=timing)
+        except BaseException:
+            for e in self._entries:
+                e.storage.resize_(0)
+            raise
+        self.state = RELOADING
+
+        def finish() -> SwapStats:
+            stats = SwapStats("h2d", transfer.nbytes, len(self._entries), time.perf_counter() - t0,
+                              transfer.elapsed_ms() if timing else 0.0)
+            self._give_back_blocks()
+            self.state = RESIDENT
+            self.last_stats = stats
+            return stats
+
+        return SwapHandle(self, transfer, finish, t0)
+
+    def reload(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *, timing: bool = False) -> SwapStats:
+        return self.reload_async(timing=timing).wait(timeout)
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Gives the set's pool blocks back. Refused while offloaded: the pool holds the only copy."""
+        if self.state != RESIDENT:
+            raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload first so no data is lost")
+        self._drop_kept()
+        self._entries = []
+
+
+def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *,
+         timing: bool = False) -> tuple[SwapStats, SwapStats]:
+    """Offloads one set while reloading another: both copy directions run at once.
+
+    The reloaded set's memory is allocated first, so the GPU must hold both for the duration.
+    """
+    h_in = reload.reload_async(timing=timing)
+    try:
+        h_out = offload.offload_async(timing=timing)
+    except BaseException:
+        h_in.wait(timeout)
+        raise
+    return h_out.wait(timeout), h_in.wait(timeout)
+
+
+@contextlib.contextmanager
+def offloaded(*sets: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S):
+    """Offloads the sets for the duration of the block and reloads them after, also on error."""
+    done: list[SwapSet] = []
+    try:
+        for s in sets:
+            s.offload(timeout)
+            done.append(s)
+        yield sets
+    finally:
+        for s in reversed(done):
+            s.reload(timeout)
