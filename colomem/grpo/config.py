@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import types
 import typing
 from pathlib import Path
@@ -18,29 +17,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from colomem.errors import InvalidArgumentError
+from colomem.units import parse_bytes
 
 
 class ConfigError(InvalidArgumentError):
     """A config value is missing, of the wrong type or out of range; the message names the field."""
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_size(value: int | float | str) -> int:
-    """'512MiB' / '16GiB' / '1.5GB' / 1024 -> bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 16GiB, 1e9)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 class _Strict(BaseModel):
@@ -134,7 +115,7 @@ class RunConfig(_Strict):
     @classmethod
     def _size(cls, v):
         if v is not None:
-            parse_size(v)
+            parse_bytes(v)
         return v
 
     @field_validator("model")

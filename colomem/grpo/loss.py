@@ -112,15 +112,15 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
     elif kl_coef > 0:
         raise InvalidArgumentError("kl_coef > 0 needs batch.ref_logprobs (the reference model's logprobs)")
     pg_loss = masked_mean(pg, mask, loss_norm)
-    loss = pg_loss + kl_coef * masked_mean(kl, mask, loss_norm) if kl_coef > 0 else pg_loss
-    loss = loss * batch.loss_weight
+    unweighted = pg_loss + kl_coef * masked_mean(kl, mask, loss_norm) if kl_coef > 0 else pg_loss
+    loss = unweighted * batch.loss_weight
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1).float()
         lo = (ratio < 1.0 - eps_lo) & (adv < 0) & mask     # clipped below: pushing down stopped
         hi = (ratio > 1.0 + eps_hi) & (adv > 0) & mask     # clipped above: pushing up stopped
         metrics = {
-            "loss": float(loss.detach()),
+            "loss": float(unweighted.detach()),     # this batch's own loss, before loss_weight
             "pg_loss": float(pg_loss.detach()),
             "clip_frac": float((lo | hi).sum() / n),
             "clip_frac_low": float(lo.sum() / n),

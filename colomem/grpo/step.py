@@ -1,0 +1,142 @@
+"""One GRPO optimisation step, shared by every Trainer (plain torch on CPU, DeepSpeed on GPU).
+
+    for mb in split_micro_batches(batch, micro_batch, cfg.loss_norm):
+        loss, metrics = compute_loss(model, mb, cfg)      # loss already carries mb.loss_weight
+        backward(loss)                                    # torch: loss.backward()
+                                                          # DeepSpeed: engine.backward(loss, scale_wrt_gas=False)
+    optimizer step
+
+The micro-batch losses are weighted by their share of the batch (sequences for loss_norm="sequence",
+completion tokens for "token"), so the summed gradients equal the full-batch gradient whatever the split.
+That is why DeepSpeed must not scale again by the accumulation steps (scale_wrt_gas=False).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from colomem.errors import InvalidArgumentError
+
+from .batch import GRPOBatch
+from .config import GRPOConfig
+from .loss import grpo_loss, token_entropy, token_logprobs
+
+RefLogprobsFn = Callable[[GRPOBatch], Tensor]
+
+
+def _forward_logits(model, batch: GRPOBatch) -> Tensor:
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def policy_logprobs(model, batch: GRPOBatch, temperature: float = 1.0) -> Tensor:
+    """Forward + token_logprobs: [B, T] logprobs of batch.input_ids under `model`."""
+    return token_logprobs(_forward_logits(model, batch), batch.input_ids, temperature)
+
+
+def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
+                 ref_logprobs_fn: Optional[RefLogprobsFn] = None) -> tuple[Tensor, dict[str, float]]:
+    """GRPO loss of `model` on `batch` (one forward). With cfg.kl_coef > 0 and no batch.ref_logprobs,
+    ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off)."""
+    if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+        if ref_logprobs_fn is None:
+            raise InvalidArgumentError("kl_coef > 0 but the batch has no ref_logprobs and no ref_logprobs_fn "
+                                       "was given; use LoRA (free reference) or set kl_coef to 0")
+        with torch.no_grad():
+            batch = replace(batch, ref_logprobs=ref_logprobs_fn(batch).detach())
+    logits = _forward_logits(model, batch)
+    logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
+    loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                              clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm)
+    if cfg.log_entropy:
+        mask = batch.completion_mask.to(logits.device).bool()
+        ent = token_entropy(logits.detach(), cfg.temperature)
+        metrics["entropy"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1))
+    return loss, metrics
+
+
+def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence") -> list[GRPOBatch]:
+    """Consecutive row slices of at most micro_batch rows, each with its loss_weight (sums to batch.loss_weight)."""
+    if micro_batch < 1:
+        raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
+    if loss_norm not in ("sequence", "token"):
+        raise InvalidArgumentError(f"loss_norm must be 'sequence' or 'token', got {loss_norm!r}")
+    B = len(batch)
+    total_tokens = float(batch.completion_mask.sum())
+    out = []
+    for s in range(0, B, micro_batch):
+        mb = batch.select(slice(s, min(s + micro_batch, B)))
+        if loss_norm == "token" and total_tokens > 0:
+            share = float(mb.completion_mask.sum()) / total_tokens
+        else:
+            share = len(mb) / B
+        out.append(replace(mb, loss_weight=batch.loss_weight * share))
+    return out
+
+
+class MetricAccumulator:
+    """Weighted means of micro-batch metrics (max for *_max, sum for counts)."""
+    _SUM = ("completion_tokens",)
+
+    def __init__(self):
+        self._acc: dict[str, float] = {}
+        self._w: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for k, v in metrics.items():
+            if k.endswith("_max"):
+                self._acc[k] = max(self._acc.get(k, float("-inf")), v)
+                self._w[k] = 1.0
+            elif k in self._SUM:
+                self._acc[k] = self._acc.get(k, 0.0) + v
+                self._w[k] = 1.0
+            else:
+                self._acc[k] = self._acc.get(k, 0.0) + v * weight
+                self._w[k] = self._w.get(k, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: (v / self._w[k] if self._w[k] else v) for k, v in self._acc.items()}
+
+
+def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
+                         backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
+                         after_micro: Optional[Callable[[], None]] = None, device=None) -> dict[str, float]:
+    """Forward/backward every micro-batch of `batch`; the caller steps the optimizer afterwards.
+
+    after_micro runs after each backward (DeepSpeed: engine.step(), which only updates at the boundary)."""
+    acc = MetricAccumulator()
+    micro = split_micro_batches(batch, micro_batch, cfg.loss_norm)
+    for mb in micro:
+        if device is not None:
+            mb = mb.to(device, non_blocking=True)
+        loss, metrics = compute_loss(model, mb, cfg, ref_logprobs_fn)
+        backward(loss)
+        if after_micro is not None:
+            after_micro()
+        acc.add(metrics, mb.loss_weight / batch.loss_weight)
+    out = acc.result()
+    out["micro_batches"] = float(len(micro))
+    return out
+
+
+def peft_reference_fn(model, temperature: float = 1.0) -> RefLogprobsFn:
+    """Reference logprobs of a peft model with its adapters disabled (the frozen base: a free reference)."""
+    inner = getattr(model, "module", model)     # a DeepSpeed engine wraps the peft model in .module
+    if not hasattr(inner, "disable_adapter"):
+        raise InvalidArgumentError("peft_reference_fn needs a peft model (with disable_adapter())")
+
+    def ref(batch: GRPOBatch) -> Tensor:
+        with torch.no_grad(), inner.disable_adapter():
+            return policy_logprobs(inner, batch, temperature)
+    return ref
+
+
+def frozen_reference_fn(ref_model, temperature: float = 1.0) -> RefLogprobsFn:
+    """Reference logprobs from a separate frozen model (full fine-tuning with kl_coef > 0)."""
+    def ref(batch: GRPOBatch) -> Tensor:
+        with torch.no_grad():
+            return policy_logprobs(ref_model, batch, temperature)
+    return ref
