@@ -2,11 +2,16 @@
 #include <pybind11/stl.h>
 
 #include "core/host_pool.h"
+#include "core/pinning.h"
 
 namespace py = pybind11;
 using namespace colomem;
 
 void register_pool(py::module_& m) {
+  // Page-lock an existing host range (tests use it to force a CUDA error: registering a range twice).
+  m.def("pin_range", [](uintptr_t ptr, size_t nbytes) { pin_range(reinterpret_cast<void*>(ptr), nbytes); },
+        py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("unpin_range", [](uintptr_t ptr) { unpin_range(reinterpret_cast<void*>(ptr)); }, py::arg("address"));
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool", "Pinned (or plain) host memory, sub-allocated.")
       .def(py::init([](size_t initial_bytes, size_t max_bytes, size_t segment_bytes, bool pin, bool huge_pages,
                        int prefault_threads, size_t alignment) {

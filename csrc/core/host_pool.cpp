@@ -86,8 +86,8 @@ HostPool::HostPool(const PoolConfig& cfg) : cfg_(cfg) {
 HostPool::~HostPool() {
   std::lock_guard<std::mutex> lk(mu_);
   if (closed_) return;
-  if (!live_.empty())
-    warn(cat("HostPool destroyed with ", live_.size(), " live blocks; their memory is released now"));
+  // Live blocks at destruction are normal at interpreter exit (sets keep their blocks between cycles);
+  // close() is where a user is told that blocks still hold data.
   release_segments_locked();
   closed_ = true;
 }
@@ -97,7 +97,10 @@ void HostPool::check_open_locked() const {
 }
 
 void HostPool::add_segment_locked(size_t nbytes) {
-  size_t size = round_up(nbytes, cfg_.huge_pages ? kHugePage : static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t size = round_up(nbytes, cfg_.huge_pages ? kHugePage : page);
+  // Huge-page rounding must not take the pool past its cap: fall back to whole small pages there.
+  if (cfg_.max_bytes && st_.reserved_bytes + size > cfg_.max_bytes) size = round_up(nbytes, page);
   size = std::min(size, kMaxSegment);
   auto t0 = std::chrono::steady_clock::now();
   char* base = map_aligned(size);
@@ -156,7 +159,8 @@ BlockInfo HostPool::alloc(size_t nbytes) {
   if (it == free_by_size_.end()) {
     size_t grow = std::max(cfg_.segment_bytes, size);
     if (cfg_.max_bytes) {
-      size_t room = cfg_.max_bytes > st_.reserved_bytes ? cfg_.max_bytes - st_.reserved_bytes : 0;
+      size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+      size_t room = cfg_.max_bytes > st_.reserved_bytes ? (cfg_.max_bytes - st_.reserved_bytes) / page * page : 0;
       grow = std::min(grow, room);
       if (grow < size) {
         size_t largest = free_by_size_.empty() ? 0 : std::get<0>(*free_by_size_.rbegin());

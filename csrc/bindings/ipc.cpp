@@ -1,0 +1,155 @@
+// Bindings for the weight bridge's core: the Unix socket (bytes + fds), the VMM IPC buffers, the checksum
+// and GPU selection by UUID. Addresses, fds and stream handles are Python ints; blocking calls drop the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "core/checksum.h"
+#include "core/errors.h"
+#include "core/unix_socket.h"
+#include "cuda/ipc_buffer.h"
+#include "cuda/kernels.h"
+
+namespace py = pybind11;
+using namespace colomem;
+
+namespace {
+
+void register_socket(py::module_& m) {
+  py::class_<UnixConnection, std::shared_ptr<UnixConnection>>(
+      m, "UnixConnection",
+      "A connected bridge socket: framed byte messages plus file descriptors, same-uid peers only.")
+      .def_static(
+          "connect",
+          [](const std::string& path, double timeout, std::string peer_role) {
+            py::gil_scoped_release nogil;
+            return std::shared_ptr<UnixConnection>(UnixConnection::connect(path, timeout, std::move(peer_role)));
+          },
+          py::arg("path"), py::arg("timeout") = 30.0, py::arg("peer_role") = "exporter",
+          "Connect to a UnixServer. PeerError if nobody listens or the server belongs to another user.")
+      .def(
+          "send",
+          [](UnixConnection& c, const py::bytes& data, const std::vector<int>& fds, double timeout) {
+            std::string payload = data;
+            py::gil_scoped_release nogil;
+            c.send(payload, fds, timeout);
+          },
+          py::arg("data"), py::arg("fds") = std::vector<int>{}, py::arg("timeout") = 30.0,
+          "Send one message; fds are borrowed (the peer gets duplicates).")
+      .def(
+          "recv",
+          [](UnixConnection& c, double timeout) {
+            SocketMessage msg;
+            {
+              py::gil_scoped_release nogil;
+              msg = c.recv(timeout);
+            }
+            return py::make_tuple(py::bytes(msg.data), py::cast(msg.fds));
+          },
+          py::arg("timeout") = 30.0,
+          "Receive one message -> (bytes, [fd, ...]); the caller owns the fds. TransferTimeoutError if none "
+          "arrived in time (the connection stays usable); PeerError if the peer hung up or died.")
+      .def("close", &UnixConnection::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &UnixConnection::closed)
+      .def_property_readonly("peer_pid", &UnixConnection::peer_pid)
+      .def_property_readonly("peer_uid", &UnixConnection::peer_uid)
+      .def_property_readonly("peer_role", &UnixConnection::peer_role);
+
+  py::class_<UnixServer, std::shared_ptr<UnixServer>>(
+      m, "UnixServer", "A listening bridge socket in a fresh 0700 directory (socket mode 0600).")
+      .def(py::init<const std::string&, const std::string&>(), py::arg("dir") = "", py::arg("name") = "bridge.sock")
+      .def(
+          "accept",
+          [](UnixServer& s, double timeout, std::string peer_role) {
+            py::gil_scoped_release nogil;
+            return std::shared_ptr<UnixConnection>(s.accept(timeout, std::move(peer_role)));
+          },
+          py::arg("timeout") = 30.0, py::arg("peer_role") = "importer",
+          "Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user.")
+      .def_property_readonly("path", &UnixServer::path)
+      .def("close", &UnixServer::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &UnixServer::closed);
+}
+
+void register_buffers(py::module_& m) {
+  py::class_<IpcBuffer, std::shared_ptr<IpcBuffer>>(m, "IpcBuffer", "A VMM device buffer mapped in this process.")
+      .def_property_readonly("ptr", &IpcBuffer::ptr)
+      .def_property_readonly("nbytes", &IpcBuffer::nbytes)
+      .def_property_readonly("device", &IpcBuffer::device)
+      .def_property_readonly("uuid", &IpcBuffer::uuid)
+      .def_property_readonly("closed", &IpcBuffer::closed)
+      .def("close", &IpcBuffer::close, py::call_guard<py::gil_scoped_release>(),
+           "Wait for the device to go idle, unmap, release this process's share. Idempotent.");
+
+  py::class_<ExportableBuffer, IpcBuffer, std::shared_ptr<ExportableBuffer>>(
+      m, "ExportableBuffer", "Device memory another process can map (cuMemCreate, POSIX-fd handle).")
+      .def(py::init([](int device, size_t nbytes) {
+             py::gil_scoped_release nogil;
+             return std::make_shared<ExportableBuffer>(device, nbytes);
+           }),
+           py::arg("device"), py::arg("nbytes"))
+      .def_property_readonly("requested_nbytes", &ExportableBuffer::requested_nbytes)
+      .def("export_fd", &ExportableBuffer::export_fd,
+           "A new fd for the allocation; the caller owns it (send it, then os.close it).");
+
+  py::class_<ImportedBuffer, IpcBuffer, std::shared_ptr<ImportedBuffer>>(
+      m, "ImportedBuffer", "Another process's ExportableBuffer, mapped here.")
+      .def(py::init([](int fd, size_t nbytes, int device) {
+             py::gil_scoped_release nogil;
+             return std::make_shared<ImportedBuffer>(fd, nbytes, device);
+           }),
+           py::arg("fd"), py::arg("nbytes"), py::arg("device"),
+           "fd stays owned by the caller; nbytes is the exporter's nbytes.");
+
+  m.def("device_uuid", &device_uuid, py::arg("device"), "The GPU's UUID, 'GPU-xxxxxxxx-...'.");
+  m.def("device_by_uuid", &device_by_uuid, py::arg("uuid"),
+        "This process's ordinal of the GPU with that UUID; NotAvailableError if it is not visible here.");
+  m.def("ipc_granularity", &ipc_granularity, py::arg("device"), "VMM allocation granularity (bytes).");
+}
+
+void register_checksum(py::module_& m) {
+  m.def(
+      "checksum",
+      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device) -> uint64_t {
+        py::gil_scoped_release nogil;
+        if (device < 0) return host_checksum(reinterpret_cast<const void*>(ptr), nbytes, stride_words);
+        return device_checksum(ptr, nbytes, stride_words, stream, device);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("stride_words") = 1, py::arg("stream") = 0, py::arg("device") = -1,
+      "64-bit order-dependent checksum of [ptr, ptr+nbytes). stride_words=1 reads every 8-byte word, N every "
+      "N-th plus the last word and the tail. device=-1: host memory; else device memory on that GPU, computed "
+      "on `stream` (synchronises only that stream).");
+  m.def(
+      "checksum_into",
+      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream, int device) {
+        py::gil_scoped_release nogil;
+        device_checksum_into(ptr, nbytes, stride_words, out, stream, device);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("stride_words"), py::arg("out"), py::arg("stream"),
+      py::arg("device"),
+      "Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order.");
+  m.def(
+      "checksum_buffer",
+      [](const py::object& obj, size_t stride_words) -> uint64_t {
+        Py_buffer view;
+        if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();  // contiguous
+        struct Release {
+          Py_buffer* v;
+          ~Release() { PyBuffer_Release(v); }
+        } release{&view};
+        const void* p = view.buf;
+        const size_t n = static_cast<size_t>(view.len);
+        py::gil_scoped_release nogil;
+        return host_checksum(p, n, stride_words);
+      },
+      py::arg("data"), py::arg("stride_words") = 1, "The checksum of a bytes-like object (host memory).");
+}
+
+}  // namespace
+
+void register_ipc(py::module_& m) {
+  register_socket(m);
+  register_buffers(m);
+  register_checksum(m);
+}

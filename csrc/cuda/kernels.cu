@@ -1,0 +1,113 @@
+// The only nvcc-compiled file: the bucket checksum of core/checksum.h on the GPU.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/checksum.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels.h"
+
+namespace colomem {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Sums term(i, w[i]) over the sampled words i = k * stride (k < n_samples) into *out (atomically, per block).
+__global__ void checksum_sum_kernel(const uint64_t* __restrict__ words, uint64_t n_samples, uint64_t stride,
+                                    unsigned long long* out) {
+  uint64_t sum = 0;
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_samples; k += step) {
+    const uint64_t i = k * stride;
+    sum += checksum_detail::term(i, words[i]);
+  }
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+  __shared__ uint64_t warp_sums[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    sum = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+    if (lane == 0) atomicAdd(out, static_cast<unsigned long long>(sum));
+  }
+}
+
+// One thread: adds the off-grid last word and the zero-padded tail, then finishes the value in place.
+__global__ void checksum_finish_kernel(unsigned long long* out, const unsigned char* base, uint64_t nbytes,
+                                       uint64_t stride) {
+  const uint64_t n_words = nbytes / 8;
+  uint64_t sum = *out;
+  if (checksum_detail::last_word_extra(n_words, stride))
+    sum += checksum_detail::term(n_words - 1, reinterpret_cast<const uint64_t*>(base)[n_words - 1]);
+  if (const uint64_t tail = nbytes % 8) {
+    uint64_t w = 0;
+    for (uint64_t b = 0; b < tail; ++b) w |= static_cast<uint64_t>(base[n_words * 8 + b]) << (8 * b);
+    sum += checksum_detail::term(n_words, w);
+  }
+  *out = checksum_detail::finish(sum, nbytes, stride);
+}
+
+void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
+  if (nbytes == 0) return;
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr));
+  if (err != cudaSuccess || attr.type == cudaMemoryTypeUnregistered) {
+    (void)cudaGetLastError();
+    throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec,
+                              " is not CUDA memory; pass device=-1 for host memory"));
+  }
+  if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+    throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec, " is on cuda:", attr.device,
+                              ", not cuda:", device));
+}
+
+}  // namespace
+
+void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
+                          int device) {
+  require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
+  require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got 0x", std::hex, ptr));
+  require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
+  DeviceGuard guard(device);
+  check_device_pointer(ptr, nbytes, device);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto* result = reinterpret_cast<unsigned long long*>(out);
+  COLOMEM_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(unsigned long long), s));
+  const uint64_t n_words = nbytes / 8;
+  const uint64_t n_samples = n_words == 0 ? 0 : (n_words - 1) / stride_words + 1;
+  if (n_samples > 0) {
+    int sms = 0;
+    COLOMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const uint64_t want = (n_samples + kThreads - 1) / kThreads;
+    const unsigned int blocks = static_cast<unsigned int>(std::min<uint64_t>(want, std::max(sms, 1) * 8ull));
+    checksum_sum_kernel<<<blocks, kThreads, 0, s>>>(reinterpret_cast<const uint64_t*>(ptr), n_samples,
+                                                    stride_words, result);
+    COLOMEM_CUDA_CHECK(cudaGetLastError());
+  }
+  checksum_finish_kernel<<<1, 1, 0, s>>>(result, reinterpret_cast<const unsigned char*>(ptr), nbytes,
+                                         stride_words);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
+}
+
+uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device) {
+  DeviceGuard guard(device);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  void* scratch = nullptr;
+  COLOMEM_CUDA_CHECK(cudaMallocAsync(&scratch, sizeof(uint64_t), s));
+  struct FreeScratch {
+    void* p;
+    cudaStream_t s;
+    ~FreeScratch() {
+      if (cudaFreeAsync(p, s) != cudaSuccess) (void)cudaGetLastError();
+    }
+  } free_scratch{scratch, s};
+  device_checksum_into(ptr, nbytes, stride_words, reinterpret_cast<uintptr_t>(scratch), stream, device);
+  uint64_t value = 0;
+  COLOMEM_CUDA_CHECK(cudaMemcpyAsync(&value, scratch, sizeof(value), cudaMemcpyDeviceToHost, s));
+  COLOMEM_CUDA_CHECK(cudaStreamSynchronize(s));
+  return value;
+}
+
+}  // namespace colomem

@@ -1,0 +1,41 @@
+"""Markers skip with a reason that names what is missing (a GPU, the CUDA build, vLLM, DeepSpeed)."""
+
+import importlib.util
+
+import pytest
+
+
+def _cuda_reason():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    from colomem import _C
+
+    if not _C.build_info()["cuda"]:
+        return "colomem._C is the host-only build (no nvcc at build time)"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = _cuda_reason()
+    missing = {}
+    for mod in ("vllm", "deepspeed"):
+        if importlib.util.find_spec(mod) is None:
+            missing[mod] = f"{mod} is not installed (on the GPU host it comes from ../shared/gpu-kit)"
+    ngpu = 0
+    if cuda is None:
+        import torch
+
+        ngpu = torch.cuda.device_count()
+    for item in items:
+        kw = item.keywords
+        if ("gpu" in kw or "ipc" in kw or "multi_gpu" in kw) and cuda:
+            item.add_marker(pytest.mark.skip(reason=cuda))
+        elif "multi_gpu" in kw and ngpu < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices, {ngpu} visible"))
+        for mod, reason in missing.items():
+            if mod in kw:
+                item.add_marker(pytest.mark.skip(reason=reason))
