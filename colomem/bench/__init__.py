@@ -1,0 +1,1 @@
+"""Microbenchmarks of GPU <-> host transfers: `python -m colomem.bench --help`."""

@@ -1,0 +1,184 @@
+"""Transfer microbenchmark: python -m colomem.bench [--out DIR] [--sets 7b,1.5b] [--quick].
+
+On a GPU: raw pinned peaks (each direction, both at once), torch baselines, colomem offload / reload /
+bidirectional swap of Qwen2-7B- and 1.5B-shaped bf16 parameter sets, 16 GB pool creation, a chunk sweep.
+Correctness is checked before any number is reported; ratios are against the peaks of the same run.
+Without a GPU it runs the host path on a small set and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+import colomem
+from colomem.bench import transfer
+from colomem.bench.shapes import SHAPES
+
+GB = 1e9
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m colomem.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench-out", help="directory for transfer.json (and transfer.png)")
+    ap.add_argument("--sets", default="7b,1.5b", help="comma list of: " + ",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions after warm-up")
+    ap.add_argument("--peak-gib", type=float, default=4.0, help="buffer size for the raw peak copies")
+    ap.add_argument("--pool-gb", type=float, default=16.0, help="pool size for the creation timing (GB)")
+    ap.add_argument("--chunks-mib", default="4,16,64,256", help="chunk sizes for the sweep ('' to skip)")
+    ap.add_argument("--skip-slow-baselines", action="store_true", help="skip .cpu() and per-tensor pinning")
+    ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke run)")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap.parse_args(argv)
+
+
+def log(*a):
+    print(f"[bench {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def run_gpu(a) -> dict:
+    res: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(), "sets": {}}
+    peak_bytes = int((0.25 if a.quick else a.peak_gib) * (1 << 30))
+    log(f"raw pinned peaks with {peak_bytes / GB:.1f} GB buffers")
+    res["peak"] = transfer.raw_peaks(peak_bytes, a.reps)
+    if a.chunks_mib:
+        log("chunk sweep")
+        res["chunk_sweep_gbps"] = transfer.chunk_sweep(peak_bytes, [int(c) for c in a.chunks_mib.split(",")], 3)
+    pool_bytes = int((1.0 if a.quick else a.pool_gb) * GB)
+    log(f"pool creation, {pool_bytes / GB:.0f} GB")
+    res["pool_create"] = transfer.pool_creation(pool_bytes)
+    for key in [k for k in a.sets.split(",") if k]:
+        shape = SHAPES["tiny" if a.quick else key]
+        log(f"set {key}: {len(shape.tensors())} tensors, {shape.nbytes() / GB:.2f} GB")
+        tensors = transfer.make_set(shape, "cuda")
+        r = {"colomem": transfer.colomem_swaps(tensors, a.reps)}
+        if not (r["colomem"]["correct_after_first_cycle"] and r["colomem"]["correct_after_all_cycles"]):
+            raise SystemExit(f"set {key}: bytes changed across offload/reload; refusing to report timings")
+        log(f"  colomem offload {r['colomem']['offload_gbps']:.1f} GB/s, reload {r['colomem']['reload_gbps']:.1f} GB/s")
+        slow = 0 if a.skip_slow_baselines else 1
+        if slow:
+            log("  torch baselines (.cpu() per tensor, per-tensor pin_memory: slow by design)")
+        r["torch"] = transfer.torch_baselines(tensors, slow, a.reps)
+        del tensors
+        torch.cuda.empty_cache()
+        log("  bidirectional swap (two sets of this shape)")
+        r["bidir"] = transfer.colomem_bidir(shape, a.reps)
+        if not r["bidir"]["correct"]:
+            raise SystemExit(f"set {key}: bidirectional swap changed bytes; refusing to report timings")
+        res["sets"][key] = r
+    return res
+
+
+def headline(res: dict) -> dict:
+    """Top-level ratios for the 7B set (or the first set measured)."""
+    if res.get("mode") != "cuda" or not res["sets"]:
+        return {}
+    key = "7b" if "7b" in res["sets"] else next(iter(res["sets"]))
+    s, p = res["sets"][key], res["peak"]
+    c = s["colomem"]
+    return {
+        "headline_set": key,
+        "offload_vs_peak": c["offload_gbps"] / p["d2h"]["gbps"],
+        "reload_vs_peak": c["reload_gbps"] / p["h2d"]["gbps"],
+        "offload_vs_peak_first_cycle": c["offload_gbps_first"] / p["d2h"]["gbps"],
+        "reload_vs_peak_first_cycle": c["reload_gbps_first"] / p["h2d"]["gbps"],
+        "offload_wall_vs_peak": c["offload_wall_gbps"] / p["d2h"]["gbps"],
+        "reload_wall_vs_peak": c["reload_wall_gbps"] / p["h2d"]["gbps"],
+        "bidir_vs_peak": s["bidir"]["gbps"] / p["bidir"]["gbps"],
+        "pool_16GB_seconds": res["pool_create"]["seconds"],
+        "freed_fraction": c["freed_fraction"],
+    }
+
+
+def table(res: dict) -> str:
+    if res["mode"] != "cuda":
+        h = res["host"]
+        return (f"host path only (no CUDA device): {h['nbytes'] / GB:.3f} GB set, offload "
+                f"{h['offload']['gbps']:.2f} GB/s, reload {h['reload']['gbps']:.2f} GB/s, correct={h['correct']}")
+    p = res["peak"]
+    rows = [("raw pinned D2H (one copy)", p["d2h"]["gbps"], 1.0), ("raw pinned H2D (one copy)", p["h2d"]["gbps"], 1.0),
+            ("raw pinned both directions", p["bidir"]["gbps"], 1.0)]
+    for key, s in res["sets"].items():
+        c = s["colomem"]
+        rows += [(f"{key} colomem offload", c["offload_gbps"], c["offload_gbps"] / p["d2h"]["gbps"]),
+                 (f"{key} colomem offload (1st cycle)", c["offload_gbps_first"], c["offload_gbps_first"] / p["d2h"]["gbps"]),
+                 (f"{key} colomem offload (wall)", c["offload_wall_gbps"], c["offload_wall_gbps"] / p["d2h"]["gbps"]),
+                 (f"{key} colomem reload", c["reload_gbps"], c["reload_gbps"] / p["h2d"]["gbps"]),
+                 (f"{key} colomem reload (1st cycle)", c["reload_gbps_first"], c["reload_gbps_first"] / p["h2d"]["gbps"]),
+                 (f"{key} colomem reload (wall)", c["reload_wall_gbps"], c["reload_wall_gbps"] / p["h2d"]["gbps"]),
+                 (f"{key} colomem bidirectional", s["bidir"]["gbps"], s["bidir"]["gbps"] / p["bidir"]["gbps"])]
+        for name, t in (s.get("torch") or {}).items():
+            if t:
+                rows.append((f"{key} torch {name}", t["gbps"], t["gbps"] / p["d2h"]["gbps"]))
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'measurement':<{w}}  {'GB/s':>8}  {'x peak':>7}", "-" * (w + 19)]
+    lines += [f"{n:<{w}}  {g:8.2f}  {r:7.3f}" for n, g, r in rows]
+    pc = res["pool_create"]
+    lines.append(f"pool of {pc['nbytes'] / GB:.0f} GB created and pinned in {pc['seconds']:.3f} s "
+                 f"(pre-fault {pc['prefault_seconds']:.3f} s, register {pc['pin_seconds']:.3f} s)")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = res["peak"]
+    labels, vals, peaks = [], [], []
+    for key, s in res["sets"].items():
+        c = s["colomem"]
+        for name, v, pk in ((f"{key}\noffload", c["offload_gbps"], p["d2h"]["gbps"]),
+                            (f"{key}\nreload", c["reload_gbps"], p["h2d"]["gbps"]),
+                            (f"{key}\nbidir", s["bidir"]["gbps"], p["bidir"]["gbps"])):
+            labels.append(name), vals.append(v), peaks.append(pk)
+        pre = (s.get("torch") or {}).get("nonblocking_into_prepinned")
+        if pre:
+            labels.append(f"{key}\ntorch prepinned"), vals.append(pre["gbps"]), peaks.append(p["d2h"]["gbps"])
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.1), 4))
+    ax.bar(range(len(vals)), peaks, color="#dddddd", label="raw peak (same run)")
+    ax.bar(range(len(vals)), vals, color="#3366aa", width=0.6, label="measured")
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"colomem transfers on {res.get('device', '?')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    meta = {"command": "python -m colomem.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "colomem": colomem.build_info(), "torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if torch.cuda.is_available() and colomem.build_info()["cuda"]:
+        res = run_gpu(a)
+    else:
+        why = "colomem._C is host-only" if not colomem.build_info()["cuda"] else "no CUDA device visible"
+        log(f"{why}: running the host path on a small set (no GPU numbers)")
+        res = {"mode": "host", "reason": why, "host": transfer.host_path(SHAPES["tiny"], 3 if a.quick else a.reps)}
+    out = {**headline(res), **res, "meta": meta}
+    with open(os.path.join(a.out, "transfer.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    if res["mode"] == "cuda" and not a.no_plot:
+        try:
+            plot(res, os.path.join(a.out, "transfer.png"))
+        except ImportError:
+            log("matplotlib missing: no plot")
+    print(table(res))
+    for k, v in headline(res).items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

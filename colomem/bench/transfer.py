@@ -1,0 +1,253 @@
+"""Measurements of the transfer benchmark: raw pinned peaks, torch baselines, colomem swaps, pool creation."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import colomem
+from colomem import _C
+from colomem.bench.shapes import Qwen2Shape
+
+
+def cuda_time_ms(fn: Callable[[], None], streams=()) -> float:
+    """Device time of fn with CUDA events on the current stream (other streams joined before the end)."""
+    cur = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for s in streams:
+        s.wait_stream(cur)
+    start.record(cur)
+    fn()
+    for s in streams:
+        cur.wait_stream(s)
+    end.record(cur)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def summary(values_ms: list[float], nbytes: int) -> dict:
+    med = statistics.median(values_ms)
+    return {"ms_median": med, "ms_min": min(values_ms), "ms_max": max(values_ms), "reps": len(values_ms),
+            "gbps": nbytes / (med / 1e3) / 1e9}
+
+
+def raw_peaks(nbytes: int, reps: int) -> dict:
+    """One big pinned copy per direction, and both directions at once on two streams (the ceilings)."""
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a.random_(0, 255)
+    host_b.random_(0, 255)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h():
+        host_a.copy_(dev_a, non_blocking=True)
+
+    def h2d():
+        dev_b.copy_(host_b, non_blocking=True)
+
+    def both():
+        with torch.cuda.stream(s1):
+            host_a.copy_(dev_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev_b.copy_(host_b, non_blocking=True)
+
+    out = {}
+    for name, fn, moved, streams in (("d2h", d2h, nbytes, ()), ("h2d", h2d, nbytes, ()),
+                                     ("bidir", both, 2 * nbytes, (s1, s2))):
+        cuda_time_ms(fn, streams)  # warm-up
+        out[name] = summary([cuda_time_ms(fn, streams) for _ in range(reps)], moved)
+    # device-to-device, counting bytes read plus written (the ceiling of the weight bridge)
+    d2d = [cuda_time_ms(lambda: dev_b.copy_(dev_a)) for _ in range(reps + 1)][1:]
+    out["d2d"] = summary(d2d, 2 * nbytes)
+    del dev_a, dev_b, host_a, host_b
+    torch.cuda.empty_cache()
+    return out
+
+
+def make_set(shape: Qwen2Shape, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, s in shape.tensors():
+        t = torch.empty(s, dtype=torch.bfloat16, device=device)
+        t.view(torch.int16).random_(generator=gen)  # random bit patterns, never zeros
+        out[name] = t
+    return out
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Cheap exact fingerprint: int64 sum of each tensor's 16-bit words (any changed bytes show up)."""
+    return [int(t.view(torch.int16).to(torch.int64).sum()) if t.numel() else 0 for t in tensors.values()]
+
+
+def torch_baselines(tensors: dict[str, torch.Tensor], slow_reps: int, fast_reps: int) -> dict:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    res = {}
+
+    def timed(fn, reps):
+        vals = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            vals.append((time.perf_counter() - t0) * 1e3)
+        return summary(vals, nbytes)
+
+    def pin_then_copy():
+        # What a first offload does without a pool: fresh pinned memory per tensor, all kept (no reuse).
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+        held = []
+        for t in tensors.values():
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            held.append(h)
+        torch.cuda.synchronize()
+        del held
+
+    if slow_reps:  # seconds each: one repetition is enough to make the point
+        res["cpu_per_tensor"] = timed(lambda: [t.cpu() for t in tensors.values()], slow_reps)
+        res["pin_per_tensor_then_copy"] = timed(pin_then_copy, slow_reps)
+    pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in tensors.items()}
+
+    def into_prepinned():
+        for k, t in tensors.items():
+            pinned[k].copy_(t, non_blocking=True)
+
+    into_prepinned()
+    res["nonblocking_into_prepinned"] = timed(into_prepinned, fast_reps)
+    del pinned
+    return res
+
+
+def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int) -> dict:
+    """Offload/reload of the set through a pool made for it, the first cycle after pool creation reported."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    before = fingerprint(tensors)
+    t0 = time.perf_counter()
+    pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
+    pool_s = time.perf_counter() - t0
+    s = colomem.SwapSet.from_tensors(tensors, pool, name="bench")
+    res = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "cycles": []}
+    free_resident = torch.cuda.mem_get_info()[0]
+    for i in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = s.offload(timing=True)
+        off_wall = time.perf_counter() - t0
+        freed = torch.cuda.mem_get_info()[0] - free_resident
+        t0 = time.perf_counter()
+        inn = s.reload(timing=True)
+        torch.cuda.synchronize()
+        in_wall = time.perf_counter() - t0
+        res["cycles"].append({"offload_ms": out.device_ms, "offload_wall_ms": off_wall * 1e3,
+                              "reload_ms": inn.device_ms, "reload_wall_ms": in_wall * 1e3, "freed_bytes": freed})
+        if i == 0:
+            res["correct_after_first_cycle"] = fingerprint(tensors) == before
+    res["correct_after_all_cycles"] = fingerprint(tensors) == before
+    cyc = res["cycles"]
+    res["first_cycle"] = cyc[0]
+    for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms"):
+        res[k + "_median"] = statistics.median(c[k] for c in cyc)
+    res["offload_gbps"] = nbytes / (res["offload_ms_median"] / 1e3) / 1e9
+    res["reload_gbps"] = nbytes / (res["reload_ms_median"] / 1e3) / 1e9
+    res["offload_gbps_first"] = nbytes / (cyc[0]["offload_ms"] / 1e3) / 1e9
+    res["reload_gbps_first"] = nbytes / (cyc[0]["reload_ms"] / 1e3) / 1e9
+    res["offload_wall_gbps"] = nbytes / (res["offload_wall_ms_median"] / 1e3) / 1e9
+    res["reload_wall_gbps"] = nbytes / (res["reload_wall_ms_median"] / 1e3) / 1e9
+    res["freed_fraction"] = statistics.median(c["freed_bytes"] for c in cyc) / nbytes
+    s.close()
+    pool.close()
+    return res
+
+
+def colomem_bidir(shape: Qwen2Shape, reps: int) -> dict:
+    """Offload set A while reloading set B (both directions at once), alternating."""
+    a, b = make_set(shape, "cuda", seed=1), make_set(shape, "cuda", seed=2)
+    fa, fb = fingerprint(a), fingerprint(b)
+    nbytes = sum(t.numel() * t.element_size() for t in a.values())
+    pool = colomem.PinnedPool(int(2 * nbytes * 1.01) + (64 << 20))
+    sa = colomem.SwapSet.from_tensors(a, pool, name="a")
+    sb = colomem.SwapSet.from_tensors(b, pool, name="b")
+    sb.offload()
+    times, walls = [], []
+    for i in range(reps + 1):
+        src, dst = (sa, sb) if i % 2 == 0 else (sb, sa)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+
+        def go():
+            colomem.swap(offload=src, reload=dst)
+
+        ms = cuda_time_ms(go)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        if i > 0:
+            times.append(ms)
+    if sa.state != "resident":
+        colomem.swap(offload=sb, reload=sa)
+    sb.reload() if sb.state == "offloaded" else None
+    ok = fingerprint(a) == fa and fingerprint(b) == fb
+    res = summary(times, 2 * nbytes)
+    res.update({"nbytes_each_way": nbytes, "correct": ok, "wall_ms_median": statistics.median(walls[1:]),
+                "first_ms": walls[0]})
+    sa.close(); sb.close()
+    pool.close()
+    del a, b
+    torch.cuda.empty_cache()
+    return res
+
+
+def pool_creation(nbytes: int) -> dict:
+    t0 = time.perf_counter()
+    pool = colomem.PinnedPool(nbytes)
+    total = time.perf_counter() - t0
+    st = pool.stats()
+    pool.close()
+    return {"nbytes": nbytes, "seconds": total, "prefault_seconds": st["prefault_seconds"],
+            "pin_seconds": st["pin_seconds"], "map_seconds": st["map_seconds"]}
+
+
+def chunk_sweep(nbytes: int, chunks_mib: list[int], reps: int) -> dict:
+    """Raw engine throughput for one big buffer at several chunk sizes (picks the default chunk)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    pool = colomem.PinnedPool(nbytes + (4 << 20))
+    blk = pool.alloc(nbytes)
+    out = {}
+    for c in chunks_mib:
+        eng = _C.CopyEngine(torch.cuda.current_device(), c << 20, 1 << 20)
+        vals = {}
+        for d, op in (("d2h", (blk.address, dev.data_ptr(), nbytes)), ("h2d", (dev.data_ptr(), blk.address, nbytes))):
+            ms = []
+            for _ in range(reps + 1):
+                t = eng.submit(d, [op], wait_stream=torch.cuda.current_stream().cuda_stream, timing=True)
+                t.wait(60)
+                ms.append(t.elapsed_ms())
+            vals[d] = summary(ms[1:], nbytes)["gbps"]
+        out[str(c)] = vals
+    blk.release()
+    pool.close()
+    return out
+
+
+def host_path(shape: Qwen2Shape, reps: int) -> dict:
+    """The host backend (no GPU): CPU tensors to the pool and back with memcpy."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randint(-30000, 30000, s, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+               for n, s in shape.tensors()}
+    ref = {k: v.clone() for k, v in tensors.items()}
+    nbytes = sum(t.numel() * 2 for t in tensors.values())
+    pool = colomem.PinnedPool(nbytes + (8 << 20))
+    s = colomem.SwapSet.from_tensors(tensors, pool, device="cpu")
+    off, rel = [], []
+    for _ in range(reps):
+        off.append(s.offload().seconds * 1e3)
+        rel.append(s.reload().seconds * 1e3)
+    ok = all(torch.equal(tensors[k].view(torch.int16), ref[k].view(torch.int16)) for k in ref)
+    s.close()
+    pool.close()
+    return {"nbytes": nbytes, "correct": ok, "offload": summary(off, nbytes), "reload": summary(rel, nbytes)}
