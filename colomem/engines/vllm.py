@@ -750,7 +750,7 @@ class VLLMRollout:
                 t = threading.Thread(target=_quiet(core.shutdown), args=(timeout,), daemon=True,
                                      name="colomem-vllm-shutdown")
                 t.start()
-                t.join(timeout + 5.0)
+                t.join(timeout + 2.0)
             _kill(pids)
             self._calls.stop()
             if self._lora_dir:

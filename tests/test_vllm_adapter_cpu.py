@@ -1,0 +1,544 @@
+"""VLLMRollout without vLLM: the phase and version guards, the bucket plumbing into the worker extension, the
+pool backup, error mapping, LoRA adapter files and a bounded close, with a fake engine that calls the real
+ColomemWorkerExtension in-process on CPU tensors (vLLM's pieces the adapter imports are stubbed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from colomem.engines import SyncStats
+from colomem.engines.vllm import WORKER_EXTENSION, VLLMRollout
+from colomem.engines.vllm_worker import ColomemWorkerExtension, raise_if_error, tensor_checksum
+from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerError, PhaseOrderError,
+                            PoolClosedError, StaleWeightsError, TransferTimeoutError, WeightCheckError)
+
+# ------------------------------------------------------------------------------------------------ fakes
+BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake bridge "maps"
+
+
+class FakeImporter:
+    def __init__(self, address):
+        if address not in BUFFERS:
+            raise ConnectionRefusedError(f"nothing listens on {address}")
+        self.address = address
+        self.closed = False
+
+    def tensors(self, msg, verify="sampled"):
+        buf = BUFFERS[self.address][msg["buffer"]]
+        for e in msg["entries"]:
+            yield e["name"], buf[e["name"]].view(e["shape"])
+
+    def close(self):
+        self.closed = True
+
+
+@dataclass
+class FakeMsg:
+    d: dict
+
+    def to_dict(self):
+        return dict(self.d)
+
+
+class FakeBridge:
+    """Packs named tensors into "buckets" (copies), one message per bucket, alternating buffers."""
+
+    count = 0
+
+    def __init__(self, bucket_bytes, buffers):
+        FakeBridge.count += 1
+        self.address = f"/tmp/fake-bridge-{os.getpid()}-{FakeBridge.count}"
+        self.bucket_bytes, self.buffers = bucket_bytes, buffers
+        BUFFERS[self.address] = {}
+        self.closed = False
+
+    def publish(self, items, version):
+        seq, cur, size = 0, [], 0
+        pending = list(items)
+        for i, (name, t) in enumerate(pending):
+            cur.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes or i == len(pending) - 1:
+                buf = seq % self.buffers
+                BUFFERS[self.address][buf] = {n: x.detach().clone().reshape(-1) for n, x in cur}
+                yield FakeMsg({"buffer": buf, "version": version, "seq": seq, "last": i == len(pending) - 1,
+                               "nbytes": size, "checksum": 0,
+                               "entries": [{"name": n, "dtype": str(x.dtype), "shape": list(x.shape), "offset": 0,
+                                            "nbytes": x.numel() * x.element_size(), "part": None} for n, x in cur]})
+                seq, cur, size = seq + 1, [], 0
+
+    def close(self):
+        self.closed = True
+        BUFFERS.pop(self.address, None)
+
+
+class TinyModel(torch.nn.Module):
+    """vLLM-like: fused qkv, load_weights(iterable of HF names) -> set of the params it wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(12, 4))
+        self.o_proj = torch.nn.Parameter(torch.zeros(4, 4))
+        self.norm = torch.nn.Parameter(torch.ones(4))
+
+    def load_weights(self, weights):
+        loaded = set()
+        with torch.no_grad():
+            for name, w in weights:
+                if name in ("q_proj", "k_proj", "v_proj"):
+                    i = ("q_proj", "k_proj", "v_proj").index(name)
+                    self.qkv_proj[4 * i:4 * i + 4].copy_(w)
+                    loaded.add("qkv_proj")
+                else:
+                    getattr(self, name).copy_(w)
+                    loaded.add(name)
+        return loaded
+
+
+class FakeWorker(ColomemWorkerExtension):
+    def __init__(self):
+        self.model_runner = types.SimpleNamespace(model=TinyModel())
+        self.device = torch.device("cpu")
+        self.rank = 0
+        self.rollbacks = []
+
+    def _colomem_connect(self, address, timeout):
+        return FakeImporter(address)
+
+    def _colomem_weight_allocations(self):
+        return [(p.data_ptr(), p.numel() * p.element_size()) for p in self.model_runner.model.parameters()]
+
+    def colomem_rollback_wake(self, tags, keep_weights):
+        self.rollbacks.append((list(tags), keep_weights))
+        return {"released_bytes": 0}
+
+    def colomem_memory(self):
+        return {"cumem_bytes_by_tag": {"weights": 1 << 20, "kv_cache": 8 << 20}, "pool": {}}
+
+
+class FakeProcs:
+    def __init__(self, procs):
+        self.processes = procs
+
+
+class FakeLLM:
+    """The slice of vllm.LLM the adapter uses; sleep(2) zeroes the weights (discarded, like cuMem unmap)."""
+
+    def __init__(self, worker, proc=None):
+        self.worker = worker
+        self.calls = []
+        self.level = None
+        self.backup = None
+        self.wake_error = None
+        self.block = threading.Event()
+        self.hang = False
+        self.loras = {}
+        core = types.SimpleNamespace(resources=types.SimpleNamespace(
+            engine_dead=False, engine_manager=FakeProcs([proc] if proc else [])), shutdown=self._shutdown)
+        self.llm_engine = types.SimpleNamespace(engine_core=core, add_lora=self._add_lora,
+                                                remove_lora=self._remove_lora)
+        self.shutdown_called = False
+
+    def _shutdown(self, timeout=None):
+        self.shutdown_called = True
+        if self.hang:
+            self.block.wait()
+
+    def _add_lora(self, req):
+        self.loras[req.lora_int_id] = req
+        return True
+
+    def _remove_lora(self, lid):
+        return self.loras.pop(lid, None) is not None
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(method)
+        if self.hang:
+            self.block.wait()
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def _params(self):
+        return list(self.worker.model_runner.model.parameters())
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep{level}")
+        self.level = level
+        if level == 1:
+            self.backup = [p.detach().clone() for p in self._params()]
+        with torch.no_grad():
+            for p in self._params():
+                p.zero_()
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake{tags}")
+        if self.wake_error:
+            raise Exception(self.wake_error)
+        if "weights" in (tags or ["weights"]) and self.level == 1:
+            with torch.no_grad():
+                for p, b in zip(self._params(), self.backup):
+                    p.copy_(b)
+
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
+        self.calls.append(("generate", lora_request.lora_int_id if lora_request else None))
+        outs = []
+        for prompt, sp in zip(prompts, params):
+            comps = []
+            for i in range(sp.n):
+                toks = [(len(prompt["prompt_token_ids"]) + i + k) % 7 for k in range(sp.max_tokens)]
+                lps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(toks)]
+                comps.append(types.SimpleNamespace(index=i, token_ids=toks, logprobs=lps, finish_reason="length"))
+            outs.append(types.SimpleNamespace(outputs=comps[::-1]))
+        return outs
+
+
+@pytest.fixture(autouse=True)
+def fake_vllm(monkeypatch):
+    """Stub modules for the few vLLM names the adapter imports (SamplingParams, TokensPrompt, LoRARequest)."""
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kw: dict(**kw)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    request.LoRARequest = LoRARequest
+    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return vllm
+
+
+class FakeRollout(VLLMRollout):
+    def __init__(self, *a, proc=None, **kw):
+        self._worker = FakeWorker()
+        self._proc = proc
+        super().__init__(*a, **kw)
+
+    def _build_llm(self, kwargs):
+        self.built_with = kwargs
+        return FakeLLM(self._worker, self._proc)
+
+    def _make_bridge(self):
+        return FakeBridge(self.bucket_bytes, self.bucket_buffers)
+
+
+def trainer_weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in (("q_proj", (4, 4)), ("k_proj", (4, 4)),
+                                                          ("v_proj", (4, 4)), ("o_proj", (4, 4)), ("norm", (4,)))}
+
+
+def model_of(r):
+    return r._worker.model_runner.model
+
+
+def make(**kw):
+    kw.setdefault("bucket_bytes", 64)
+    return FakeRollout("/models/tiny", gpu_memory_utilization=0.3, max_model_len=256, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_llm_kwargs_defaults_and_worker_extension():
+    r = make()
+    kw = r.built_with
+    assert kw["trust_remote_code"] is False
+    assert kw["enable_sleep_mode"] is True
+    assert kw["worker_extension_cls"] == WORKER_EXTENSION == "colomem.engines.vllm_worker.ColomemWorkerExtension"
+    assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.3 and kw["max_model_len"] == 256
+    assert "enable_lora" not in kw
+    r.close()
+
+
+@pytest.mark.parametrize("bad", [dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5),
+                                 dict(max_model_len=0), dict(sleep_level=3), dict(weights_backup="disk"),
+                                 dict(lora_mode="sideways"), dict(verify="maybe"), dict(tensor_parallel_size=0),
+                                 dict(rpc_timeout_s=0), dict(lora_mode="adapter")])
+def test_argument_validation(bad):
+    kw = dict(gpu_memory_utilization=0.3, max_model_len=256)
+    kw.update(bad)
+    with pytest.raises(InvalidArgumentError):
+        FakeRollout("/models/tiny", **kw)
+
+
+def test_adapter_mode_refuses_a_sleep_that_discards_the_base():
+    lora = types.SimpleNamespace(r=8, alpha=16.0, target_modules=["q_proj"])
+    with pytest.raises(InvalidArgumentError, match="sleep_level=1, weights_backup='pool'"):
+        make(lora=lora, lora_mode="adapter", sleep_level=2)
+    r = make(lora=lora, lora_mode="adapter", sleep_level=2, weights_backup="pool")
+    assert r.built_with["enable_lora"] is True and r.built_with["max_lora_rank"] == 8
+    with pytest.raises(InvalidArgumentError):
+        r.weights_backup = "vllm"
+    r.close()
+
+
+def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each():
+    r = make()
+    w = trainer_weights(1)
+    stats = r.load_weights(w.items(), version=1)
+    assert isinstance(stats, SyncStats)
+    m = model_of(r)
+    assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+    assert torch.equal(m.o_proj.detach(), w["o_proj"]) and torch.equal(m.norm.detach(), w["norm"])
+    assert stats.ntensors == 5 and stats.nbytes == sum(t.numel() * 4 for t in w.values())
+    assert stats.nbuckets == r.llm.calls.count("colomem_apply") > 1   # 64-byte buckets: one tensor each
+    assert stats.complete is True and r.weight_version == 1
+    r.check()                                   # trainer checksums vs the worker's bytes
+    r.check(reference=w.items())
+    with pytest.raises(WeightCheckError, match="differ"):
+        r.check(reference=trainer_weights(2).items())
+    r.close()
+
+
+def test_version_guard():
+    r = make()
+    r.load_weights(trainer_weights(1).items(), version=1)
+    assert r.generate([[1, 2]], n=1, max_new_tokens=3)
+    r.expect_version(2)
+    with pytest.raises(StaleWeightsError, match="version 1 .* version 2"):
+        r.generate([[1, 2]], n=1, max_new_tokens=3)
+    with pytest.raises(InvalidArgumentError):
+        r.expect_version(1)                     # announcements never go backwards
+    with pytest.raises(InvalidArgumentError):
+        r.load_weights(trainer_weights(0).items(), version=0)   # nor do synced versions
+    r.load_weights(trainer_weights(2).items(), version=2)
+    assert r.generate([[1, 2]], n=1, max_new_tokens=3)
+    r.close()
+
+
+def test_generate_returns_completions_with_logprobs(fake_vllm):
+    r = make()
+    out = r.generate([[1, 2, 3], [4]], n=2, max_new_tokens=4, temperature=1.0, top_p=0.9, seed=5)
+    assert len(out) == 2 and all(len(c) == 2 for c in out)
+    c = out[0][1]
+    assert c.token_ids == [(3 + 1 + k) % 7 for k in range(4)]      # sorted by index, not vLLM's order
+    assert c.logprobs == [-0.5, -1.0, -1.5, -2.0] and c.finish == "length"
+    with pytest.raises(InvalidArgumentError):
+        r.generate([[]], n=1, max_new_tokens=2)
+    with pytest.raises(InvalidArgumentError):
+        r.generate([[1]], n=0, max_new_tokens=2)
+    r.close()
+
+
+def test_phase_order_is_enforced(fake_vllm):
+    r = make()
+    with pytest.raises(PhaseOrderError):
+        r.wake_weights()                         # not asleep
+    r.sleep()
+    with pytest.raises(PhaseOrderError):
+        r.generate([[1]], max_new_tokens=2)
+    with pytest.raises(PhaseOrderError):
+        r.load_weights(trainer_weights(1).items(), version=1)
+    with pytest.raises(PhaseOrderError):
+        r.wake_kv()                              # weights first
+    r.wake_weights()
+    r.load_weights(trainer_weights(1).items(), version=1)
+    with pytest.raises(PhaseOrderError):
+        r.generate([[1]], max_new_tokens=2)      # KV still asleep
+    r.wake_kv()
+    assert r.generate([[1]], max_new_tokens=2)
+    assert [c for c in r.llm.calls if isinstance(c, str) and c.startswith(("sleep", "wake"))] == \
+        ["sleep1", "wake['weights']", "wake['kv_cache']"]
+    r.close()
+
+
+def test_level2_sleep_without_backup_refuses_until_a_full_sync(fake_vllm):
+    r = make(sleep_level=2)
+    r.load_weights(trainer_weights(1).items(), version=1)
+    r.sleep()
+    r.wake_weights()
+    with pytest.raises(WeightCheckError, match="discarded"):
+        r.check()
+    w = trainer_weights(2)
+    with pytest.raises(WeightCheckError, match="missing"):
+        r.load_weights([("o_proj", w["o_proj"])], version=2)      # a partial sync cannot fix garbage
+    r.wake_kv()
+    with pytest.raises(StaleWeightsError, match="level-2"):
+        r.generate([[1]], max_new_tokens=2)
+    r.load_weights(w.items(), version=2)
+    r.check()
+    assert r.generate([[1]], max_new_tokens=2)
+    r.close()
+
+
+def test_level1_sleep_keeps_weights_and_check_passes(fake_vllm):
+    r = make(sleep_level=1)
+    w = trainer_weights(3)
+    r.load_weights(w.items(), version=1)
+    r.sleep()
+    r.wake()
+    r.check()
+    assert torch.equal(model_of(r).o_proj.detach(), w["o_proj"])
+    r.close()
+
+
+def test_pool_backup_restores_exact_bytes_after_a_level2_sleep(fake_vllm):
+    r = make(weights_backup="pool")
+    w = trainer_weights(4)
+    r.load_weights(w.items(), version=1)
+    before = [p.detach().clone() for p in model_of(r).parameters()]
+    for _ in range(3):
+        r.sleep()                                # worker copies into its pinned pool, then vLLM level 2
+        assert "sleep2" in r.llm.calls and float(model_of(r).norm.detach().abs().sum()) == 0.0
+        r.wake_weights()                         # vLLM maps again, worker copies the bytes back
+        r.check()
+        r.wake_kv()
+        assert all(torch.equal(a, b.detach()) for a, b in zip(before, model_of(r).parameters()))
+    pool = r._worker._colomem().backup.pool
+    assert pool.stats()["allocs"] == 3           # one block per allocation, kept across cycles
+    r.close()
+
+
+def test_pool_wake_without_restore_requires_a_full_sync(fake_vllm):
+    r = make(weights_backup="pool")
+    r.load_weights(trainer_weights(1).items(), version=1)
+    r.sleep()
+    r.wake_weights(restore=False)
+    assert "colomem_restore_weights_from_pool" not in r.llm.calls
+    with pytest.raises(WeightCheckError):
+        r.check()
+    r.load_weights(trainer_weights(2).items(), version=2)
+    r.check()
+    r.close()
+
+
+def test_check_catches_bytes_changed_behind_its_back(fake_vllm):
+    r = make(sleep_level=1)
+    r.load_weights(trainer_weights(5).items(), version=1)
+    r.sleep()
+    r.llm.level = 2                               # vLLM "forgets" the backup: garbage after the wake
+    r.wake_weights()
+    with pytest.raises(WeightCheckError, match="differ"):
+        r.check()
+    r.close()
+
+
+def test_worker_errors_come_back_as_their_colomem_class():
+    w = FakeWorker()
+    err = w.colomem_apply({"buffer": 0, "version": 1, "seq": 0, "entries": []})
+    assert err["error"] == "PeerError" and "colomem_attach" in err["message"]
+    with pytest.raises(PeerError, match="colomem_attach"):
+        raise_if_error(err, "colomem_apply")
+    assert w.colomem_param_checksums(["nope"])["error"] == "InvalidArgumentError"
+    with pytest.raises(CudaOutOfMemoryError):
+        raise_if_error({"error": "CudaOutOfMemoryError", "message": "CUDA out of memory"}, "x")
+    with pytest.raises(PeerError):                # unknown classes become PeerError, never a bare Exception
+        raise_if_error({"error": "KeyError", "message": "boom"}, "x")
+
+
+def test_buckets_out_of_order_are_refused():
+    r = make()
+    r.load_weights(trainer_weights(1).items(), version=1)
+    w = r._worker
+    msg = {"buffer": 0, "version": 2, "seq": 3, "last": False, "nbytes": 0, "entries": []}
+    assert w.colomem_apply(msg)["error"] == "PeerError"
+    r.close()
+
+
+def test_oom_at_wake_rolls_back_and_names_the_knob(fake_vllm):
+    r = make()
+    r.sleep()
+    r.llm.wake_error = "CUDA Error: out of memory at cumem_allocator.cpp:100"
+    with pytest.raises(CudaOutOfMemoryError, match="offload more of the trainer"):
+        r.wake_weights()
+    assert r._worker.rollbacks == [(["weights"], True)] and r.phase == "asleep"
+    r.llm.wake_error = None
+    r.wake_weights()
+    r.llm.wake_error = "CUDA Error: out of memory"
+    with pytest.raises(CudaOutOfMemoryError, match="gpu_memory_utilization"):
+        r.wake_kv()
+    assert r._worker.rollbacks[-1] == (["kv_cache"], False) and r.phase == "weights"
+    r.close()
+
+
+def test_oom_precheck_leaves_vllm_asleep(fake_vllm, monkeypatch):
+    r = make()
+    r.sleep()
+    monkeypatch.setattr(r, "_free_bytes", lambda: 1 << 20)   # 1 MiB free, the weights need 1 MiB + margin
+    n = len(r.llm.calls)
+    with pytest.raises(CudaOutOfMemoryError, match="still asleep"):
+        r.wake_weights()
+    assert r.llm.calls[n:] == [] and r.phase == "asleep"
+    r.close()
+
+
+def test_lora_adapter_mode_writes_a_peft_adapter_and_swaps_ids(fake_vllm):
+    from safetensors.torch import load_file
+
+    lora = types.SimpleNamespace(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    r = make(lora=lora, lora_mode="adapter", sleep_level=1)
+    a = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.randn(4, 16),
+         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.randn(16, 4)}
+    st = r.load_weights(a.items(), version=1)
+    assert st.adapter_tensors == 2 and st.ntensors == 0
+    req1 = r._lora_request
+    files = load_file(os.path.join(req1.lora_path, "adapter_model.safetensors"))
+    assert sorted(files) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    cfg = json.load(open(os.path.join(req1.lora_path, "adapter_config.json")))
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["target_modules"] == ["q_proj", "v_proj"]
+    r.generate([[1]], max_new_tokens=2)
+    assert r.llm.calls[-1] == ("generate", req1.lora_int_id)
+    r.load_weights(a.items(), version=2)
+    req2 = r._lora_request
+    assert req2.lora_int_id != req1.lora_int_id and list(r.llm.loras) == [req2.lora_int_id]
+    assert not os.path.exists(req1.lora_path)
+    r.sleep()
+    r.wake_weights()                               # re-registered after the wake (a wake may drop it)
+    assert r._lora_request.lora_int_id not in (req1.lora_int_id, req2.lora_int_id)
+    d = r._lora_request.lora_path
+    r.close()
+    assert not os.path.exists(d)
+
+
+def test_a_hung_engine_times_out_and_close_kills_it():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        r = make(proc=proc, rpc_timeout_s=0.5, shutdown_timeout_s=0.5)
+        r.llm.hang = True
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError, match="close\\(\\) kills it"):
+            r.rpc("colomem_memory")
+        with pytest.raises(PeerError, match="unusable"):
+            r.rpc("colomem_memory")
+        r.close()                                  # shutdown hangs too: bounded, then SIGKILL
+        assert time.monotonic() - t0 < 15
+        assert proc.wait(timeout=5) == -9
+        with pytest.raises(PoolClosedError):
+            r.generate([[1]])
+        r.close()                                  # idempotent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_dead_engine_is_reported_not_waited_for():
+    r = make()
+    r.llm.llm_engine.engine_core.resources.engine_dead = True
+    with pytest.raises(PeerError, match="died"):
+        r.rpc("colomem_memory")
+    r.close()
+
+
+def test_checksum_is_order_free_and_sensitive():
+    t = torch.randn(1000, 33)
+    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.t().contiguous().t())
+    u = t.clone()
+    u.view(-1)[0] += 1
+    assert tensor_checksum(u) != tensor_checksum(t)
+    assert tensor_checksum(t[:, 1:]) == tensor_checksum(t[:, 1:].contiguous())   # odd offsets copy once
