@@ -1,0 +1,402 @@
+"""The DeepSpeed adapter without DeepSpeed: config building, version and argument checks, the distributed env,
+the state collection and the swap strategies on a ZeRO-2-shaped stand-in (host path), and the LoRA merge."""
+
+import copy
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import colomem
+from colomem.engines import deepspeed as dsa
+from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError
+from colomem.grpo.config import LoraSpec
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ds_config_zero_stage_bf16_adamw(stage):
+    cfg = dsa.build_ds_config(zero_stage=stage, micro_batch=4, grad_accum=3, world_size=2, lr=2e-5,
+                              weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6, torch_adam=True, max_grad_norm=0.5)
+    assert cfg["zero_optimization"]["stage"] == stage
+    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["train_batch_size"] == 4 * 3 * 2
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 3
+    assert cfg["gradient_clipping"] == 0.5
+    opt = cfg["optimizer"]
+    assert opt["type"] == "AdamW"
+    assert opt["params"] == {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True}
+    assert "data_types" not in cfg
+    assert ("stage3_gather_16bit_weights_on_model_save" in cfg["zero_optimization"]) == (stage == 3)
+
+
+def test_ds_config_options_and_overrides_merge_deeply():
+    cfg = dsa.build_ds_config(zero_stage=3, micro_batch=1, max_grad_norm=None, grad_accum_dtype="fp32",
+                              reduce_bucket_size=5e7,
+                              overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0},
+                                         "steps_per_print": 10})
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 50_000_000
+    assert zero["stage3_param_persistence_threshold"] == 0 and zero["contiguous_gradients"] is True
+    assert cfg["steps_per_print"] == 10
+    assert cfg["gradient_clipping"] == 0.0
+    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def test_lora_config_from_spec():
+    pytest.importorskip("peft")
+    spec = LoraSpec(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    lc = dsa.build_lora_config(spec)
+    assert (lc.r, lc.lora_alpha, lc.lora_dropout) == (4, 8.0, 0.1)
+    assert set(lc.target_modules) == {"q_proj", "v_proj"}
+    assert lc.bias == "none"
+
+
+# ---------------------------------------------------------------------------------------------- version
+@pytest.mark.parametrize("version", ["0.19.8", "0.19.0", "0.19.10+abc", "0.19.8.dev0"])
+def test_supported_versions_pass(version):
+    dsa.check_deepspeed_version(version, environ={})
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0", "garbage"])
+def test_unsupported_versions_name_the_cause_and_the_fix(version):
+    with pytest.raises(NotAvailableError) as e:
+        dsa.check_deepspeed_version(version, environ={})
+    msg = str(e.value)
+    assert f"DeepSpeed {version} is not supported" in msg
+    assert "0.19.x" in msg and "deepspeed==0.19.8" in msg and dsa.ALLOW_UNTESTED_ENV in msg
+
+
+def test_untested_version_allowed_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="not supported"):
+        dsa.check_deepspeed_version("0.20.1", environ={dsa.ALLOW_UNTESTED_ENV: "1"})
+
+
+# ------------------------------------------------------------------------------------------- arguments
+GOOD = dict(zero_stage=2, micro_batch=2, grad_accum=1, lr=1e-5, offload="colomem")
+
+
+def test_good_arguments_pass():
+    dsa.validate_trainer_args(**GOOD)
+    dsa.validate_trainer_args(**{**GOOD, "zero_stage": 3, "lora": LoraSpec(), "offload": "to"})
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"zero_stage": 1}, "zero_stage=1"),
+    ({"zero_stage": 0}, "ZeRO stage 2 or 3"),
+    ({"micro_batch": 0}, "micro_batch=0"),
+    ({"micro_batch": 1.5}, "micro_batch=1.5"),
+    ({"grad_accum": -1}, "grad_accum=-1"),
+    ({"lr": 0}, "lr=0"),
+    ({"offload": "cpu"}, "colomem, deepspeed, to"),
+    ({"zero_stage": 3, "offload": "deepspeed", "torch_adam": True}, "FusedAdam"),
+    ({"betas": (0.9, 1.2)}, "betas"),
+    ({"eps": 0}, "eps=0"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"max_grad_norm": 0}, "max_grad_norm"),
+    ({"grad_accum_dtype": "fp16"}, "grad_accum_dtype"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"lora": SimpleNamespace(r=8)}, "LoraSpec"),
+    ({"lora": LoraSpec(target_modules=[])}, "target_modules is empty"),
+])
+def test_bad_arguments_raise_naming_the_argument(change, words):
+    with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        dsa.validate_trainer_args(**{**GOOD, **change})
+
+
+def test_model_dir_checks(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="not a directory"):
+        dsa._check_model_dir(tmp_path / "missing")
+    with pytest.raises(InvalidArgumentError, match="no config.json"):
+        dsa._check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    dsa._check_model_dir(tmp_path)
+
+
+def test_trainer_without_gpu_or_deepspeed_says_what_it_needs(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the GPU tests cover construction")
+    with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):
+        dsa.DeepSpeedTrainer(tmp_path)
+
+
+# ----------------------------------------------------------------------------------- distributed env
+def test_single_process_defaults_fill_only_what_is_missing():
+    env = dsa.distributed_env({})
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["LOCAL_RANK"] == "0"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and 0 < int(env["MASTER_PORT"]) < 65536
+    assert dsa.distributed_env({"MASTER_PORT": "29555"}).get("MASTER_PORT") is None
+
+
+def test_torchrun_env_is_used_as_is():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}
+    assert dsa.distributed_env(env) == {}
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "torchrun"),
+    ({"MASTER_ADDR": "a", "MASTER_PORT": "1", "RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "RANK=4"),
+    ({"RANK": "x"}, "RANK='x'"),
+])
+def test_broken_launcher_env_is_refused(env, words):
+    with pytest.raises(InvalidArgumentError, match=words):
+        dsa.distributed_env(env)
+
+
+# ---------------------------------------------------------------------- a ZeRO-2-shaped engine stand-in
+@dataclass
+class IPGBucket:                       # the shape of DeepSpeed's stage_1_and_2.IPGBucket
+    buffer: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+
+
+def fake_zero2_engine(seed=0):
+    """bf16 params as views into one flat buffer, fp32 master partition, AdamW state after one step, an
+    ipg bucket (scratch) and one tensor only the safety-net walk can find."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    module.register_buffer("inv_freq", torch.rand(5, generator=g))
+    params = list(module.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    off = 0
+    for p in params:
+        p.data = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    master = flat.float().clone().requires_grad_(True)
+    inner = torch.optim.AdamW([master], lr=1e-2)
+    master.grad = torch.randn(master.shape, generator=g)
+    inner.step()
+    master.grad = None
+    opt = SimpleNamespace(optimizer=inner, bit16_groups_flat=[flat], single_partition_of_fp32_groups=[master],
+                          averaged_gradients={0: None}, grads_in_partition=None,
+                          ipg_buckets={torch.bfloat16: IPGBucket(buffer=[torch.empty(64, dtype=torch.bfloat16)])},
+                          new_release_buffer=torch.arange(16, dtype=torch.float32))
+    return SimpleNamespace(zero_optimization_stage=lambda: 2, optimizer=opt, module=module)
+
+
+def snapshot(tensors):
+    return [t.detach().clone() for t in tensors]
+
+
+def state_tensors(engine):
+    """What must come back exactly: found independently of the adapter's collector."""
+    out = [p for p in engine.module.parameters()] + [b for b in engine.module.buffers()]
+    out += engine.optimizer.bit16_groups_flat + engine.optimizer.single_partition_of_fp32_groups
+    out += [v for st in engine.optimizer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    out.append(engine.optimizer.new_release_buffer)
+    return out
+
+
+def test_collect_dedups_views_and_sorts_by_category():
+    eng = fake_zero2_engine()
+    st = dsa.collect_engine_state(eng, CPU)
+    names = {c: [n for n, _ in st.groups[c]] for c in dsa.CATEGORIES}
+    flat = eng.optimizer.bit16_groups_flat[0]
+    assert names["params"][0] == "optimizer.bit16_groups_flat[0]"
+    assert "inv_freq" in names["params"]
+    assert not any(n.startswith("0.") or n.startswith("1.") for n in names["params"])   # views of the flat
+    assert names["master"] == ["optimizer.single_partition_of_fp32_groups[0]"]
+    assert sorted(n.rsplit(".", 1)[1] for n in names["optim"]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert [n for n, _ in st.scratch] == ["optimizer.ipg_buckets[torch.bfloat16].buffer[0]"]
+    assert st.unlisted == ["optimizer.new_release_buffer"] and names["other"] == st.unlisted
+    assert st.sizes["params"] == flat.untyped_storage().nbytes() + 5 * 4
+    assert st.sizes["master"] == flat.numel() * 4
+    assert st.sizes["scratch"] == 128
+    keys = [dsa._storage_key(t) for _, t in st.swap_items() + st.scratch]
+    assert len(keys) == len(set(keys))
+
+
+def test_collect_skips_other_devices_and_empty_storages():
+    eng = fake_zero2_engine()
+    eng.optimizer.grads_in_partition = torch.empty(0)
+    st = dsa.collect_engine_state(eng, torch.device("meta"))
+    assert st.swap_items() == [] and st.scratch == []
+    st = dsa.collect_engine_state(eng, CPU)
+    assert all(n != "optimizer.grads_in_partition" for n, _ in st.swap_items())
+
+
+@pytest.fixture
+def pool():
+    p = colomem.PinnedPool("1MiB", pin=False)
+    yield p
+    p.close(force=True)
+
+
+def test_colomem_strategy_round_trip_keeps_objects_and_bytes(pool):
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    params_before = list(eng.module.parameters())
+    before = snapshot(tensors)
+    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    for cycle in range(3):
+        move = s.offload()
+        assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES)
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        assert eng.optimizer.ipg_buckets[torch.bfloat16].buffer[0].untyped_storage().nbytes() == 0
+        # the pool copy is readable while offloaded, with the tensor's own layout
+        w = eng.module[0].weight
+        hv = s.host_view(w)
+        assert hv.dtype == w.dtype and hv.shape == w.shape and torch.equal(hv, before[0])
+        s.reload()
+        assert list(eng.module.parameters()) == params_before            # the same objects
+        for t, b in zip(tensors, before):
+            assert torch.equal(t, b), "bytes changed over a swap"
+        assert eng.optimizer.ipg_buckets[torch.bfloat16].buffer[0].numel() == 64
+        assert s.host_view(eng.module[0].weight) is None                  # views die with the reload
+    # the params are still views into the flat buffer: an update of the flat is seen by the model
+    eng.optimizer.bit16_groups_flat[0].fill_(1.0)
+    assert torch.all(eng.module[1].bias == 1.0)
+    s.close()
+
+
+def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
+    eng = fake_zero2_engine()
+    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.offload()
+    assert pool.stats()["in_use_bytes"] > 0
+    s.close()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_to_strategy_round_trip(pool):
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    before = snapshot(tensors)
+    s = dsa._ToOffload(lambda: dsa.collect_engine_state(eng, CPU), CPU)
+    for _ in range(2):
+        move = s.offload()
+        assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES)
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        s.reload()
+        for t, b in zip(tensors, before):
+            assert torch.equal(t, b)
+
+
+def test_training_continues_identically_after_a_swap(pool):
+    """Same updates with and without a swap in between (the optimizer keeps its state objects)."""
+    def run(swap):
+        eng = fake_zero2_engine(seed=1)
+        s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+        master = eng.optimizer.single_partition_of_fp32_groups[0]
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            if swap:
+                s.offload()
+                s.reload()
+            master.grad = torch.randn(master.shape, generator=g)
+            eng.optimizer.optimizer.step()
+            eng.optimizer.bit16_groups_flat[0].copy_(master.detach())
+        s.close()
+        return [p.detach().clone() for p in eng.module.parameters()]
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------- LoRA named weights
+def tiny_qwen2(seed=0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def bare_trainer(model, lora, pool=None):
+    """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
+    t = dsa.DeepSpeedTrainer.__new__(dsa.DeepSpeedTrainer)
+    t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
+                      _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _stage_block=None,
+                      _stage_host=None)
+    return t
+
+
+def lora_model(seed=0):
+    peft = pytest.importorskip("peft")
+    spec = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(tiny_qwen2(seed), dsa.build_lora_config(spec))
+    with torch.no_grad():                  # B starts at zero: make the adapter do something
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    return model, spec
+
+
+def test_named_weights_full_model_are_the_hf_names():
+    model = tiny_qwen2()
+    t = bare_trainer(model, None)
+    got = dict(t.named_weights())
+    want = dict(model.named_parameters())
+    assert list(got) == list(want)            # same names, same order, tied lm_head left out like HF does
+    assert all(got[k].data_ptr() == want[k].data_ptr() for k in want)     # views, no copies
+
+
+def test_named_weights_merged_lora_equals_peft_merge_without_touching_the_adapter():
+    model, _ = lora_model()
+    t = bare_trainer(model, LoraSpec())
+    adapter_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    got = dict(t.named_weights(merged=True))
+    reference = copy.deepcopy(model).merge_and_unload()
+    want = dict(reference.named_parameters())
+    assert list(got) == list(want)
+    for k in want:
+        # fp32 merge then one rounding to bf16; peft merges in bf16: within a bf16 ulp or two
+        torch.testing.assert_close(got[k].float(), want[k].float(), atol=2e-2, rtol=1e-2)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, adapter_before[n])
+    base = dict(t.named_weights(merged=False))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(base[q], model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert not torch.equal(base[q], got[q])
+
+
+def test_lora_state_names_match_peft_save_format():
+    peft = pytest.importorskip("peft")
+    model, _ = lora_model()
+    t = bare_trainer(model, LoraSpec())
+    got = t.lora_state()
+    want = peft.get_peft_model_state_dict(model)
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]) and got[k].device.type == "cpu"
+
+
+def test_sync_staging_while_offloaded_and_phase_errors(pool):
+    """prepare_sync's staging path (what offload() does for merged LoRA or without host views)."""
+    model, _ = lora_model()
+    t = bare_trainer(model, LoraSpec(), pool=pool)
+    want = {k: v.clone() for k, v in t.named_weights(merged=True)}
+    plan, staged = t._plan_sync(merged=True, views_ok=False)
+    assert staged >= sum(v.numel() * v.element_size() for v in want.values())
+    t._offloaded = True
+    with pytest.raises(PhaseOrderError, match="prepare_sync"):
+        t.named_weights()
+    t._sync = dsa._SyncSource(True, t._resolve_sync(plan, None))
+    got = dict(t.named_weights(merged=True))
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k])
+    with pytest.raises(PhaseOrderError, match="merged=True"):
+        t.named_weights(merged=False)
+    t._free_staging()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_lora_on_embeddings_is_refused():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_qwen2(), dsa.build_lora_config(LoraSpec(target_modules=["embed_tokens"])))
+    with pytest.raises(InvalidArgumentError, match="linear layers only"):
+        dsa._check_lora_layers(model)
+
+
+def test_closed_trainer_refuses_work():
+    t = bare_trainer(tiny_qwen2(), None)
+    t._closed = True
+    with pytest.raises(PhaseOrderError, match="closed"):
+        t.named_weights()
