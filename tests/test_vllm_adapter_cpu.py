@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from colomem._bucket import BucketMessage, Reassembler, entry_view, pack_bucket, plan_buckets
 from colomem.engines import SyncStats
 from colomem.engines.vllm import WORKER_EXTENSION, VLLMRollout
 from colomem.engines.vllm_worker import ColomemWorkerExtension, raise_if_error, tensor_checksum
@@ -27,55 +28,51 @@ BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake 
 
 
 class FakeImporter:
+    """BridgeImporter without CUDA: the same message parsing, views and reassembly of split tensors."""
+
     def __init__(self, address):
         if address not in BUFFERS:
             raise ConnectionRefusedError(f"nothing listens on {address}")
         self.address = address
+        self.reasm = Reassembler()
         self.closed = False
 
     def tensors(self, msg, verify="sampled"):
-        buf = BUFFERS[self.address][msg["buffer"]]
-        for e in msg["entries"]:
-            yield e["name"], buf[e["name"]].view(e["shape"])
+        m = BucketMessage.from_dict(msg)
+        base = BUFFERS[self.address][m.buffer]
+        for e in m.entries:
+            out = self.reasm.add(e, entry_view(base, e))
+            if out is not None:
+                yield out
 
     def close(self):
         self.closed = True
 
 
-@dataclass
-class FakeMsg:
-    d: dict
-
-    def to_dict(self):
-        return dict(self.d)
-
-
 class FakeBridge:
-    """Packs named tensors into "buckets" (copies), one message per bucket, alternating buffers."""
+    """WeightBridge without CUDA: the real bucket plan and pack into CPU buffers, one message per bucket;
+    resuming the generator is the ACK, as in WeightBridge.publish."""
 
     count = 0
 
     def __init__(self, bucket_bytes, buffers):
         FakeBridge.count += 1
         self.address = f"/tmp/fake-bridge-{os.getpid()}-{FakeBridge.count}"
-        self.bucket_bytes, self.buffers = bucket_bytes, buffers
-        BUFFERS[self.address] = {}
+        self.buffers = [torch.zeros(bucket_bytes, dtype=torch.uint8) for _ in range(buffers)]
+        self.bucket_bytes = bucket_bytes
+        BUFFERS[self.address] = self.buffers
         self.closed = False
 
     def publish(self, items, version):
-        seq, cur, size = 0, [], 0
-        pending = list(items)
-        for i, (name, t) in enumerate(pending):
-            cur.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= self.bucket_bytes or i == len(pending) - 1:
-                buf = seq % self.buffers
-                BUFFERS[self.address][buf] = {n: x.detach().clone().reshape(-1) for n, x in cur}
-                yield FakeMsg({"buffer": buf, "version": version, "seq": seq, "last": i == len(pending) - 1,
-                               "nbytes": size, "checksum": 0,
-                               "entries": [{"name": n, "dtype": str(x.dtype), "shape": list(x.shape), "offset": 0,
-                                            "nbytes": x.numel() * x.element_size(), "part": None} for n, x in cur]})
-                seq, cur, size = seq + 1, [], 0
+        plans = list(plan_buckets(items, self.bucket_bytes)) or [None]
+        for seq, plan in enumerate(plans):
+            i = seq % len(self.buffers)
+            if plan is not None:
+                pack_bucket(plan, self.buffers[i])
+            entries = tuple(plan.entries) if plan else ()
+            yield BucketMessage(buffer=i, version=version, seq=seq, last=seq == len(plans) - 1,
+                                nbytes=plan.nbytes if plan else 0, checksum=None, checksum_stride=0,
+                                entries=entries)
 
     def close(self):
         self.closed = True
@@ -90,6 +87,7 @@ class TinyModel(torch.nn.Module):
         self.qkv_proj = torch.nn.Parameter(torch.zeros(12, 4))
         self.o_proj = torch.nn.Parameter(torch.zeros(4, 4))
         self.norm = torch.nn.Parameter(torch.ones(4))
+        self.embed = torch.nn.Parameter(torch.zeros(40, 8))     # 1280 bytes: split over 256-byte buckets
 
     def load_weights(self, weights):
         loaded = set()
@@ -240,7 +238,8 @@ class FakeRollout(VLLMRollout):
 def trainer_weights(seed):
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g) for n, s in (("q_proj", (4, 4)), ("k_proj", (4, 4)),
-                                                          ("v_proj", (4, 4)), ("o_proj", (4, 4)), ("norm", (4,)))}
+                                                          ("v_proj", (4, 4)), ("o_proj", (4, 4)), ("norm", (4,)),
+                                                          ("embed", (40, 8)))}
 
 
 def model_of(r):
@@ -248,7 +247,7 @@ def model_of(r):
 
 
 def make(**kw):
-    kw.setdefault("bucket_bytes", 64)
+    kw.setdefault("bucket_bytes", 256)
     return FakeRollout("/models/tiny", gpu_memory_utilization=0.3, max_model_len=256, **kw)
 
 
@@ -294,8 +293,9 @@ def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each():
     m = model_of(r)
     assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
     assert torch.equal(m.o_proj.detach(), w["o_proj"]) and torch.equal(m.norm.detach(), w["norm"])
-    assert stats.ntensors == 5 and stats.nbytes == sum(t.numel() * 4 for t in w.values())
-    assert stats.nbuckets == r.llm.calls.count("colomem_apply") > 1   # 64-byte buckets: one tensor each
+    assert torch.equal(m.embed.detach(), w["embed"])               # reassembled from parts in 5+ buckets
+    assert stats.ntensors == 6 and stats.nbytes == sum(t.numel() * 4 for t in w.values())
+    assert stats.nbuckets == r.llm.calls.count("colomem_apply") >= 7
     assert stats.complete is True and r.weight_version == 1
     r.check()                                   # trainer checksums vs the worker's bytes
     r.check(reference=w.items())
@@ -399,7 +399,8 @@ def test_pool_backup_restores_exact_bytes_after_a_level2_sleep(fake_vllm):
         r.wake_kv()
         assert all(torch.equal(a, b.detach()) for a, b in zip(before, model_of(r).parameters()))
     pool = r._worker._colomem().backup.pool
-    assert pool.stats()["allocs"] == 3           # one block per allocation, kept across cycles
+    nparams = len(list(model_of(r).parameters()))
+    assert pool.stats()["allocs"] == nparams     # one block per allocation, kept across cycles
     r.close()
 
 
@@ -542,3 +543,17 @@ def test_checksum_is_order_free_and_sensitive():
     u.view(-1)[0] += 1
     assert tensor_checksum(u) != tensor_checksum(t)
     assert tensor_checksum(t[:, 1:]) == tensor_checksum(t[:, 1:].contiguous())   # odd offsets copy once
+
+
+def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():
+    r = make()
+    r.load_weights(trainer_weights(1).items(), version=1)
+    bad = list(trainer_weights(2).items()) + [("no_such_param", torch.zeros(3))]
+    with pytest.raises(PeerError, match="no_such_param"):
+        r.load_weights(bad, version=2)
+    assert r.weight_version == 1
+    w = trainer_weights(3)
+    r.load_weights(w.items(), version=2)
+    assert torch.equal(model_of(r).embed.detach(), w["embed"])
+    r.check()
+    r.close()

@@ -607,10 +607,16 @@ class VLLMRollout:
 
         t0 = time.perf_counter()
         acks: list = []
-        for msg in bridge.publish(watched(), version=version):
-            acks = self.rpc("colomem_apply", msg.to_dict())
-            stats.nbuckets += 1
-            stats.apply_seconds += max(a.get("apply_ms", 0.0) for a in acks) / 1e3
+        # Resuming the generator is the ACK (the bridge refills that buffer), so it resumes only after the
+        # worker's load_weights finished; the bridge packs the next bucket meanwhile.
+        messages = bridge.publish(watched(), version=version)
+        try:
+            for msg in messages:
+                acks = self.rpc("colomem_apply", msg.to_dict())
+                stats.nbuckets += 1
+                stats.apply_seconds += max(a.get("apply_ms", 0.0) for a in acks) / 1e3
+        finally:
+            messages.close()  # an error midway: let in-flight packs finish, free the bridge for the next sync
         stats.seconds = time.perf_counter() - t0
         if acks:
             flags = [a.get("complete") for a in acks]
