@@ -49,6 +49,17 @@ __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned c
   *out = checksum_detail::finish(sum, nbytes, stride);
 }
 
+void require_device(int device) {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw NotAvailable(cat("checksum on cuda:", device, ": no CUDA device is usable (", cudaGetErrorName(err),
+                           "); pass device=-1 for host memory"));
+  }
+  require(device >= 0 && device < n, cat("checksum: cuda:", device, " is not visible (", n, " devices)"));
+}
+
 void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
   if (nbytes == 0) return;
   cudaPointerAttributes attr{};
@@ -70,6 +81,7 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
   require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
   require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got 0x", std::hex, ptr));
   require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
+  require_device(device);
   DeviceGuard guard(device);
   check_device_pointer(ptr, nbytes, device);
   auto s = reinterpret_cast<cudaStream_t>(stream);
@@ -92,6 +104,7 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
 }
 
 uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device) {
+  require_device(device);
   DeviceGuard guard(device);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   void* scratch = nullptr;
