@@ -51,6 +51,7 @@ DriverApi load_all() {
   load(d.cuMemSetAccess, "cuMemSetAccess");
   load(d.cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
   load(d.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+  load(d.cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
   return d;
 }
 

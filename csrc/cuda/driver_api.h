@@ -25,6 +25,7 @@ struct DriverApi {
   PFN_cuMemSetAccess_v10020 cuMemSetAccess;
   PFN_cuMemExportToShareableHandle_v10020 cuMemExportToShareableHandle;
   PFN_cuMemImportFromShareableHandle_v10020 cuMemImportFromShareableHandle;
+  PFN_cuMemRetainAllocationHandle_v11000 cuMemRetainAllocationHandle;
 };
 
 // Loads the entry points once (thread-safe) and calls cuInit. Throws NotAvailable when there is no usable

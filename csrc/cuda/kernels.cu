@@ -5,6 +5,7 @@
 
 #include "core/checksum.h"
 #include "cuda/cuda_check.h"
+#include "cuda/driver_api.h"
 #include "cuda/kernels.h"
 
 namespace colomem {
@@ -60,18 +61,24 @@ void require_device(int device) {
   require(device >= 0 && device < n, cat("checksum: cuda:", device, " is not visible (", n, " devices)"));
 }
 
+// Refuses plain host memory before a kernel touches it (an illegal address would poison the context).
 void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
   if (nbytes == 0) return;
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr));
-  if (err != cudaSuccess || attr.type == cudaMemoryTypeUnregistered) {
-    (void)cudaGetLastError();
-    throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec,
-                              " is not CUDA memory; pass device=-1 for host memory"));
-  }
-  if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  if (err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device != device)
     throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec, " is on cuda:", attr.device,
                               ", not cuda:", device));
+  if (err == cudaSuccess && attr.type != cudaMemoryTypeUnregistered) return;
+  // VMM mappings (ours, vLLM's) may report no memory type: they have an allocation handle.
+  CUmemGenericAllocationHandle h = 0;
+  if (driver().cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(ptr)) == CUDA_SUCCESS) {
+    driver().cuMemRelease(h);
+    return;
+  }
+  throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec,
+                            " is not CUDA memory; pass device=-1 for host memory"));
 }
 
 }  // namespace
