@@ -26,7 +26,6 @@ import torch
 from colomem import errors as _errors
 from colomem.errors import (
     ColomemError,
-    CudaOutOfMemoryError,
     InvalidArgumentError,
     PeerError,
     WeightCheckError,
@@ -528,6 +527,7 @@ class _Counter:
 
 # ----------------------------------------------------------------------- driver queries for the rollback
 _libcuda = None
+_CU_POINTER_ATTRIBUTE_MAPPED = 13   # cuda.h: CUpointer_attribute
 
 
 def _is_mapped(ptr: int) -> bool:
@@ -536,10 +536,13 @@ def _is_mapped(ptr: int) -> bool:
 
     global _libcuda
     if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
-    mapped = ctypes.c_int(0)
-    rc = _libcuda.cuPointerGetAttribute(ctypes.byref(mapped), 19, ctypes.c_uint64(ptr))  # 19: MAPPED
-    return rc == 0 and bool(mapped.value)
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        lib.cuPointerGetAttribute.restype = ctypes.c_int
+        _libcuda = lib
+    mapped = ctypes.c_int(0)  # the driver writes a boolean into the low byte
+    rc = _libcuda.cuPointerGetAttribute(ctypes.byref(mapped), _CU_POINTER_ATTRIBUTE_MAPPED, ptr)
+    return rc == 0 and bool(mapped.value & 0xFF)
 
 
 def _cudart():

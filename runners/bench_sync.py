@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""Trainer -> vLLM weight sync on one GPU: colomem's bridge against vLLM's own ways, and sleep/wake modes.
+
+  python runners/bench_sync.py --out benchmarks/sync [--sizes 1.5b,7b] [--reps 10] [--buckets 512MiB,1GiB]
+
+For Qwen2-1.5B- and Qwen2-7B-shaped bf16 models (config only; vLLM loads load_format="dummy" weights), the
+"trainer" holds random weights on the same GPU and sends them to vLLM with:
+  bridge      colomem WeightBridge -> ColomemWorkerExtension.colomem_apply (one collective_rpc per bucket)
+  torch_ipc   per-tensor CUDA IPC: torch's reduce_tensor in the trainer, rebuild_cuda_tensor in the worker,
+              one collective_rpc carrying every handle (vLLM's non-packed IPC weight transfer, the fast case)
+  reload      vLLM's collective_rpc("reload_weights") from a safetensors directory written once (page cache warm)
+and times vLLM's sleep(level=1)/wake_up against the colomem pool backup (weights copied into a pinned pool,
+vLLM sleeps at level 2) and against level 2 + a full bridge sync. Every method is checked first (checksums of
+the trainer's tensors against vLLM's parameters), then timed: median of --reps after --warmup, GB/s of
+payload bytes, and the ratio to a device-to-device copy measured in the same run.
+
+Each size runs in its own process with one engine. Writes <out>/bench_sync.json (top level: sync_7b_ms_median,
+sync_7b_baseline_ms = the fastest baseline, ...) and <out>/sync_<size>.json, and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+GiB = 1 << 30
+MiB = 1 << 20
+T0 = time.perf_counter()
+
+# Qwen2 configs (HF transformers names); Qwen2-7B and Qwen2-1.5B as published.
+SHAPES = {
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False),
+}
+KEY = {"1.5b": "1p5b", "7b": "7b"}
+TARGET_7B_MS = 30.0
+SIZE_TIMEOUT_S = {"1.5b": 140.0, "7b": 230.0}   # both sizes fit the 6-minute budget of one GPU run
+
+
+def log(*a):
+    print(f"[bench_sync {time.perf_counter() - T0:6.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def env_defaults():
+    for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}.items():
+        os.environ.setdefault(k, v)
+
+
+def summary(seconds: list, nbytes: int, d2d_gbps: float) -> dict:
+    ms = [s * 1e3 for s in seconds]
+    med = statistics.median(ms)
+    gbps = nbytes / (med / 1e3) / 1e9
+    return {"ms_median": round(med, 3), "ms_min": round(min(ms), 3), "ms_max": round(max(ms), 3), "reps": len(ms),
+            "gbps": round(gbps, 1), "ratio_to_d2d": round(gbps / d2d_gbps, 3) if d2d_gbps else None}
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def d2d_ceiling(nbytes: int, reps: int) -> dict:
+    """One device-to-device copy of nbytes: GB/s of bytes copied (read + write = twice that in traffic)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.fill_(7)
+    times = []
+    for i in range(reps + 1):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        if i:
+            times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {"nbytes": nbytes, "ms_median": round(med * 1e3, 3), "gbps": round(nbytes / med / 1e9, 1)}
+
+
+def make_weights(cfg, seed: int = 0):
+    """The trainer's weights: HF names and shapes (meta-device model), random bf16 values on the GPU."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        meta = Qwen2ForCausalLM(cfg)
+    spec = [(n, tuple(p.shape)) for n, p in meta.named_parameters()]
+    del meta
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for n, shape in spec:
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.normal_(0.0, 0.02, generator=g)
+        out.append((n, t))
+    torch.cuda.synchronize()
+    return out
+
+
+def ipc_entries(items) -> list:
+    """torch.multiprocessing's per-tensor CUDA IPC handles, as plain values collective_rpc can carry."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    out = []
+    for name, t in items:
+        _, a = reduce_tensor(t)
+        (_, size, stride, offset, _, dtype, _, handle, sbytes, soff, rg, rch, rco, eh, esr) = a
+        out.append({"name": name, "args": [list(size), list(stride), int(offset), str(dtype).split(".")[-1],
+                                           handle, int(sbytes), int(soff), bool(rg), rch, int(rco), eh,
+                                           bool(esr)]})
+    return out
+
+
+def write_safetensors(items, d: str, shard_bytes: int = 4 * GiB) -> dict:
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    shards, cur, size = [], [], 0
+    for n, t in items:
+        cur.append((n, t))
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+    if cur:
+        shards.append(cur)
+    for i, shard in enumerate(shards):
+        save_file({n: t.detach().cpu().contiguous() for n, t in shard},
+                  os.path.join(d, f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"))
+    return {"files": len(shards), "write_s": round(time.perf_counter() - t0, 2)}
+
+
+def timed_syncs(fn, warmup: int, reps: int) -> list:
+    import torch
+
+    out = []
+    for i in range(warmup + reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_bridge(r, items, nbytes, a, d2d, res):
+    from colomem.units import parse_bytes
+
+    out = res.setdefault("bridge", {})
+    for b in a.buckets.split(","):
+        r.set_bucket_bytes(parse_bytes(b))
+        version = [r.weight_version]
+
+        def sync():
+            version[0] += 1
+            r.load_weights(items, version=version[0])
+
+        sync()                                       # attach + first pass, then check before timing
+        r.check(reference=items)
+        r.check()
+        seconds = timed_syncs(sync, a.warmup, a.reps)
+        st, bs = r.last_sync, r._bridge.last_stats
+        out[b] = {**summary(seconds, nbytes, d2d), "buckets": st.nbuckets, "verified": True,
+                  "worker_apply_ms": round(st.apply_seconds * 1e3, 2),
+                  "pack_wait_ms": round(bs.pack_wait_seconds * 1e3, 2) if bs else None}
+        log(f"bridge {b}: {out[b]}")
+    best = min(out, key=lambda k: out[k]["ms_median"])
+    res["bridge_best"] = {"bucket": best, **out[best]}
+
+
+def bench_torch_ipc(r, items, nbytes, a, d2d, res):
+    import torch
+
+    def sync():
+        r.rpc("colomem_apply_torch_ipc", ipc_entries(items), timeout=600)
+        torch.cuda.ipc_collect()
+
+    sync()
+    r.check(reference=items)
+    res["torch_ipc"] = {**summary(timed_syncs(sync, max(0, a.warmup - 1), a.slow_reps), nbytes, d2d),
+                        "tensors": len(items), "verified": True}
+    log(f"torch_ipc: {res['torch_ipc']}")
+
+
+def bench_reload(r, items, nbytes, d, a, d2d, res):
+    res["reload"] = write_safetensors(items, d)
+    r.rpc("update_config", {"load_config": {"load_format": "safetensors"}})
+
+    def sync():
+        r.rpc("reload_weights", timeout=600)
+
+    sync()                                           # first read (page cache is warm from the write anyway)
+    r.check(reference=items)
+    res["reload"].update(summary(timed_syncs(sync, 0, a.reload_reps), nbytes, d2d), verified=True)
+    log(f"reload: {res['reload']}")
+
+
+def bench_sleep_wake(r, items, nbytes, a, res):
+    """Per mode: a first cycle (pins host memory), then reps of sleep / wake weights / wake KV, timed apart."""
+    out = res.setdefault("sleep_wake", {})
+    modes = [("vllm_level1", dict(sleep_level=1, weights_backup="vllm"), False),
+             ("colomem_pool", dict(sleep_level=1, weights_backup="pool"), False),
+             ("level2_plus_bridge_sync", dict(sleep_level=2, weights_backup="vllm"), True)]
+    for name, mode, sync in modes:
+        r.sleep_level, r.weights_backup = mode["sleep_level"], mode["weights_backup"]
+        rows = []
+        for rep in range(a.sw_reps + 1):
+            t = {}
+            s = time.perf_counter()
+            r.sleep()
+            t["sleep"] = time.perf_counter() - s
+            s = time.perf_counter()
+            r.wake_weights()
+            t["wake_weights"] = time.perf_counter() - s
+            if sync:
+                s = time.perf_counter()
+                r.load_weights(items, version=r.weight_version + 1)
+                t["sync"] = time.perf_counter() - s
+            r.check()
+            s = time.perf_counter()
+            r.wake_kv()
+            t["wake_kv"] = time.perf_counter() - s
+            t["cycle"] = sum(t.values())
+            rows.append(t)
+        first, later = rows[0], rows[1:]
+        out[name] = {"first": {k: round(v * 1e3, 1) for k, v in first.items()},
+                     **{f"{k}_ms_median": round(statistics.median(x[k] for x in later) * 1e3, 1)
+                        for k in later[0]}, "reps": len(later)}
+        if name == "colomem_pool":
+            out[name]["pool_save_ms"] = round(r.timings.get("pool_save_s", 0) * 1e3, 1)
+            out[name]["pool_restore_ms"] = round(r.timings.get("pool_restore_s", 0) * 1e3, 1)
+            out[name]["copy_gbps"] = round(nbytes / max(r.timings.get("pool_restore_s", 1e-9), 1e-9) / 1e9, 1)
+        log(f"sleep/wake {name}: {out[name]}")
+    r.sleep_level, r.weights_backup = 1, "vllm"
+
+
+def run_size(size: str, a) -> dict:
+    env_defaults()
+    import torch
+    import vllm
+    from transformers import Qwen2Config
+
+    from colomem.engines.vllm import VLLMRollout
+
+    res = {"size": size, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "vllm": vllm.__version__, "errors": []}
+    d = tempfile.mkdtemp(prefix=f"bench-sync-{size}-", dir=a.scratch)
+    cfg = Qwen2Config(**SHAPES[size])
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.save_pretrained(d)
+    r = None
+    try:
+        res["d2d"] = d2d_ceiling(2 * GiB, 5)
+        d2d = res["d2d"]["gbps"]
+        log(f"{size}: d2d copy {d2d} GB/s")
+        items = make_weights(cfg)
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        res.update(params=sum(t.numel() for _, t in items), nbytes=nbytes, tensors=len(items))
+        t = time.perf_counter()
+        r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
+                        enforce_eager=True, bucket_bytes=a.buckets.split(",")[0],
+                        llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
+        res["engine_start_s"] = round(time.perf_counter() - t, 1)
+        log(f"{size}: engine up in {res['engine_start_s']} s; {nbytes / GiB:.2f} GiB of weights, {len(items)} tensors")
+        sections = [("bridge", lambda: bench_bridge(r, items, nbytes, a, d2d, res)),
+                    ("torch_ipc", lambda: bench_torch_ipc(r, items, nbytes, a, d2d, res)),
+                    ("sleep_wake", lambda: bench_sleep_wake(r, items, nbytes, a, res)),
+                    ("reload", lambda: bench_reload(r, items, nbytes, d, a, d2d, res))]
+        for name, fn in sections:
+            if name in a.skip.split(","):
+                continue
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001  (record, go on with the other sections)
+                res["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+                if r.phase != "awake":
+                    try:
+                        r.wake()
+                    except Exception:  # noqa: BLE001
+                        pass
+    except Exception as exc:  # noqa: BLE001
+        res["errors"].append(f"setup: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    finally:
+        if r is not None:
+            r.close()
+        shutil.rmtree(d, ignore_errors=True)
+    res["wall_s"] = round(time.perf_counter() - T0, 1)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ report
+def headline(sizes: dict) -> dict:
+    top: dict = {}
+    for size, r in sizes.items():
+        k = KEY[size]
+        best = r.get("bridge_best")
+        if best:
+            top[f"sync_{k}_ms_median"] = best["ms_median"]
+            top[f"sync_{k}_gbps"] = best["gbps"]
+            top[f"sync_{k}_ratio_to_d2d"] = best["ratio_to_d2d"]
+            top[f"sync_{k}_bucket"] = best["bucket"]
+        base = {n: r[n]["ms_median"] for n in ("torch_ipc", "reload") if "ms_median" in r.get(n, {})}
+        if base:
+            name = min(base, key=base.get)
+            top[f"sync_{k}_baseline_ms"] = base[name]
+            top[f"sync_{k}_baseline"] = name
+    if "sync_7b_ms_median" in top:
+        top["sync_7b_target_ms"] = TARGET_7B_MS
+        top["sync_7b_meets_target"] = top["sync_7b_ms_median"] <= TARGET_7B_MS
+    return top
+
+
+def table(sizes: dict) -> str:
+    lines = [f"{'size':5} {'sync method':34} {'ms median':>10} {'GB/s':>8} {'x d2d':>6}"]
+    for size, r in sizes.items():
+        d2d = r.get("d2d", {})
+        for b, x in r.get("bridge", {}).items():
+            lines.append(f"{size:5} {'colomem bridge, ' + b + ' buckets':34} {x['ms_median']:10.2f} {x['gbps']:8.1f} "
+                         f"{x['ratio_to_d2d']:6.3f}")
+        for n, label in (("torch_ipc", "torch per-tensor CUDA IPC"), ("reload", "vLLM reload_weights (safetensors)")):
+            x = r.get(n, {})
+            if "ms_median" in x:
+                lines.append(f"{size:5} {label:34} {x['ms_median']:10.2f} {x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
+        if d2d:
+            lines.append(f"{size:5} {'d2d copy (ceiling, one copy)':34} {d2d['ms_median'] * r.get('nbytes', 0) / d2d['nbytes']:10.2f} "
+                         f"{d2d['gbps']:8.1f} {1.0:6.3f}")
+    lines.append("")
+    lines.append(f"{'size':5} {'sleep/wake mode':26} {'sleep ms':>9} {'wake W ms':>10} {'sync ms':>8} {'wake KV':>8} "
+                 f"{'cycle ms':>9} {'first cycle':>12}")
+    for size, r in sizes.items():
+        for n, x in r.get("sleep_wake", {}).items():
+            lines.append(f"{size:5} {n:26} {x['sleep_ms_median']:9.1f} {x['wake_weights_ms_median']:10.1f} "
+                         f"{x.get('sync_ms_median', 0.0):8.1f} {x['wake_kv_ms_median']:8.1f} {x['cycle_ms_median']:9.1f} "
+                         f"{x['first']['cycle']:12.1f}")
+    for size, r in sizes.items():
+        for e in r.get("errors", []):
+            lines.append(f"ERROR {size}: {e}")
+    return "\n".join(lines)
+
+
+def run_child(cmd: list, timeout: float):
+    """Runs one size in its own process group; on timeout the group (vLLM's engine included) is killed."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"timeout after {timeout:.0f} s: killing process group {proc.pid}")
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+        return "timeout"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for bench_sync.json, sync_<size>.json")
+    p.add_argument("--sizes", default="1.5b,7b")
+    p.add_argument("--buckets", default="512MiB,1GiB", help="bridge bucket sizes to time (comma-separated)")
+    p.add_argument("--reps", type=int, default=10, help="timed bridge syncs per bucket size")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--slow-reps", type=int, default=5, help="timed torch IPC syncs")
+    p.add_argument("--reload-reps", type=int, default=2, help="timed reload_weights from disk")
+    p.add_argument("--sw-reps", type=int, default=3, help="timed sleep/wake cycles per mode (after a first one)")
+    p.add_argument("--gpu-util", type=float, default=0.3, help="vLLM gpu_memory_utilization")
+    p.add_argument("--skip", default="", help="sections to skip: bridge,torch_ipc,sleep_wake,reload")
+    p.add_argument("--scratch", default=None, help="where the safetensors baseline is written (default: $TMPDIR)")
+    p.add_argument("--size-timeout", type=float, default=None,
+                   help="seconds per size before its process group is killed (default 140 for 1.5b, 230 for 7b)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.child:
+        res = run_size(a.child, a)
+        with open(os.path.join(a.out, f"sync_{KEY[a.child]}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        sys.stdout.flush()
+        os._exit(0)  # skip the slow teardown of engine threads
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sizes: dict = {}
+    for size in a.sizes.split(","):
+        if size not in SHAPES:
+            raise SystemExit(f"unknown size {size!r}; choose from {sorted(SHAPES)}")
+        path = os.path.join(a.out, f"sync_{KEY[size]}.json")
+        if os.path.exists(path):
+            os.remove(path)
+        log(f"size {size}: starting its process")
+        rc = run_child([sys.executable, os.path.abspath(__file__), *argv, "--child", size],
+                       a.size_timeout or SIZE_TIMEOUT_S[size])
+        sizes[size] = json.load(open(path)) if os.path.exists(path) else {"errors": [f"no result (rc={rc})"]}
+    out = {"command": "python runners/bench_sync.py " + " ".join(argv), **headline(sizes), "sizes": sizes}
+    with open(os.path.join(a.out, "bench_sync.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(table(sizes), flush=True)
+    return 0 if not any(r.get("errors") for r in sizes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
