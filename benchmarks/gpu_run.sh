@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
+# Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
+# Stages: core (GPU tests of pool/swap/engine + transfer bench), ipc (bridge tests), vllm, deepspeed,
+# syncbench, dsbench, grpo (default job), grpobench. Each stage is bounded by its own timeout.
+set -uo pipefail
+OUT=${OUT:-/tmp/colomem-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stages=",${1:-core},"
+has() { [[ "$stages" == *",$1,"* ]]; }
+t0=$SECONDS
+stamp() { echo "=== [$((SECONDS - t0)) s] $*"; }
+if [ -d .gpukit/p1 ]; then eval "$(bash .gpukit/p1/install.sh)" || exit 1; fi
+stamp "build"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+python3 -c "import colomem; print(colomem.build_info())" || exit 1
+run() {  # run NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  stamp "$name"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -${TAIL:-15} "$OUT/$name.log"
+  stamp "$name rc=$rc"
+}
+has core && run core_tests 240 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests
+has core && run bench_transfer 300 python3 -m colomem.bench --out "$OUT/transfer"
+has ipc && run ipc_tests 180 python3 -m pytest -q -rs -m ipc tests
+has deepspeed && run ds_tests 300 python3 -m pytest -q -rs -m deepspeed tests
+has vllm && run vllm_tests 300 python3 -m pytest -q -rs -m vllm tests
+has syncbench && run bench_sync 420 python3 runners/bench_sync.py --out "$OUT/sync"
+has dsbench && run bench_ds 300 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds"
+has grpo && run grpo_default 480 python3 runners/grpo_colocated.py --out "$OUT/grpo"
+has grpobench && run bench_grpo 540 python3 runners/bench_grpo.py --out "$OUT/grpobench"
+stamp "all done"
