@@ -557,3 +557,17 @@ def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():
     assert torch.equal(model_of(r).embed.detach(), w["embed"])
     r.check()
     r.close()
+
+
+def test_an_error_raised_by_the_call_itself_is_not_taken_for_our_timeout(monkeypatch):
+    r = make(rpc_timeout_s=5.0)
+
+    def boom(*a, **k):
+        raise TimeoutError("vLLM's own collective_rpc timeout")
+
+    monkeypatch.setattr(r.llm, "collective_rpc", boom)
+    with pytest.raises(TimeoutError, match="vLLM's own"):
+        r.rpc("colomem_memory")
+    monkeypatch.undo()
+    assert r.rpc("colomem_memory")                 # the engine is still usable
+    r.close()

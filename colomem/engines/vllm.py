@@ -312,14 +312,14 @@ class VLLMRollout:
         fut = self._calls.submit(fn)
         try:
             return fut.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            self._broken = f"{what} timed out after {timeout:.0f} s"
-            raise TransferTimeoutError(
-                f"vLLM did not finish {what} within {timeout:.0f} s; the engine is stuck or dead. close() "
-                f"kills it (raise the timeout if the work is just slow)") from None
-        except ColomemError:
-            raise
         except BaseException as exc:
+            if isinstance(exc, TimeoutError) and not fut.done():  # our wait ran out, not the call
+                self._broken = f"{what} timed out after {timeout:.0f} s"
+                raise TransferTimeoutError(
+                    f"vLLM did not finish {what} within {timeout:.0f} s; the engine is stuck or dead. close() "
+                    f"kills it (raise the timeout if the work is just slow)") from None
+            if isinstance(exc, ColomemError):
+                raise
             if type(exc).__name__ == "EngineDeadError" or self._engine_dead():
                 self._broken = "engine process died"
                 raise PeerError(f"vLLM's engine process died during {what}: {exc}") from exc
