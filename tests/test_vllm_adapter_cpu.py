@@ -565,9 +565,9 @@ def test_an_error_raised_by_the_call_itself_is_not_taken_for_our_timeout(monkeyp
     def boom(*a, **k):
         raise TimeoutError("vLLM's own collective_rpc timeout")
 
-    monkeypatch.setattr(r.llm, "collective_rpc", boom)
-    with pytest.raises(TimeoutError, match="vLLM's own"):
-        r.rpc("colomem_memory")
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(r.llm, "collective_rpc", boom)
+        with pytest.raises(TimeoutError, match="vLLM's own"):
+            r.rpc("colomem_memory")
     assert r.rpc("colomem_memory")                 # the engine is still usable
     r.close()
