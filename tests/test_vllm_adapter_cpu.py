@@ -571,3 +571,10 @@ def test_an_error_raised_by_the_call_itself_is_not_taken_for_our_timeout(monkeyp
             r.rpc("colomem_memory")
     assert r.rpc("colomem_memory")                 # the engine is still usable
     r.close()
+
+
+def test_bridge_sync_refuses_tensor_parallel_engines():
+    r = make(tensor_parallel_size=2)
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size"):
+        r.load_weights(trainer_weights(1).items(), version=1)
+    r.close()

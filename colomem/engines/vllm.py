@@ -419,6 +419,7 @@ class VLLMRollout:
         if self._weights_backup == "pool":
             r = self.rpc("colomem_save_weights_to_pool", self.wake_timeout_s, timeout=self.wake_timeout_s)
             self.timings["pool_save_s"] = max(x["seconds"] for x in r)
+            self.timings["pool_bytes"] = max(x["nbytes"] for x in r)
             level = 2
         else:
             level = self._sleep_level
@@ -555,6 +556,10 @@ class VLLMRollout:
 
     def _ensure_bridge(self):
         if self._bridge is None:
+            if int(self.llm_kwargs.get("tensor_parallel_size", 1)) > 1:
+                raise InvalidArgumentError(
+                    "the weight bridge maps the trainer's buffers on one GPU, but with tensor_parallel_size > 1 "
+                    "vLLM's workers sit on several; sync with tensor_parallel_size=1 (one engine per GPU)")
             bridge = self._make_bridge()
             try:
                 self.rpc("colomem_attach", bridge.address, 30.0, self.verify, self.check_sample,
