@@ -46,7 +46,7 @@ SHAPES = {
 }
 KEY = {"1.5b": "1p5b", "7b": "7b"}
 TARGET_7B_MS = 30.0
-SIZE_TIMEOUT_S = {"1.5b": 140.0, "7b": 230.0}   # both sizes fit the 6-minute budget of one GPU run
+SIZE_TIMEOUT_S = {"1.5b": 140.0, "7b": 210.0}   # both sizes fit the 6-minute budget of one GPU run
 
 
 def log(*a):
@@ -250,7 +250,8 @@ def bench_sleep_wake(r, items, nbytes, a, res):
     r.sleep_level, r.weights_backup = 1, "vllm"
 
 
-def run_size(size: str, a) -> dict:
+def run_size(size: str, a, path: str) -> dict:
+    """Runs every section for one size; the results so far are on disk after each (a timeout keeps them)."""
     env_defaults()
     import torch
     import vllm
@@ -265,6 +266,12 @@ def run_size(size: str, a) -> dict:
     cfg.architectures = ["Qwen2ForCausalLM"]
     cfg.save_pretrained(d)
     r = None
+
+    def save():
+        res["wall_s"] = round(time.perf_counter() - T0, 1)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
     try:
         res["d2d"] = d2d_ceiling(2 * GiB, 5)
         d2d = res["d2d"]["gbps"]
@@ -287,6 +294,7 @@ def run_size(size: str, a) -> dict:
                 continue
             try:
                 fn()
+                save()
             except Exception as exc:  # noqa: BLE001  (record, go on with the other sections)
                 res["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
@@ -302,7 +310,7 @@ def run_size(size: str, a) -> dict:
         if r is not None:
             r.close()
         shutil.rmtree(d, ignore_errors=True)
-    res["wall_s"] = round(time.perf_counter() - T0, 1)
+    save()
     return res
 
 
@@ -393,7 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help="sections to skip: bridge,torch_ipc,sleep_wake,reload")
     p.add_argument("--scratch", default=None, help="where the safetensors baseline is written (default: $TMPDIR)")
     p.add_argument("--size-timeout", type=float, default=None,
-                   help="seconds per size before its process group is killed (default 140 for 1.5b, 230 for 7b)")
+                   help="seconds per size before its process group is killed (default 140 for 1.5b, 210 for 7b)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -402,9 +410,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.child:
-        res = run_size(a.child, a)
-        with open(os.path.join(a.out, f"sync_{KEY[a.child]}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        run_size(a.child, a, os.path.join(a.out, f"sync_{KEY[a.child]}.json"))
         sys.stdout.flush()
         os._exit(0)  # skip the slow teardown of engine threads
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -418,7 +424,9 @@ def main(argv=None) -> int:
         log(f"size {size}: starting its process")
         rc = run_child([sys.executable, os.path.abspath(__file__), *argv, "--child", size],
                        a.size_timeout or SIZE_TIMEOUT_S[size])
-        sizes[size] = json.load(open(path)) if os.path.exists(path) else {"errors": [f"no result (rc={rc})"]}
+        sizes[size] = json.load(open(path)) if os.path.exists(path) else {"errors": []}
+        if rc != 0:
+            sizes[size].setdefault("errors", []).append(f"the {size} process ended with {rc}")
     out = {"command": "python runners/bench_sync.py " + " ".join(argv), **headline(sizes), "sizes": sizes}
     with open(os.path.join(a.out, "bench_sync.json"), "w") as f:
         json.dump(out, f, indent=1)
