@@ -578,3 +578,13 @@ def test_bridge_sync_refuses_tensor_parallel_engines():
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size"):
         r.load_weights(trainer_weights(1).items(), version=1)
     r.close()
+
+
+def test_trainer_tensors_of_another_dtype_are_not_compared_byte_for_byte():
+    r = make()
+    w = {n: t.double() for n, t in trainer_weights(1).items()}   # vLLM casts on load; bytes differ legitimately
+    r.load_weights(w.items(), version=1)
+    r.check()
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        r.check(reference=w.items())
+    r.close()

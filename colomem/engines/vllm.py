@@ -603,8 +603,7 @@ class VLLMRollout:
             for name, t in items:
                 if not isinstance(t, torch.Tensor):
                     raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a tensor")
-                if len(sampled) < k and hashed_pick(name) and name in info \
-                        and list(t.shape) == info[name][0]:
+                if len(sampled) < k and hashed_pick(name) and _same_layout(t, info.get(name)):
                     sampled[name] = tensor_checksum(t)
                 stats.ntensors += 1
                 stats.nbytes += t.numel() * t.element_size()
@@ -649,9 +648,9 @@ class VLLMRollout:
                                    "call load_weights(...) with every parameter")
         if reference is not None:
             info = self._direct_names()
-            expected = {n: tensor_checksum(t) for n, t in reference if n in info and list(t.shape) == info[n][0]}
+            expected = {n: tensor_checksum(t) for n, t in reference if _same_layout(t, info.get(n))}
             if not expected:
-                raise InvalidArgumentError("no reference tensor matches a vLLM parameter name and shape")
+                raise InvalidArgumentError("no reference tensor matches a vLLM parameter's name, shape and dtype")
             source = "the reference tensors"
             per_rank = None
         else:
@@ -778,6 +777,11 @@ class VLLMRollout:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _same_layout(t: torch.Tensor, info: Optional[list]) -> bool:
+    """The trainer's tensor has the bytes layout of vLLM's parameter (same shape and dtype: unfused, unsharded)."""
+    return info is not None and list(t.shape) == list(info[0]) and str(t.dtype).replace("torch.", "") == info[1]
+
+
 def _sampled_logprobs(c, ids: list) -> list:
     lps = c.logprobs
     if lps is None:
