@@ -50,7 +50,10 @@ class GRPOConfig(_Strict):
     adv_eps: float = Field(1e-4, gt=0)
     temperature: float = Field(1.0, gt=0, description="sampling temperature; logprobs use logits/temperature")
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, gt=0)
+    max_new_tokens: Optional[int] = Field(None, gt=0, description="unset = the task's (longest answer + EOS)")
+    old_logprobs: Literal["policy", "rollout"] = Field(
+        "policy", description="ratio denominator: policy = the trainer's own logprobs before the update (on-policy, "
+                              "robust to rollout/trainer numerics); rollout = the rollout engine's logprobs")
     mask_truncated: bool = Field(False, description="completions cut at max_new_tokens get no loss")
     log_entropy: bool = Field(True, description="mean token entropy in the metrics (one extra pass on logits)")
 
@@ -71,11 +74,11 @@ class RunConfig(_Strict):
     trust_remote_code: bool = False
     # schedule
     steps: int = Field(40, gt=0)
-    cpu_steps: int = Field(6, gt=0, description="steps when the CPU backend runs and --steps is not given")
-    prompts_per_step: int = Field(16, gt=0, description="prompts per step over all ranks")
+    cpu_steps: int = Field(20, gt=0, description="steps when the CPU backend runs and --steps is not given")
+    prompts_per_step: int = Field(32, gt=0, description="prompts per step over all ranks")
     seed: int = 0
     # trainer
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     micro_batch: int = Field(64, gt=0, description="sequences per forward/backward")
@@ -85,7 +88,7 @@ class RunConfig(_Strict):
     gradient_checkpointing: bool = False
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # rollout
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
     max_model_len: int = Field(256, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
     enforce_eager: bool = True

@@ -120,8 +120,8 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
         lo = (ratio < 1.0 - eps_lo) & (adv < 0) & mask     # clipped below: pushing down stopped
         hi = (ratio > 1.0 + eps_hi) & (adv > 0) & mask     # clipped above: pushing up stopped
         metrics = {
-            "loss": float(unweighted.detach()),     # this batch's own loss, before loss_weight
-            "pg_loss": float(pg_loss.detach()),
+            "loss": float(loss.detach()),     # weighted: the micro-batch values sum to the batch loss
+            "pg_loss": float(pg_loss.detach()),   # this batch's own policy loss (not weighted)
             "clip_frac": float((lo | hi).sum() / n),
             "clip_frac_low": float(lo.sum() / n),
             "clip_frac_high": float(hi.sum() / n),

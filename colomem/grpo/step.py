@@ -47,14 +47,29 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
                                        "was given; use LoRA (free reference) or set kl_coef to 0")
         with torch.no_grad():
             batch = replace(batch, ref_logprobs=ref_logprobs_fn(batch).detach())
+    rollout_lp = batch.old_logprobs
+    mask = batch.completion_mask.bool()
+    if rollout_lp is not None and cfg.old_logprobs == "rollout" and bool(torch.isnan(rollout_lp[mask]).any()):
+        raise InvalidArgumentError("old_logprobs='rollout' but the rollout engine returned no logprob for some "
+                                   "sampled tokens (NaN); use old_logprobs='policy'")
+    if cfg.old_logprobs == "policy":
+        batch = replace(batch, old_logprobs=None)     # one update per batch: old policy = current weights
     logits = _forward_logits(model, batch)
     logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm)
-    if cfg.log_entropy:
-        mask = batch.completion_mask.to(logits.device).bool()
-        ent = token_entropy(logits.detach(), cfg.temperature)
-        metrics["entropy"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1))
+    with torch.no_grad():
+        mask = mask.to(logits.device)
+        if rollout_lp is not None:
+            # how far the rollout engine's logprobs are from the trainer's: ~0 when the sync delivered the
+            # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights
+            gap = (logprobs.detach() - rollout_lp.to(logprobs)).abs()
+            ok = mask & ~torch.isnan(gap)
+            if bool(ok.any()):
+                metrics["rollout_logprob_gap"] = float(gap[ok].mean())
+        if cfg.log_entropy:
+            ent = token_entropy(logits.detach(), cfg.temperature)
+            metrics["entropy"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
 
@@ -78,8 +93,8 @@ def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "se
 
 
 class MetricAccumulator:
-    """Weighted means of micro-batch metrics (max for *_max, sum for counts)."""
-    _SUM = ("completion_tokens",)
+    """Weighted means of micro-batch metrics (max for *_max; sums for counts and the weighted "loss")."""
+    _SUM = ("completion_tokens", "loss")
 
     def __init__(self):
         self._acc: dict[str, float] = {}

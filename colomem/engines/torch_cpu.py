@@ -1,0 +1,412 @@
+"""CPU stand-ins for the two sides of a phase switch: same protocols as VLLMRollout / DeepSpeedTrainer.
+
+HFRollout    transformers `generate` with sampling; returns Completions with the sampled tokens' logprobs.
+             sleep / wake_* change no memory (there is no KV cache pool on CPU) but keep the same state
+             machine as vLLM, so generating while asleep or syncing before a wake raises PhaseOrderError,
+             and they record their timings. load_weights copies named tensors into its own model copy.
+TorchTrainer plain torch AdamW on compute_loss (fp32). offload/reload move parameters and optimizer state
+             into a colomem PinnedPool through SwapSet (host path), so a trainer that was not reloaded
+             really has no weights; named_weights merges a LoRA adapter into the base.
+
+They let the colocated runner run the same loop on a machine without a GPU. Nothing here is fast.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from colomem.engines import SyncStats
+from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
+                            StaleWeightsError, WeightCheckError)
+
+log = logging.getLogger(__name__)
+
+AWAKE, WEIGHTS_ONLY, ASLEEP, CLOSED = "awake", "weights", "asleep", "closed"
+
+
+def _load_model(model_path, dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model_path, torch.nn.Module):
+        return model_path
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype,
+                                                trust_remote_code=bool(trust_remote_code))
+
+
+def _fingerprint(t: Tensor) -> tuple:
+    """Cheap, order-sensitive checksum of a tensor's values (a strided sample plus the sum)."""
+    flat = t.detach().reshape(-1).float()
+    step = max(1, flat.numel() // 64)
+    return (flat.numel(), round(float(flat.double().sum()), 6), tuple(flat[::step][:64].tolist()))
+
+
+# ------------------------------------------------------------------------------------------------- rollout
+class HFRollout:
+    """Rollout protocol on transformers generate (CPU, or any torch device)."""
+
+    def __init__(self, model_path, *, eos_token_id: int, pad_token_id: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, check_sample: int = 4):
+        self.device = torch.device(device)
+        self.model = _load_model(model_path, dtype, trust_remote_code).to(self.device).eval()
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        self.weight_version = 0
+        self._expected_version = 0
+        self._phase = AWAKE
+        self._params = dict(self.model.named_parameters())
+        self._expected: dict[str, tuple] = {}
+        self.check_sample = int(check_sample)
+        self.timings: dict[str, float] = {}
+        self.last_sync: Optional[SyncStats] = None
+
+    # -- guards ------------------------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    def _require(self, phases, what: str, hint: str) -> None:
+        if self._phase == CLOSED:
+            raise PoolClosedError(f"HFRollout is closed; cannot {what}")
+        if self._phase not in phases:
+            raise PhaseOrderError(f"{what} while the rollout is {self._phase!r}: {hint}")
+
+    def expect_version(self, version: int) -> None:
+        """The trainer announces its newest weights; generate() refuses older ones from now on."""
+        self._expected_version = max(self._expected_version, int(version))
+
+    # -- phases ------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        self._require((AWAKE, WEIGHTS_ONLY), "sleep", "the rollout is already asleep")
+        t0 = time.perf_counter()
+        self._phase = ASLEEP
+        self.timings["sleep_s"] = time.perf_counter() - t0
+
+    def wake_weights(self) -> None:
+        self._require((ASLEEP,), "wake_weights", "call sleep() first")
+        t0 = time.perf_counter()
+        self._phase = WEIGHTS_ONLY
+        self.timings["wake_weights_s"] = time.perf_counter() - t0
+
+    def wake_kv(self) -> None:
+        self._require((WEIGHTS_ONLY,), "wake_kv", "call wake_weights() (and sync) first")
+        t0 = time.perf_counter()
+        self._phase = AWAKE
+        self.timings["wake_kv_s"] = time.perf_counter() - t0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> SyncStats:
+        """Copies (HF name, tensor) pairs into the model; every parameter must be written."""
+        self._require((WEIGHTS_ONLY, AWAKE), "load_weights", "call wake_weights() first")
+        if int(version) < self.weight_version:
+            raise InvalidArgumentError(f"version {version} is older than the rollout's {self.weight_version}")
+        t0 = time.perf_counter()
+        stats = SyncStats(version=int(version))
+        written = set()
+        with torch.no_grad():
+            for name, t in named_tensors:
+                p = self._params.get(name)
+                if p is None:
+                    raise InvalidArgumentError(f"load_weights: the rollout model has no parameter {name!r}")
+                if tuple(p.shape) != tuple(t.shape):
+                    raise InvalidArgumentError(f"load_weights: {name} has shape {tuple(t.shape)}, the rollout "
+                                               f"model expects {tuple(p.shape)}")
+                p.copy_(t.to(device=p.device, dtype=p.dtype))
+                written.add(name)
+                stats.nbytes += t.numel() * t.element_size()
+                stats.ntensors += 1
+        missing = sorted(set(self._params) - written)
+        stats.complete = not missing
+        stats.nmissing, stats.missing = len(missing), tuple(missing[:4])
+        if missing:
+            raise WeightCheckError(f"load_weights wrote {len(written)} of {len(self._params)} parameters; "
+                                   f"missing e.g. {missing[:4]}")
+        names = sorted(written)
+        pick = names[:: max(1, len(names) // self.check_sample)][: self.check_sample]
+        self._expected = {n: _fingerprint(self._params[n]) for n in pick}
+        self.weight_version = int(version)
+        self._expected_version = max(self._expected_version, self.weight_version)
+        stats.seconds = stats.apply_seconds = time.perf_counter() - t0
+        self.last_sync = stats
+        return stats
+
+    def check(self) -> None:
+        """The sampled parameters still hold what the last sync wrote."""
+        self._require((WEIGHTS_ONLY, AWAKE), "check", "call wake_weights() first")
+        bad = [n for n, fp in self._expected.items() if _fingerprint(self._params[n]) != fp]
+        if bad:
+            raise WeightCheckError(f"{len(bad)} sampled rollout parameters changed since the last sync "
+                                   f"(e.g. {bad[:3]}); sync again before generating")
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 16, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: Optional[int] = 0) -> list:
+        """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature)."""
+        from colomem.grpo.batch import Completion
+
+        self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")
+        if self.weight_version < self._expected_version:
+            raise StaleWeightsError(f"the rollout holds weights version {self.weight_version} but the trainer "
+                                    f"announced {self._expected_version}; sync first")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise InvalidArgumentError("prompt_ids must be a non-empty list of non-empty token lists")
+        if temperature <= 0:
+            raise InvalidArgumentError("HFRollout samples: temperature must be > 0")
+        width = max(len(p) for p in prompt_ids)
+        rows = [p for p in prompt_ids for _ in range(n)]
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(rows):                      # left padding for generation
+            ids[i, width - len(p):] = torch.as_tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(int(seed))
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=float(temperature),
+                top_p=float(top_p), top_k=0, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
+                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True)
+        gen = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1)[:, : gen.shape[1]].float() / float(temperature)
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, gen[..., None]).squeeze(-1)
+        result: list[list] = []
+        for i in range(len(rows)):
+            toks = gen[i].tolist()
+            if self.eos_token_id in toks:
+                k = toks.index(self.eos_token_id) + 1
+                c = Completion(toks[:k], lps[i, :k].tolist(), "stop")
+            else:
+                c = Completion(toks, lps[i].tolist(), "length")
+            if i % n == 0:
+                result.append([])
+            result[-1].append(c)
+        return result
+
+    def memory(self) -> dict:
+        return {"phase": self._phase, "weight_version": self.weight_version}
+
+    def close(self) -> None:
+        self._phase = CLOSED
+        self.model = None
+        self._params = {}
+
+
+# ------------------------------------------------------------------------------------------------- trainer
+def merged_named_weights(model) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, tensor) of a model; for a peft LoRA model, base + scaling * B @ A under the base's names.
+
+    The adapter is not merged in place (no rounding drift across steps); lora_* tensors are left out."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+    except ImportError:                      # peft missing: cannot be a peft model
+        PeftModel = LoraLayer = None
+    if PeftModel is None or not isinstance(model, PeftModel):
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    base = model.get_base_model()
+    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            mod_name, _, leaf = name.partition(".base_layer.")
+            w = p.detach()
+            m = layers[mod_name]
+            if leaf == "weight" and not getattr(m, "merged", False):
+                for a in m.active_adapters:
+                    if a in m.lora_A:
+                        w = w + m.get_delta_weight(a).to(w.dtype)
+            yield f"{mod_name}.{leaf}", w
+        else:
+            yield name, p.detach()
+
+
+class TorchTrainer:
+    """Trainer protocol on plain torch (AdamW, fp32), for CPU runs and tests.
+
+    world_size > 1: gradients are averaged over `process_group` (gloo) before each step, so every rank
+    holds the same weights (data parallel; each rank trains on its share of the groups)."""
+
+    def __init__(self, model_path, *, lr: float, micro_batch: int, grad_accum: Optional[int] = None,
+                 grpo=None, lora=None, pool=None, weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0,
+                 seed: int = 0, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
+                 world_size: int = 1, swap_timeout_s: float = 300.0):
+        from colomem.grpo.config import GRPOConfig
+
+        if micro_batch < 1:
+            raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
+        self.grpo = grpo if grpo is not None else GRPOConfig()
+        self.micro_batch = int(micro_batch)
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.device = torch.device(device)
+        self.world_size = int(world_size)
+        self.process_group = process_group
+        self.swap_timeout_s = float(swap_timeout_s)
+        self.steps = 0
+        torch.manual_seed(seed)
+        model = _load_model(model_path, dtype, trust_remote_code).to(self.device)
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = lora
+        self._ref_fn = None
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=list(lora.target_modules),
+                                                     task_type="CAUSAL_LM"))
+        self.model = model
+        if self.grpo.kl_coef > 0:
+            from colomem.grpo.step import frozen_reference_fn, peft_reference_fn
+
+            if lora is not None:
+                self._ref_fn = peft_reference_fn(model, self.grpo.temperature)
+            else:        # full fine-tune: a frozen copy of the starting weights
+                ref = copy.deepcopy(model).eval().requires_grad_(False)
+                self._ref_fn = frozen_reference_fn(ref, self.grpo.temperature)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self._offloaded = False
+        self._closed = False
+        self._swaps = []
+        self._sync_source: Optional[list] = None
+        self.pool = pool
+        self.offload_mode = "none"
+        if pool is not None:
+            try:
+                from colomem.swap import SwapSet
+
+                self._swaps = [SwapSet.from_module(model, pool, grads=True, device=self.device, name="trainer.params"),
+                               SwapSet.from_optimizer(self.optimizer, pool, device=self.device,
+                                                      name="trainer.optim")]
+                self.offload_mode = "colomem"
+            except ColomemError as e:      # e.g. a device the host path does not serve
+                log.warning("TorchTrainer: offload through the pool unavailable (%s); offload is a no-op", e)
+                self._swaps = []
+        self.last_offload: dict = {}
+        self.last_reload: dict = {}
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def _check(self, what: str) -> None:
+        if self._closed:
+            raise PhaseOrderError(f"this TorchTrainer was closed; cannot {what}")
+        if self._offloaded:
+            raise PhaseOrderError(f"{what} on an offloaded trainer; call reload() first")
+
+    def train_step(self, batch) -> dict[str, float]:
+        from colomem.grpo.step import accumulate_gradients
+
+        self._check("train_step()")
+        t0 = time.perf_counter()
+        self.model.train()
+        metrics = accumulate_gradients(self.model, batch, self.grpo, micro_batch=self.micro_batch,
+                                       backward=lambda loss: loss.backward(), ref_logprobs_fn=self._ref_fn,
+                                       device=self.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.process_group)
+                p.grad.div_(self.world_size)
+        if self.max_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            metrics["grad_norm"] = float(norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["train_step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def offload(self) -> None:
+        """Parameters (+ grads) and optimizer state into the pool. The weights stay readable for the sync:
+        host views of the pool copy (full fine-tune) or staged merged copies (LoRA)."""
+        self._check("offload()")
+        t0 = time.perf_counter()
+        staged = None
+        if self.lora is not None or not self._swaps:
+            staged = [(n, t.clone()) for n, t in merged_named_weights(self.model)] if self._swaps else None
+        params = list(self.model.named_parameters())
+        nbytes = 0
+        for s in self._swaps:
+            nbytes += s.offload(timeout=self.swap_timeout_s).nbytes
+        self._offloaded = True
+        if staged is not None:
+            self._sync_source = staged
+        elif self._swaps:
+            self._sync_source = [(n, self._host_view(p)) for n, p in params]
+        self.last_offload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "method": self.offload_mode}
+
+    def _host_view(self, t: Tensor) -> Tensor:
+        swapset = self._swaps[0]
+        fn = getattr(swapset, "host_view", None)
+        if fn is not None:
+            return fn(t)
+        key = t.untyped_storage()._cdata
+        for e in getattr(swapset, "_entries", ()):          # until SwapSet has a public host_view()
+            if e.storage._cdata == key and e.block is not None:
+                raw = e.block.as_tensor(e.nbytes)
+                return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        raise ColomemError("TorchTrainer: a parameter's pool copy was not found after offload")
+
+    def reload(self) -> None:
+        if self._closed:
+            raise PhaseOrderError("this TorchTrainer was closed; cannot reload()")
+        if not self._offloaded:
+            raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
+        t0 = time.perf_counter()
+        self._sync_source = None            # host views die with the offload
+        nbytes = 0
+        for s in self._swaps:
+            nbytes += s.reload(timeout=self.swap_timeout_s).nbytes
+        self._offloaded = False
+        self.last_reload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "method": self.offload_mode}
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) for the rollout sync, LoRA merged. Offloaded: the pool copies prepared by offload()."""
+        if self._closed:
+            raise PhaseOrderError("this TorchTrainer was closed")
+        if self._offloaded and self._sync_source is not None:
+            return iter(list(self._sync_source))
+        return merged_named_weights(self.model)
+
+    def memory(self) -> dict:
+        out = {}
+        if self.pool is not None and not self.pool.closed:
+            st = self.pool.stats()
+            out["pinned_pool"] = int(st["reserved_bytes"])
+            out["pool_in_use"] = int(st["in_use_bytes"])
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._swaps:
+            try:
+                if self._offloaded:
+                    s.reload(timeout=self.swap_timeout_s)   # give the pool its blocks back
+                s.close()
+            except ColomemError as e:
+                log.warning("TorchTrainer.close: %s", e)
+        self._swaps = []
+        self._sync_source = None
+        self.model = None
+        self.optimizer = None
+        self.params = []

@@ -1,0 +1,14 @@
+"""The colocated GRPO runner: phases in a guarded order, bounded waits, timeline, memory table, metrics.
+
+    from colomem.runner import run_job
+    from colomem.grpo.config import load_run_config
+    result = run_job(load_run_config(["--steps", "5"]))
+
+`python runners/grpo_colocated.py --help` lists every option; docs/colocated-training.md explains them.
+"""
+from .loop import ColocatedRunner, RunResult, run_job
+from .phases import CYCLE, PhaseMachine, PhaseTimeoutError, Watchdog
+from .ranks import BarrierTimeoutError, Ranks
+
+__all__ = ["BarrierTimeoutError", "CYCLE", "ColocatedRunner", "PhaseMachine", "PhaseTimeoutError", "Ranks",
+           "RunResult", "Watchdog", "run_job"]

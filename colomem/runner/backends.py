@@ -1,0 +1,163 @@
+"""Build the rollout and the trainer for a RunConfig: vLLM + DeepSpeed on a GPU, or the CPU stand-ins.
+
+`--backend auto` takes the GPU path when a CUDA GPU is visible and vllm and deepspeed are installed, the CPU
+path otherwise (and says what the GPU path would need). The rollout is built first and put to sleep before
+the trainer is built (DeepSpeed must initialise while vLLM sleeps), so a run starts in the state the phase
+machine expects: trainer resident, rollout asleep.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError
+
+log = logging.getLogger(__name__)
+
+GPU_NEEDS = ("a CUDA GPU visible to torch, vllm==0.24.0 and deepspeed==0.19.8 (pip install 'colomem[gpu]', or "
+             "the GPU kit), and colomem built with CUDA (nvcc at build time)")
+
+
+@dataclass
+class Engines:
+    rollout: Any
+    trainer: Any
+    pool: Any = None
+    backend: str = "cpu"
+    tokenizer: Any = None
+    notes: tuple = ()
+
+
+def gpu_path_missing() -> list[str]:
+    """What the GPU path lacks here (empty: it can run)."""
+    missing = []
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            missing.append("no CUDA GPU visible to torch")
+    except ImportError:
+        missing.append("torch is not installed")
+    for mod, pin in (("vllm", "vllm==0.24.0"), ("deepspeed", "deepspeed==0.19.8")):
+        if importlib.util.find_spec(mod) is None:
+            missing.append(f"{mod} is not installed ({pin})")
+    try:
+        from colomem import _C
+        if not _C.build_info().get("cuda"):
+            missing.append("colomem was built without CUDA (host-only build)")
+    except ImportError:
+        missing.append("colomem._C is not built")
+    return missing
+
+
+def resolve_backend(choice: str) -> tuple[str, str]:
+    """('gpu' | 'cpu', a sentence saying why)."""
+    if choice == "cpu":
+        return "cpu", "CPU backend (--backend cpu): transformers generate + plain torch AdamW"
+    missing = gpu_path_missing()
+    if choice == "gpu":
+        if missing:
+            raise NotAvailableError(f"--backend gpu cannot run here: {'; '.join(missing)}. The GPU path needs "
+                                    f"{GPU_NEEDS}. Use --backend cpu for the small CPU run.")
+        return "gpu", "GPU backend: vLLM rollouts + DeepSpeed training on the same GPU"
+    if choice != "auto":
+        raise InvalidArgumentError(f"backend must be auto, gpu or cpu, got {choice!r}")
+    if missing:
+        return "cpu", (f"no GPU path here ({'; '.join(missing)}). Running the small CPU stand-in instead "
+                       f"(transformers generate + plain torch AdamW, same loop and phases). The GPU path needs "
+                       f"{GPU_NEEDS}.")
+    return "gpu", "GPU backend (auto): vLLM rollouts + DeepSpeed training on the same GPU"
+
+
+def accepted_kwargs(cls: Callable, kwargs: dict, what: str) -> dict:
+    """The kwargs `cls` accepts; the rest are dropped with a warning (an adapter that lags the config)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    dropped = sorted(k for k in kwargs if k not in params)
+    if dropped:
+        log.warning("%s does not accept %s; left out", what, ", ".join(dropped))
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _pool(cfg, *, cpu: bool):
+    if cfg.switch != "colomem":
+        return None
+    from colomem.pool import PinnedPool
+    from colomem.units import parse_bytes
+
+    if cpu:      # host path: grow in small segments, no pinning
+        return PinnedPool(min(parse_bytes(cfg.pool_bytes), 64 << 20), max_bytes=cfg.pool_max_bytes,
+                          segment_bytes="64MiB", pin=False)
+    return PinnedPool(cfg.pool_bytes, max_bytes=cfg.pool_max_bytes)
+
+
+def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_accum: int,
+                  log_fn=print) -> Engines:
+    """Rollout (asleep) + trainer (resident) + pool for `backend`; closes what it built if a later part fails."""
+    pool = rollout = trainer = None
+    try:
+        if backend == "gpu":
+            pool = _pool(cfg, cpu=False)
+            from colomem.engines.vllm import VLLMRollout
+
+            rkw = dict(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
+                       tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
+                       enforce_eager=cfg.enforce_eager, lora=cfg.lora, sleep_level=cfg.effective_sleep_level,
+                       weights_backup=cfg.effective_weights_backup, trust_remote_code=cfg.trust_remote_code,
+                       bucket_bytes=cfg.bucket_bytes, dtype=cfg.dtype, device=ranks.local_rank)
+            rollout = VLLMRollout(model_path, **accepted_kwargs(VLLMRollout, rkw, "VLLMRollout"))
+            rollout.sleep()                      # DeepSpeed initialises while vLLM sleeps
+            from colomem.engines.deepspeed import DeepSpeedTrainer
+
+            tkw = dict(zero_stage=cfg.zero_stage, lora=cfg.lora, lr=cfg.lr, micro_batch=cfg.micro_batch,
+                       grad_accum=grad_accum, pool=pool, gradient_checkpointing=cfg.gradient_checkpointing,
+                       trust_remote_code=cfg.trust_remote_code, grpo=cfg.grpo, offload=cfg.trainer_offload,
+                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+                       timeout_s=cfg.phase_timeout_s)
+            trainer = DeepSpeedTrainer(model_path, **accepted_kwargs(DeepSpeedTrainer, tkw, "DeepSpeedTrainer"))
+        else:
+            pool = _pool(cfg, cpu=True)
+            from colomem.engines.torch_cpu import HFRollout, TorchTrainer
+
+            rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code)
+            rollout.sleep()
+            trainer = TorchTrainer(model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum,
+                                   grpo=cfg.grpo, lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay,
+                                   max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
+                                   gradient_checkpointing=cfg.gradient_checkpointing,
+                                   trust_remote_code=cfg.trust_remote_code, process_group=ranks.group,
+                                   world_size=ranks.world_size, swap_timeout_s=cfg.phase_timeout_s)
+        return Engines(rollout, trainer, pool, backend, tokenizer)
+    except BaseException:
+        close_engines(Engines(rollout, trainer, pool, backend))
+        raise
+
+
+def close_engines(engines: Engines, log_fn: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Closes rollout, trainer and pool, each even if another fails; returns the failures as text."""
+    errors = []
+    for name in ("rollout", "trainer"):
+        obj = getattr(engines, name)
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception as e:  # noqa: BLE001  (cleanup goes on)
+            errors.append(f"closing the {name} failed: {type(e).__name__}: {e}")
+        setattr(engines, name, None)
+    if engines.pool is not None:
+        try:
+            engines.pool.close(force=True)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"closing the pinned pool failed: {type(e).__name__}: {e}")
+        engines.pool = None
+    for e in errors:
+        (log_fn or log.warning)(e)
+    return errors

@@ -1,0 +1,46 @@
+"""Command line of the colocated GRPO runner (runners/grpo_colocated.py is a thin wrapper around main)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+from colomem.errors import ColomemError
+
+DESCRIPTION = """Colocated GRPO: vLLM rollouts and DeepSpeed training take turns on the same GPU(s).
+
+Without arguments it runs the embedded default job: a tiny Qwen2 (random weights, tokenizer trained here)
+learns the `successor` task (">345" -> "67") with GRPO. On a machine without a GPU it runs a short CPU
+version of the same loop. Every flag below can also be set in a YAML file given with --config (flags win).
+Several GPUs: torchrun --nproc-per-node N runners/grpo_colocated.py ...
+"""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from colomem.grpo.config import ConfigError, build_arg_parser, load_run_config
+
+    from .loop import run_job
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")           # nothing is downloaded
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(levelname)s %(message)s")
+    parser = build_arg_parser(DESCRIPTION)
+    try:
+        cfg = load_run_config(argv, parser=parser)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run_job(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ColomemError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

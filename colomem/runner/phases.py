@@ -1,0 +1,114 @@
+"""The order of one colocated step, enforced, and a watchdog that bounds each phase.
+
+    offload -> barrier_wake -> wake_weights -> sync -> check -> wake_kv -> rollout -> sleep
+            -> barrier_train -> reload -> train -> (next step) offload ...
+
+Why this order: vLLM may only wake once every rank's trainer has left the GPU (barrier_wake), the weights
+wake before the KV cache so old weights, new weights and the KV cache never coexist, the sync and its check
+come before any token is generated, and the trainer reloads only after every rank's vLLM is asleep
+(barrier_train). The run starts as if a train phase had just ended: trainer resident, rollout asleep.
+"""
+from __future__ import annotations
+
+import _thread
+import faulthandler
+import sys
+import threading
+from typing import Optional
+
+from colomem.errors import PhaseOrderError, TransferTimeoutError
+
+CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "rollout", "sleep",
+         "barrier_train", "reload", "train")
+SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "sleep",
+                 "barrier_train", "reload")
+WORK_PHASES = ("rollout", "score", "train")
+
+WHY = {
+    "barrier_wake": "every rank must finish offloading its trainer before vLLM wakes",
+    "wake_weights": "the trainer must be offloaded (and all ranks past the barrier) before vLLM wakes",
+    "sync": "vLLM's weights must be awake before new weights are written into them",
+    "check": "the check reads the weights the sync just wrote",
+    "wake_kv": "the KV cache wakes only after the weights were synced and checked",
+    "rollout": "generation needs synced, checked weights and the KV cache",
+    "sleep": "vLLM sleeps after the rollout",
+    "barrier_train": "every rank's vLLM must be asleep before any trainer reloads",
+    "reload": "the trainer reloads only after every rank's vLLM is asleep",
+    "train": "training needs the trainer reloaded",
+    "offload": "a step starts by offloading the trainer after it trained",
+}
+
+
+class PhaseTimeoutError(TransferTimeoutError):
+    """A runner phase or a barrier ran past its bound."""
+
+
+class PhaseMachine:
+    """Allows only the next phase of CYCLE; after a failure, nothing but cleanup."""
+
+    def __init__(self):
+        self.last = "train"              # trainer resident, rollout asleep
+        self.current: Optional[str] = None
+        self.failed: Optional[str] = None
+
+    @property
+    def expected(self) -> str:
+        return CYCLE[(CYCLE.index(self.last) + 1) % len(CYCLE)]
+
+    def enter(self, phase: str) -> None:
+        if phase not in CYCLE:
+            raise PhaseOrderError(f"unknown phase {phase!r}; phases are {', '.join(CYCLE)}")
+        if self.failed is not None:
+            raise PhaseOrderError(f"cannot start {phase!r}: phase {self.failed!r} failed; the run must stop "
+                                  "(clean up and start a new one)")
+        if self.current is not None:
+            raise PhaseOrderError(f"cannot start {phase!r} while {self.current!r} is still running")
+        if phase != self.expected:
+            raise PhaseOrderError(f"cannot start {phase!r} after {self.last!r}: {self.expected!r} comes next "
+                                  f"({WHY.get(phase, '')})")
+        self.current = phase
+
+    def leave(self, ok: bool = True) -> None:
+        if self.current is None:
+            raise PhaseOrderError("no phase is running")
+        if ok:
+            self.last = self.current
+        else:
+            self.failed = self.current
+        self.current = None
+
+
+class Watchdog:
+    """Bounds one phase: at `timeout_s` it dumps every thread's stack and interrupts the main thread (the
+    phase then raises PhaseTimeoutError); `grace_s` later, if the main thread is stuck in C code that
+    cannot be interrupted, faulthandler ends the process (exit code 1) rather than hang forever."""
+
+    def __init__(self, timeout_s: float, grace_s: float = 120.0, hard_exit: bool = True):
+        self.timeout_s = float(timeout_s)
+        self.grace_s = float(grace_s)
+        self.hard_exit = hard_exit
+        self.fired: Optional[str] = None
+        self._timer: Optional[threading.Timer] = None
+        self._is_main = threading.current_thread() is threading.main_thread()
+
+    def start(self, what: str) -> None:
+        self.fired = None
+
+        def fire():
+            self.fired = what
+            sys.stderr.write(f"\n[colomem] {what} ran past {self.timeout_s:.0f} s; stacks of every thread:\n")
+            faulthandler.dump_traceback(all_threads=True)
+            if self._is_main:
+                _thread.interrupt_main()
+        self._timer = threading.Timer(self.timeout_s, fire)
+        self._timer.daemon = True
+        self._timer.start()
+        if self.hard_exit and self._is_main:
+            faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.hard_exit and self._is_main:
+            faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,189 @@
+"""What a run records: per-step phase times, a memory snapshot after every phase, JSONL metrics, alarms.
+
+Memory columns (bytes): `allocated` / `reserved` are this process's torch caching allocator (the trainer;
+vLLM's model runs in its own engine process), `driver_used` is total - free from cudaMemGetInfo (every process
+on the GPU), `pinned_host` is the colomem pool's reserved host memory. On CPU only `pinned_host` is known.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from colomem.units import format_bytes
+
+from .phases import CYCLE, SWITCH_PHASES, WORK_PHASES
+
+MEMORY_KEYS = ("allocated", "reserved", "driver_used", "pinned_host")
+
+
+def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
+    snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
+    if device is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info(device)
+            snap.update(allocated=int(torch.cuda.memory_allocated(device)),
+                        reserved=int(torch.cuda.memory_reserved(device)), driver_used=int(total - free))
+    pinned = int(extra_pinned)
+    if pool is not None and not getattr(pool, "closed", True):
+        pinned += int(pool.stats()["reserved_bytes"])
+    snap["pinned_host"] = pinned if (pool is not None or extra_pinned) else None
+    return snap
+
+
+@dataclass
+class StepRecord:
+    """One step: phase durations (s), memory after each phase, and the metrics."""
+    step: int
+    rank: int = 0
+    started: float = field(default_factory=time.time)
+    phase_s: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, dict] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    step_s: float = 0.0
+
+    @property
+    def switch_s(self) -> float:
+        return sum(self.phase_s.get(p, 0.0) for p in SWITCH_PHASES)
+
+    @property
+    def work_s(self) -> float:
+        return sum(self.phase_s.get(p, 0.0) for p in WORK_PHASES)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "rank": self.rank, "time": self.started, "step_s": self.step_s,
+                "switch_s": self.switch_s, "switch_fraction": self.switch_s / self.step_s if self.step_s else None,
+                "phase_s": self.phase_s, "memory": self.memory, **self.metrics}
+
+
+def _clean(v):
+    """JSON-safe: NaN/inf -> None (a JSONL line must stay valid JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if hasattr(v, "item") and callable(v.item):
+        return _clean(v.item())
+    return v
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes each line: lines already written are never rewritten,
+    a crash loses at most the line being written, and a re-used output directory keeps its old lines."""
+
+    def __init__(self, path: os.PathLike, fsync: bool = True):
+        self.path = os.fspath(path)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._fsync = fsync
+        self._f = open(self.path, "a", encoding="utf-8")
+        # a previous writer killed mid-line leaves a partial line: start on a fresh one
+        if self._f.tell() > 0:
+            with open(self.path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":
+                    self._f.write("\n")
+
+    def write(self, record: dict) -> None:
+        if self._f is None:
+            raise ValueError(f"MetricsWriter for {self.path} is closed")
+        line = json.dumps(_clean(record), allow_nan=False, separators=(",", ":"))
+        self._f.write(line + "\n")
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_jsonl(path: os.PathLike) -> list[dict]:
+    """Every complete JSON line of a metrics file (a torn last line is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class MemoryAlarm:
+    """Watches the GPU memory still in use after vLLM went to sleep (trainer still offloaded: the floor of
+    the step). It must stay flat; growth across steps is a leak (NeMo-RL#2619: 4 -> 11 -> 25 GiB)."""
+
+    def __init__(self, threshold_bytes: float, warmup_steps: int = 1):
+        self.threshold = float(threshold_bytes)
+        self.warmup = warmup_steps
+        self.baseline: Optional[int] = None
+        self.alarms: list[dict] = []
+        self._worst = 0
+
+    def observe(self, step: int, used_after_sleep: Optional[int]) -> Optional[str]:
+        if used_after_sleep is None or step < self.warmup:
+            return None
+        if self.baseline is None:
+            self.baseline = used_after_sleep
+            return None
+        growth = used_after_sleep - self.baseline
+        if growth > self.threshold and growth > self._worst:
+            self._worst = growth
+            msg = (f"memory left after sleep grew by {format_bytes(growth)} since step {self.warmup} "
+                   f"({format_bytes(self.baseline)} -> {format_bytes(used_after_sleep)}): something is not freed "
+                   "between steps (a leak in the trainer offload, the sync or vLLM's sleep)")
+            self.alarms.append({"step": step, "growth_bytes": growth, "used_after_sleep": used_after_sleep,
+                                "message": msg})
+            return msg
+        return None
+
+
+def _fmt(n: Optional[float]) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def memory_table(records: list[StepRecord]) -> str:
+    """Markdown table: per phase, the median over steps of each memory column after that phase."""
+    if not records:
+        return ""
+    lines = ["| after phase | GPU allocated | GPU reserved | GPU driver-used | pinned host |",
+             "| --- | --- | --- | --- | --- |"]
+    for phase in CYCLE:
+        rows = [r.memory[phase] for r in records if phase in r.memory]
+        if not rows:
+            continue
+        cols = []
+        for k in MEMORY_KEYS:
+            vals = sorted(v[k] for v in rows if v.get(k) is not None)
+            cols.append(_fmt(vals[len(vals) // 2]) if vals else "-")
+        lines.append(f"| {phase} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(records: list[StepRecord], skip_first: bool = True) -> str:
+    """Markdown table: median seconds of each phase (first step left out as warm-up when there are more)."""
+    recs = records[1:] if skip_first and len(records) > 1 else records
+    if not recs:
+        return ""
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    step = med([r.step_s for r in recs])
+    lines = ["| phase | median s | share of step |", "| --- | --- | --- |"]
+    for phase in CYCLE[:7] + ("score",) + CYCLE[7:]:
+        xs = [r.phase_s[phase] for r in recs if phase in r.phase_s]
+        if xs:
+            lines.append(f"| {phase} | {med(xs):.4f} | {100 * med(xs) / step if step else 0:.2f} % |")
+    sw = med([r.switch_s for r in recs])
+    lines.append(f"| **switch total** | {sw:.4f} | {100 * sw / step if step else 0:.2f} % |")
+    lines.append(f"| **step** | {step:.4f} | 100 % |")
+    return "\n".join(lines)
