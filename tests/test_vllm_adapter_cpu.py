@@ -260,13 +260,15 @@ def test_llm_kwargs_defaults_and_worker_extension():
     assert kw["worker_extension_cls"] == WORKER_EXTENSION == "colomem.engines.vllm_worker.ColomemWorkerExtension"
     assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.3 and kw["max_model_len"] == 256
     assert "enable_lora" not in kw
+    assert kw["logprobs_mode"] == "processed_logprobs"             # log-softmax(logits / T), as GRPO computes
     r.close()
 
 
 @pytest.mark.parametrize("bad", [dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5),
                                  dict(max_model_len=0), dict(sleep_level=3), dict(weights_backup="disk"),
                                  dict(lora_mode="sideways"), dict(verify="maybe"), dict(tensor_parallel_size=0),
-                                 dict(rpc_timeout_s=0), dict(lora_mode="adapter")])
+                                 dict(rpc_timeout_s=0), dict(lora_mode="adapter"),
+                                 dict(logprobs_mode="raw_logits")])
 def test_argument_validation(bad):
     kw = dict(gpu_memory_utilization=0.3, max_model_len=256)
     kw.update(bad)

@@ -17,6 +17,10 @@ Sleep modes (`sleep_level`, `weights_backup`):
                                         pool (chunked, pinned once) and vLLM sleeps at level 2; wake_weights()
                                         copies them back (restore=False skips that before a full sync).
 
+Logprobs: `logprobs_mode="processed_logprobs"` (default) returns log-softmax(logits / temperature) of each
+sampled token (after top-k/top-p), what the GRPO ratio compares against at top_p=1; "raw_logprobs" ignores the
+temperature.
+
 LoRA (`lora=LoraSpec`, `lora_mode`):
   "merged"  (default) vLLM serves a plain model; the trainer merges the adapter and syncs full weights. Always
             correct whatever the sleep level, and the bridge makes a full sync cheap.
@@ -158,6 +162,7 @@ class VLLMRollout:
         dtype: str = "bfloat16",
         device: int = 0,
         max_num_seqs: Optional[int] = None,
+        logprobs_mode: str = "processed_logprobs",
         verify: str = "sampled",
         check_sample: int = 8,
         rpc_timeout_s: float = 120.0,
@@ -176,6 +181,10 @@ class VLLMRollout:
             raise InvalidArgumentError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if verify not in ("none", "sampled", "full"):
             raise InvalidArgumentError(f"verify must be 'none', 'sampled' or 'full', got {verify!r}")
+        if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise InvalidArgumentError(f"logprobs_mode must be 'processed_logprobs' (log-softmax of logits / "
+                                       f"temperature, as the GRPO loss computes them) or 'raw_logprobs', "
+                                       f"got {logprobs_mode!r}")
         if int(bucket_buffers) < 1:
             raise InvalidArgumentError(f"bucket_buffers must be >= 1, got {bucket_buffers}")
         for name, v in (("rpc_timeout_s", rpc_timeout_s), ("generate_timeout_s", generate_timeout_s),
@@ -210,6 +219,7 @@ class VLLMRollout:
             trust_remote_code=bool(trust_remote_code), seed=int(seed),
             gpu_memory_utilization=float(gpu_memory_utilization), max_model_len=int(max_model_len),
             enforce_eager=bool(enforce_eager), tensor_parallel_size=int(tensor_parallel_size), dtype=dtype,
+            logprobs_mode=logprobs_mode,
         )
         if max_num_seqs is not None:
             self.llm_kwargs["max_num_seqs"] = int(max_num_seqs)
