@@ -89,7 +89,7 @@ def _wait_event(event: torch.cuda.Event, timeout: float, what: str) -> float:
             raise TransferTimeoutError(f"{what} did not finish within {timeout:g} s; the GPU may be hung or "
                                        f"heavily shared. Raise the timeout or check the device")
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, 2e-4)
     return time.perf_counter() - t0
 
 
@@ -97,6 +97,15 @@ def _wait_stream(stream: torch.cuda.Stream, timeout: float, what: str) -> float:
     ev = torch.cuda.Event()
     ev.record(stream)
     return _wait_event(ev, timeout, what)
+
+
+def _wait_current_stream(device: torch.device, timeout: float, what: str) -> float:
+    return _wait_stream(torch.cuda.current_stream(device), timeout, what)
+
+
+def _buffer_checksum(ptr: int, nbytes: int, stride: int, device: torch.device) -> int:
+    """The checksum of device memory, computed on (and synchronising) the current stream."""
+    return _C.checksum(ptr, nbytes, stride, int(torch.cuda.current_stream(device).cuda_stream), device.index)
 
 
 def _view(buf: "_C.IpcBuffer", nbytes: int, device: torch.device, owner: Any) -> torch.Tensor:
@@ -239,8 +248,10 @@ class WeightBridge:
                 conn.close()
 
     def _handshake(self, conn: "_C.UnixConnection") -> None:
-        fds = [b.export_fd() for b in self._buffers]
+        fds: list = []
         try:
+            for b in self._buffers:
+                fds.append(b.export_fd())
             conn.send(_encode("hello", protocol=PROTOCOL, uuid=self.uuid, pid=os.getpid(),
                               buffers=[b.nbytes for b in self._buffers], bucket_bytes=self.bucket_bytes,
                               checksum=self.checksum), fds, self.timeout)
@@ -284,13 +295,18 @@ class WeightBridge:
         version = int(version)
         if version < 0:
             raise InvalidArgumentError(f"version must be >= 0, got {version}")
-        with self._lock:
-            if self._publishing:
-                raise InvalidArgumentError("another publish() of this bridge is still running; finish it first")
-            self._publishing = True
+        self._check_idle()
         return self._publish(named_tensors, version)
 
+    def _check_idle(self) -> None:
+        if self._publishing:
+            raise InvalidArgumentError("another publish() of this bridge is still running; finish or close() it "
+                                       "first")
+
     def _publish(self, named_tensors: Iterable, version: int) -> Iterator[BucketMessage]:
+        with self._lock:  # set here, not in publish(): a generator never started never runs its finally
+            self._check_idle()
+            self._publishing = True
         stats = BridgeStats(version=version)
         t0 = time.perf_counter()
         plans = plan_buckets(named_tensors, self.bucket_bytes)
@@ -597,9 +613,8 @@ class BridgeImporter:
 
     def _tensors(self, m: BucketMessage, verify: str) -> Iterator[tuple]:
         buf = self._buffers[m.buffer]
-        stream = torch.cuda.current_stream(self.device)
         if verify != "none":
-            self._verify(m, buf, verify, stream)
+            self._verify(m, buf, verify)
         if m.entries:
             owner = _ViewOwner(buf)
             self._owners[m.buffer].add(owner)
@@ -610,7 +625,7 @@ class BridgeImporter:
                 if out is not None:
                     yield out
             del base
-            _wait_stream(stream, self.timeout, f"copies out of bucket {m.seq}")
+            _wait_current_stream(self.device, self.timeout, f"copies out of bucket {m.seq}")
         if m.last:
             pending = self._reasm.pending()
             self._reasm.reset()
@@ -618,14 +633,24 @@ class BridgeImporter:
                 raise PeerError(f"version {m.version} ended with split tensors missing parts: {pending[:8]}")
             self.version = m.version
 
-    def _verify(self, m: BucketMessage, buf, verify: str, stream) -> None:
+    def verify(self, msg: Union[dict, BucketMessage], verify: str = "sampled") -> None:
+        """Checks the message's buffer still holds the bytes the producer packed (WeightCheckError if not).
+        Does not touch the ordering state: call it any time before the message's ACK."""
+        self._check_open()
+        m = BucketMessage.from_dict(msg)
+        if m.buffer >= len(self._buffers) or m.nbytes > self._buffers[m.buffer].nbytes:
+            raise PeerError(f"bucket {m.seq} does not fit buffer {m.buffer} of this bridge")
+        if verify != "none":
+            self._verify(m, self._buffers[m.buffer], verify)
+
+    def _verify(self, m: BucketMessage, buf, verify: str) -> None:
         if m.checksum is None or m.checksum_stride == 0:
             raise InvalidArgumentError(f"verify={verify!r} but the producer sends no checksum (checksum='none'); "
                                        f"use verify='none' or a producer with checksum='sampled'/'full'")
         if verify == "full" and m.checksum_stride != 1:
             raise InvalidArgumentError("verify='full' needs a producer with checksum='full' (this one samples "
                                        f"every {m.checksum_stride}-th word); use verify='sampled'")
-        got = _C.checksum(buf.ptr, m.nbytes, m.checksum_stride, int(stream.cuda_stream), self.device.index)
+        got = _buffer_checksum(buf.ptr, m.nbytes, m.checksum_stride, self.device)
         if got != m.checksum:
             raise WeightCheckError(f"bucket {m.seq} of version {m.version} (buffer {m.buffer}, {m.nbytes} B) has "
                                    f"checksum 0x{got:016x}, the producer packed 0x{m.checksum:016x}: the buffer was "
@@ -656,19 +681,22 @@ class BridgeImporter:
         self._check_open()
         timeout = self.timeout if timeout is None else float(timeout)
         m = BucketMessage.from_dict(msg)
-        _wait_stream(torch.cuda.current_stream(self.device), timeout, f"copies out of bucket {m.seq}")
+        _wait_current_stream(self.device, timeout, f"copies out of bucket {m.seq}")
         self._conn.send(_encode("ack", ok=bool(ok), version=m.version, seq=m.seq, error=error), [], timeout)
 
     def messages(self, timeout: Optional[float] = None) -> Iterator[dict]:
         """Receives the messages of one version over the socket, until its last. Each is ACKed when the loop
-        body is done with it (the generator resumes); an exception in the body refuses it instead."""
+        body is done with it (the generator resumes); leaving the loop early (an exception, a break) refuses
+        it instead. To send the producer your own error text, call ack(msg, ok=False, error=...) yourself."""
         while True:
             msg = self.receive(timeout)
             try:
                 yield msg
             except BaseException as exc:
+                why = ("the consumer stopped inside its loop (an error in its body, or a break)"
+                       if isinstance(exc, GeneratorExit) else f"{type(exc).__name__}: {exc}")
                 try:
-                    self.ack(msg, ok=False, error=f"{type(exc).__name__}: {exc}", timeout=1.0)
+                    self.ack(msg, ok=False, error=why, timeout=1.0)
                 except ColomemError:
                     pass
                 raise

@@ -267,13 +267,3 @@ def test_round_trip_property(sizes, bucket_bytes, nbuffers, seed):
     check_layout(msgs, bucket_bytes)
     total = sum(t.numel() * t.element_size() for _, t in named)
     assert sum(e.nbytes for m in msgs for e in m.entries) == total
-
-
-def test_bridge_without_cuda_is_not_available():
-    if torch.cuda.is_available() and _C.build_info()["cuda"]:
-        pytest.skip("a CUDA device is visible: tests/gpu/test_bridge_ipc.py covers the bridge")
-    from colomem.bridge import WeightBridge
-    from colomem.errors import NotAvailableError
-
-    with pytest.raises(NotAvailableError):
-        WeightBridge(bucket_bytes="1MiB", buffers=2, device=0)

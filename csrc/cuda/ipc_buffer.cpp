@@ -182,6 +182,8 @@ ExportableBuffer::ExportableBuffer(int device, size_t nbytes) {
 int ExportableBuffer::export_fd() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) throw PoolClosed("cannot export a closed IPC buffer");
+  DeviceGuard guard(device_);  // may run on another thread (the bridge's accept thread): bind the context
+  ensure_context();
   int fd = -1;
   COLOMEM_CU_CHECK(driver().cuMemExportToShareableHandle(&fd, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   return fd;

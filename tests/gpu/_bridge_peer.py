@@ -1,0 +1,110 @@
+"""The second process of tests/gpu/test_bridge_ipc.py: a bridge consumer or producer on the same GPU.
+
+Prints one JSON object per line (events) on stdout; the test reads them. Also holds the named tensors both
+sides regenerate from a seed, so the consumer checks bytes without receiving them any other way.
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+BUCKET_BYTES = 1 << 20  # small buckets: many messages, several split tensors
+
+
+def named_tensors(version: int, device) -> list:
+    """Random bytes of every common dtype, odd shapes, zero-size, a scalar, non-contiguous views, and
+    tensors larger than a bucket (split). Content depends on the version."""
+    g = torch.Generator().manual_seed(1000 + version)
+    specs = [
+        ("emb", torch.bfloat16, (700, 1000)),        # 1.4 MB: split
+        ("w.f32", torch.float32, (129, 33)),
+        ("w.f16", torch.float16, (3, 5, 7)),
+        ("w.f64", torch.float64, (17,)),
+        ("i8", torch.int8, (1023,)),
+        ("u8", torch.uint8, (4101,)),
+        ("i16", torch.int16, (9, 9)),
+        ("i32.big", torch.int32, (600_000,)),       # 2.4 MB: split over three buckets
+        ("i32.empty", torch.int32, (0,)),
+        ("i64", torch.int64, (3,)),
+        ("mask", torch.bool, (77,)),
+        ("c64", torch.complex64, (5, 5)),
+        ("scalar", torch.float32, ()),
+    ]
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            specs.append((name, getattr(torch, name), (300,)))
+    out = []
+    for name, dtype, shape in specs:
+        n = 1
+        for s in shape:
+            n *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+        if dtype == torch.bool:
+            raw = raw % 2
+        out.append((name, raw.view(dtype).reshape(shape).to(device)))
+    base = torch.randint(0, 1 << 15, (40, 30), dtype=torch.int16, generator=g).view(torch.bfloat16).to(device)
+    out.append(("transposed", base.t()))            # non-contiguous
+    out.append(("strided", base[::3, 1::2]))
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def consumer(address: str, versions: int, hold_s: float) -> None:
+    """Receives `versions` versions over the socket; checks bytes; holds every other buffer for hold_s
+    before its ACK and re-verifies it, which fails if the producer refilled it early."""
+    from colomem.bridge import BridgeImporter
+
+    imp = BridgeImporter.connect(address, timeout=60)
+    emit(event="attached", device=str(imp.device), buffers=len(imp._buffers), uuid=imp.uuid)
+    for v in range(versions):
+        want = dict(named_tensors(v, imp.device))
+        got, held, nmsg = {}, 0, 0
+        for msg in imp.messages(timeout=60):
+            nmsg += 1
+            for name, t in imp.tensors(msg, verify="full"):
+                got[name] = t.clone()
+            if msg["seq"] % 2 == 0:
+                torch.cuda.synchronize()
+                time.sleep(hold_s)  # the producer packs the next buckets meanwhile
+                imp.verify(msg, "full")
+                held += 1
+        bad = sorted(n for n in want if n not in got or not same_bytes(got[n], want[n].contiguous()))
+        emit(event="version", version=v, ok=not bad and set(got) == set(want), bad=bad, ntensors=len(got),
+             messages=nmsg, held=held, applied=imp.version)
+    imp.close()
+    emit(event="closed", live_views=imp.live_views)
+
+
+def producer(nversions: int) -> None:
+    """Publishes versions over the socket, then waits to be killed (or for the consumer to leave)."""
+    from colomem.bridge import WeightBridge
+
+    bridge = WeightBridge(bucket_bytes=BUCKET_BYTES, buffers=2, device=0, checksum="full", timeout=60)
+    emit(event="address", address=bridge.address)
+    bridge.wait_for_importers(1, 60)
+    for v in range(nversions):
+        stats = bridge.sync(named_tensors(v, bridge.device), version=v)
+        emit(event="synced", version=v, messages=stats.messages)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "consumer":
+        consumer(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    elif role == "producer":
+        producer(int(sys.argv[2]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
