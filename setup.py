@@ -90,7 +90,7 @@ class NinjaBuildExt(build_ext):
         includes = [f"-I{CSRC}", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
         if with_cuda:
             includes.append(f"-I{cuda_home / 'include'}")
-        opt = ["-O0", "-g"] if debug else ["-O2"]
+        opt = ["-O0", "-g"] if debug else ["-O2", "-g"]
         cxxflags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
                     *opt, *defines, *includes]
         ldflags = ["-shared", "-pthread"]

@@ -2,18 +2,50 @@
 // (bindings/errors.cpp); messages say what happened and what to do about it.
 #pragma once
 
-#include <sstream>
+#include <cstdint>
+#include <cstdio>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 namespace colomem {
 
+// An address printed as 0x... in messages: cat("at ", hex(ptr)).
+struct Hex {
+  uintptr_t value;
+};
+inline Hex hex(uintptr_t v) { return Hex{v}; }
+
+// Message building without iostreams: no locale facets are touched, so the core never depends on
+// how (or by which libstdc++ copy) the process's global locale was set up.
+namespace detail {
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+inline void append(std::string& s, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.4g", v);
+  s += buf;
+}
+inline void append(std::string& s, Hex v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v.value));
+  s += buf;
+}
+inline void append(std::string& s, float v) { append(s, static_cast<double>(v)); }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+}  // namespace detail
+
 template <typename... Args>
-std::string cat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+std::string cat(const Args&... args) {
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
 }
 
 class Error : public std::runtime_error {

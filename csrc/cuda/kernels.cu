@@ -68,7 +68,7 @@ void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
   cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr));
   if (err != cudaSuccess) (void)cudaGetLastError();
   if (err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device != device)
-    throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec, " is on cuda:", attr.device,
+    throw InvalidArgument(cat("checksum: address ", hex(ptr), " is on cuda:", attr.device,
                               ", not cuda:", device));
   if (err == cudaSuccess && attr.type != cudaMemoryTypeUnregistered) return;
   // VMM mappings (ours, vLLM's) may report no memory type: they have an allocation handle.
@@ -77,7 +77,7 @@ void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
     driver().cuMemRelease(h);
     return;
   }
-  throw InvalidArgument(cat("checksum: address 0x", std::hex, ptr, std::dec,
+  throw InvalidArgument(cat("checksum: address ", hex(ptr),
                             " is not CUDA memory; pass device=-1 for host memory"));
 }
 
@@ -86,7 +86,7 @@ void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
                           int device) {
   require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
-  require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got 0x", std::hex, ptr));
+  require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got ", hex(ptr)));
   require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
   require_device(device);
   DeviceGuard guard(device);
