@@ -203,7 +203,8 @@ def test_collect_dedups_views_and_sorts_by_category():
     assert names["master"] == ["optimizer.single_partition_of_fp32_groups[0]"]
     assert sorted(n.rsplit(".", 1)[1] for n in names["optim"]) == ["exp_avg", "exp_avg_sq", "step"]
     assert [n for n, _ in st.scratch] == ["optimizer.ipg_buckets[torch.bfloat16].buffer[0]"]
-    assert st.unlisted == ["optimizer.new_release_buffer"] and names["other"] == st.unlisted
+    assert st.unlisted == [("optimizer.new_release_buffer", 64)]
+    assert names["other"] == ["optimizer.new_release_buffer"]
     assert st.sizes["params"] == flat.untyped_storage().nbytes() + 5 * 4
     assert st.sizes["master"] == flat.numel() * 4
     assert st.sizes["scratch"] == 128
@@ -400,3 +401,22 @@ def test_closed_trainer_refuses_work():
     t._closed = True
     with pytest.raises(PhaseOrderError, match="closed"):
         t.named_weights()
+
+
+def test_unresizable_storage_is_kept_reported_and_still_readable(pool):
+    """Memory colomem cannot shrink (from_blob, DLPack, mmap'd checkpoints) stays put and is reported."""
+    eng = fake_zero2_engine()
+    raw = bytearray(torch.arange(8, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    foreign = torch.frombuffer(raw, dtype=torch.bfloat16)
+    eng.module.register_buffer("foreign", foreign)
+    st = dsa.collect_engine_state(eng, CPU)
+    assert st.skipped == [("foreign", 16)]
+    assert all(n != "foreign" for n, _ in st.swap_items())
+    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.offload()
+    assert s.host_view(foreign) is None
+    t = bare_trainer(eng.module, None)
+    items = t._resolve_sync([("foreign", ("view", foreign)), ("0.weight", ("view", eng.module[0].weight))], s)
+    assert items[0][1] is foreign and items[1][1].untyped_storage().nbytes() > 0
+    s.reload()
+    s.close()

@@ -262,9 +262,11 @@ def _iter_attrs(obj, path: str, depth: int, seen: set[int], deep: bool) -> Itera
 # Attributes of DeepSpeed's ZeRO optimizers that hold state between steps, by category (see module docstring).
 _ZERO_ROOTS = {
     2: {"params": ("bit16_groups_flat",), "master": ("single_partition_of_fp32_groups",),
-        "grads": ("averaged_gradients", "grads_in_partition", "all_grad_tensors")},
+        "grads": ("averaged_gradients", "grads_in_partition", "all_grad_tensors"),
+        "other": ("_global_grad_norm", "norm_for_param_grads")},
     3: {"params": ("lp_param_buffer", "fp16_partitioned_groups_flat"), "master": ("fp32_partitioned_groups_flat",),
-        "grads": ("grad_partitions_flat_buffer", "averaged_gradients")},
+        "grads": ("grad_partitions_flat_buffer", "averaged_gradients"),
+        "other": ("_global_grad_norm", "norm_for_param_grads", "inf_or_nan_tracker")},
 }
 _SCRATCH_ROOTS = ("ipg_buckets",)       # overwritten before they are read: dropped, not copied
 
@@ -274,7 +276,7 @@ class EngineState:
     """The storages an engine holds on one device: one (name, tensor) per storage, by category."""
     groups: dict[str, list[tuple[str, Tensor]]]
     scratch: list[tuple[str, Tensor]]
-    unlisted: list[str]                      # found only by the walk of DeepSpeed's objects (category "other")
+    unlisted: list[tuple[str, int]]          # (name, bytes) found only by the walk of DeepSpeed's objects
     skipped: list[tuple[str, int]] = field(default_factory=list)   # not resizable: stays on the GPU
     sizes: dict[str, int] = field(default_factory=dict)            # bytes by category when collected
     seconds: float = 0.0                                            # time the collection took
@@ -306,7 +308,7 @@ def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6) -
     module = engine.module
     groups: dict[str, list[tuple[str, Tensor]]] = {c: [] for c in CATEGORIES}
     scratch: list[tuple[str, Tensor]] = []
-    unlisted: list[str] = []
+    unlisted: list[tuple[str, int]] = []
     skipped: list[tuple[str, int]] = []
     seen: set[int] = set()
 
@@ -349,6 +351,9 @@ def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6) -
     for attr in roots["grads"]:
         for name, t in _iter_tensors(getattr(opt, attr, None), f"optimizer.{attr}", 4, set()):
             add("grads", name, t)
+    for attr in roots["other"]:                  # small scalars: grad norms, overflow flags
+        for name, t in _iter_tensors(getattr(opt, attr, None), f"optimizer.{attr}", 3, set()):
+            add("other", name, t)
     for attr in _SCRATCH_ROOTS:
         for name, t in _iter_tensors(getattr(opt, attr, None), f"optimizer.{attr}", 5, set(), deep=True):
             add("scratch", name, t)
@@ -361,7 +366,7 @@ def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6) -
                 continue
             for name, t in _iter_tensors(v, f"{root}.{k}", walk_depth, walk_seen):
                 if add("other", name, t):
-                    unlisted.append(name)
+                    unlisted.append((name, _storage_nbytes(t)))
     state = EngineState(groups, scratch, unlisted, skipped)
     state.sizes = state.by_category()
     state.seconds = time.perf_counter() - t0
@@ -430,8 +435,10 @@ class _ColomemOffload:
         self._state: Optional[EngineState] = None
         self._scratch = _ScratchBuffers()
         self._timeout = timeout_s
+        # release=True: the memory goes back to the driver inside the timed move, as with the baselines
         self.swapset = SwapSet.from_tensors(lambda: self._state.swap_items() if self._state else [], pool,
-                                            name="deepspeed-trainer", device=device, release=False)
+                                            name="deepspeed-trainer", device=device,
+                                            release=device.type == "cuda")
 
     def offload(self) -> _Move:
         t0 = time.perf_counter()
@@ -507,6 +514,8 @@ class _ToOffload:
             self._scratch.regrow()
             self._scratch.forget()
             raise
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
         return _Move(sum(h.numel() for _, _, h in self._held), time.perf_counter() - t0, state)
 
     def _restore(self) -> int:
@@ -586,7 +595,7 @@ class SwitchReport:
     allocated_bytes: int         # torch allocated after
     reserved_bytes: int          # torch reserved after
     by_category: dict[str, int] = field(default_factory=dict)
-    unlisted: list[str] = field(default_factory=list)
+    unlisted: list[tuple[str, int]] = field(default_factory=list)   # (name, bytes) only the walk found
     kept_bytes: int = 0          # storages that could not be resized (stay on the GPU)
     move_seconds: float = 0.0    # the move alone (without preparing the sync and empty_cache)
     collect_seconds: float = 0.0  # finding the storages (part of move_seconds for colomem and to)
@@ -976,7 +985,7 @@ class DeepSpeedTrainer:
         with self._full_params(params + lora_params) as full:
             weight = full[0]
             if adapters:
-                acc = weight.float()
+                acc = weight.to(torch.float32, copy=True)       # never a view of the base weight
                 for i, a in enumerate(adapters):
                     A, B = full[len(params) + 2 * i], full[len(params) + 2 * i + 1]
                     delta = B.float() @ A.float()
@@ -1056,10 +1065,12 @@ class DeepSpeedTrainer:
         for name, (kind, t) in plan:
             if kind == "view":
                 h = strategy.host_view(t)
-                if h is None:
-                    raise ColomemError(f"named weight {name} is not in the offloaded set; this is a bug in the "
-                                       "DeepSpeed adapter's state collection (please report it)")
-                t = h
+                if h is not None:
+                    t = h
+                elif _storage_nbytes(t) == 0:
+                    raise ColomemError(f"named weight {name} was offloaded but is not in the swap set; this is a "
+                                       "bug in the DeepSpeed adapter's state collection (please report it)")
+                # else: a storage that could not be resized stayed where it is (kept_bytes): read it there
             out.append((name, t))
         return out
 
