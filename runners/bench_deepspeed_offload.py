@@ -136,6 +136,8 @@ def run_child(a) -> int:
                 continue
             rows = []
             for c in range(cycles):
+                if rows and time.perf_counter() > deadline:
+                    break
                 last = method == "colomem" and c == cycles - 1
                 trainer.offload(method=method, prepare_sync=last)
                 off = trainer.last_offload.to_dict()
@@ -144,8 +146,6 @@ def run_child(a) -> int:
                 log(f"zero{a.stage} {method} cycle {c}: offload {off['move_seconds']:.3f} s "
                     f"({off['gbps']:.1f} GB/s, freed {off['freed_bytes'] / GiB:.2f} GiB), reload "
                     f"{rows[-1]['reload']['move_seconds']:.3f} s ({rows[-1]['reload']['gbps']:.1f} GB/s)")
-                if time.perf_counter() > deadline and c + 1 < cycles:
-                    break
             res["methods"][method] = {"cycles": rows}
             step(f"after {method}")
     except BaseException as e:                # noqa: BLE001 - recorded, the parent reports it
@@ -230,18 +230,20 @@ def main() -> int:
     results: dict = {}
     for i, stage in enumerate(stages):
         left = a.budget_s - (time.perf_counter() - T0)
-        share = left / (len(stages) - i)
-        if share < 30:
+        # keep ~95 s for each later stage (start, engine, DeepSpeed's first offload); the child stops
+        # starting new cycles at its deadline and leaves ~20 s to close
+        deadline = left - 95 * (len(stages) - i - 1) - 20
+        if deadline < 40:
             results[stage] = {"errors": ["skipped: budget spent"]}
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--stage", str(stage), "--out", a.out,
                "--shape", a.shape, "--cycles", str(a.cycles), "--to-cycles", str(a.to_cycles),
-               "--micro-batch", str(a.micro_batch), "--seq", str(a.seq), "--deadline-s", str(share - 25)]
+               "--micro-batch", str(a.micro_batch), "--seq", str(a.seq), "--deadline-s", str(round(deadline))]
         if a.torch_adam:
             cmd.append("--torch-adam")
         log(f"ZeRO-{stage}: {' '.join(cmd[1:])}")
         try:
-            rc = subprocess.run(cmd, timeout=max(left - 5, 30)).returncode
+            rc = subprocess.run(cmd, timeout=max(min(left - 5, deadline + 45), 30)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         p = Path(a.out) / f"zero{stage}.json"

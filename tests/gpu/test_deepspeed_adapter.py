@@ -57,6 +57,7 @@ def ready():
     del a
     settle()
     yield
+    torch.use_deterministic_algorithms(False)        # do not leak the mode into other test modules
 
 
 def settle():
