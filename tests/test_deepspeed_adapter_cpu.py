@@ -81,6 +81,7 @@ GOOD = dict(zero_stage=2, micro_batch=2, grad_accum=1, lr=1e-5, offload="colomem
 
 def test_good_arguments_pass():
     dsa.validate_trainer_args(**GOOD)
+    dsa.validate_trainer_args(**{**GOOD, "grad_accum": None})      # RunConfig's "rows per rank / micro_batch"
     dsa.validate_trainer_args(**{**GOOD, "zero_stage": 3, "lora": LoraSpec(), "offload": "to"})
 
 

@@ -180,7 +180,7 @@ def validate_trainer_args(*, zero_stage, micro_batch, grad_accum, lr, offload, t
     if zero_stage not in ZERO_STAGES:
         bad(f"zero_stage={zero_stage!r}: the DeepSpeed trainer supports ZeRO stage 2 or 3 (bf16); stage 0/1 use "
             "DeepSpeed's BF16_Optimizer, whose buffers this adapter does not move")
-    for name, v in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+    for name, v in (("micro_batch", micro_batch), ("grad_accum", 1 if grad_accum is None else grad_accum)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             bad(f"{name}={v!r}: must be an integer >= 1")
     if not (isinstance(lr, (int, float)) and lr > 0):
@@ -653,7 +653,7 @@ class DeepSpeedTrainer:
     zero_stage: 2 or 3. lora: a LoraSpec (peft adapter on the policy; the base with adapters off is the free
         KL reference) or None (full fine-tune). micro_batch: rows per forward/backward; grad_accum: the
         nominal micro-batches per step (train_step takes any batch size: the accumulation boundary is set
-        by hand at its last micro-batch). pool: the colomem.PinnedPool for offload="colomem" (default: one
+        by hand at its last micro-batch; None = 1). pool: the colomem.PinnedPool for offload="colomem" (default: one
         owned by the trainer). offload: "colomem" | "deepspeed" (engine.offload_states) | "to" (.to loop).
     torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (skips its ~30 s JIT build).
     grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
@@ -665,7 +665,7 @@ class DeepSpeedTrainer:
     """
 
     def __init__(self, model_path, *, zero_stage: int = 2, lora=None, lr: float = 1e-5, micro_batch: int = 1,
-                 grad_accum: int = 1, pool=None, gradient_checkpointing: bool = True,
+                 grad_accum: Optional[int] = 1, pool=None, gradient_checkpointing: bool = True,
                  trust_remote_code: bool = False, grpo=None, offload: str = "colomem", torch_adam: bool = False,
                  weight_decay: float = 0.0, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: Optional[float] = 1.0, grad_accum_dtype: Optional[str] = None,
@@ -676,6 +676,7 @@ class DeepSpeedTrainer:
                               offload=offload, torch_adam=torch_adam, lora=lora, betas=betas, eps=eps,
                               weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                               grad_accum_dtype=grad_accum_dtype, timeout_s=timeout_s)
+        grad_accum = 1 if grad_accum is None else grad_accum
         if not isinstance(model_path, torch.nn.Module):
             _check_model_dir(model_path)
         if not torch.cuda.is_available():
@@ -798,6 +799,8 @@ class DeepSpeedTrainer:
         from colomem.grpo.step import MetricAccumulator, compute_loss, split_micro_batches
 
         self._check_resident("train_step()")
+        if len(batch) == 0:
+            raise InvalidArgumentError("train_step() got an empty batch; every rank needs at least one row")
         t0 = time.perf_counter()
         micro = split_micro_batches(batch, self.micro_batch, getattr(self.grpo, "loss_norm", "sequence"))
         ref_fn = self._ref_fn if getattr(self.grpo, "kl_coef", 0.0) > 0 else None
