@@ -148,6 +148,32 @@ def _check_ack(ack: Any, msg: BucketMessage, who: str) -> None:
                                 f"{msg.seq} of version {msg.version}")
 
 
+def _accept_loop(bridge_ref: "weakref.ref", server: "_C.UnixServer", stop: threading.Event) -> None:
+    """Attaches importers until the bridge closes (or is garbage-collected)."""
+    while not stop.is_set():
+        try:
+            conn = server.accept(0.2)
+        except TransferTimeoutError:
+            if bridge_ref() is None:
+                return
+            continue
+        except PoolClosedError:
+            return
+        except PeerError as exc:  # e.g. a process of another user: refused, keep serving
+            log.warning("weight bridge: %s", exc)
+            continue
+        bridge = bridge_ref()
+        if bridge is None:
+            conn.close()
+            return
+        try:
+            bridge._handshake(conn)
+        except Exception as exc:  # noqa: BLE001 - one bad importer must not stop the accept thread
+            log.warning("weight bridge: attaching importer process %s failed: %s", conn.peer_pid, exc)
+            conn.close()
+        del bridge
+
+
 class WeightBridge:
     """Producer side: exportable GPU buckets, a socket importers attach to, and `publish`/`sync`.
 
@@ -200,7 +226,9 @@ class WeightBridge:
             self._release()
             raise
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="colomem-bridge-accept", daemon=True)
+        # The thread holds the bridge weakly: a bridge dropped without close() still goes away.
+        self._thread = threading.Thread(target=_accept_loop, args=(weakref.ref(self), self._server, self._stop),
+                                        name="colomem-bridge-accept", daemon=True)
         self._thread.start()
         self.last_stats: Optional[BridgeStats] = None
 
@@ -230,23 +258,6 @@ class WeightBridge:
             raise PoolClosedError("the weight bridge was closed; create a new WeightBridge")
 
     # -- attaching importers ---------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = self._server.accept(0.2)
-            except TransferTimeoutError:
-                continue
-            except PoolClosedError:
-                return
-            except PeerError as exc:  # e.g. a process of another user: refused, keep serving
-                log.warning("weight bridge: %s", exc)
-                continue
-            try:
-                self._handshake(conn)
-            except Exception as exc:  # noqa: BLE001 - one bad importer must not stop the accept thread
-                log.warning("weight bridge: attaching importer process %s failed: %s", conn.peer_pid, exc)
-                conn.close()
-
     def _handshake(self, conn: "_C.UnixConnection") -> None:
         fds: list = []
         try:
@@ -472,6 +483,7 @@ class WeightBridge:
     def _release(self) -> None:
         self._views = []
         self._pending = []
+        self._sums_dev = self._sums_host = None
         for b in self._buffers:
             b.close()
         self._buffers = []

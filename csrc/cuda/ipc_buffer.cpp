@@ -127,6 +127,12 @@ void IpcBuffer::map_handle() {
 
 void IpcBuffer::unmap_and_release(bool sync) noexcept {
   if (!mapped_ && ptr_ == 0 && handle_ == 0) return;
+  int current = 0;
+  cudaError_t state = cudaGetDevice(&current);
+  if (state == cudaErrorCudartUnloading || state == cudaErrorInitializationError) {
+    (void)cudaGetLastError();  // the process is exiting: the driver reclaims everything, stay quiet
+    return;
+  }
   try {
     const DriverApi& d = driver();
     if (sync && mapped_) {
