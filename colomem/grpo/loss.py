@@ -9,7 +9,8 @@ Normalisation (`loss_norm`):
     "sequence"  mean over each completion's tokens, then mean over completions (the GRPO paper)
     "token"     sum over all completion tokens / number of completion tokens in the batch (DAPO)
 Positions outside completion_mask (prompt, padding, masked truncations) are selected away with
-torch.where, so they get exactly zero gradient even where their logprobs are not finite.
+torch.where before any exp, so they get exactly zero gradient, even where the old or reference logprobs
+there are NaN or far off.
 """
 from __future__ import annotations
 

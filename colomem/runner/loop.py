@@ -505,7 +505,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             rank_writer.close()
         if ranks.is_main:
             _finish_outputs(cfg, out, runner, summary, say)
-        ranks.close()
+        ranks.close(timeout_s=5.0 if error is not None else 60.0)
     if error is not None:
         raise error
     return RunResult(out, summary, runner.records if runner else [])

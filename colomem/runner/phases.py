@@ -78,6 +78,18 @@ class PhaseMachine:
         self.current = None
 
 
+def _stderr():
+    """The process's real stderr when it has a file descriptor (faulthandler writes to the fd)."""
+    for f in (sys.__stderr__, sys.stderr):
+        try:
+            if f is not None:
+                f.fileno()
+                return f
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 class Watchdog:
     """Bounds one phase: at `timeout_s` it dumps every thread's stack and interrupts the main thread (the
     phase then raises PhaseTimeoutError); `grace_s` later, if the main thread is stuck in C code that
@@ -96,19 +108,26 @@ class Watchdog:
 
         def fire():
             self.fired = what
-            sys.stderr.write(f"\n[colomem] {what} ran past {self.timeout_s:.0f} s; stacks of every thread:\n")
-            faulthandler.dump_traceback(all_threads=True)
+            err = _stderr()
+            if err is not None:
+                err.write(f"\n[colomem] {what} ran past {self.timeout_s:.0f} s; stacks of every thread:\n")
+                err.flush()
+                faulthandler.dump_traceback(file=err, all_threads=True)
             if self._is_main:
                 _thread.interrupt_main()
         self._timer = threading.Timer(self.timeout_s, fire)
         self._timer.daemon = True
         self._timer.start()
-        if self.hard_exit and self._is_main:
-            faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True)
+        self._armed = False
+        err = _stderr()
+        if self.hard_exit and self._is_main and err is not None:
+            faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True, file=err)
+            self._armed = True
 
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.hard_exit and self._is_main:
+        if getattr(self, "_armed", False):
             faulthandler.cancel_dump_traceback_later()
+            self._armed = False

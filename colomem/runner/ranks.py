@@ -125,11 +125,17 @@ class Ranks:
                                       "another rank is stuck or died") from None
         return t.tolist()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leaves torch.distributed: a last bounded barrier (no rank tears down the group while another
+        still talks to it), then destroy_process_group. Errors here are ignored: this runs at exit."""
         if self.world_size > 1 and self.owns_process_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                try:
+                    self.barrier("exit", timeout_s)
+                except Exception:  # noqa: BLE001  (a peer already gone)
+                    pass
                 try:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001  (best effort at exit)

@@ -1,0 +1,120 @@
+"""Reward functions: built-ins, and clear errors for reward functions that misbehave."""
+import math
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from colomem.errors import ColomemError, InvalidArgumentError
+from colomem.grpo.rewards import (RewardFunctionError, RewardSpec, batched, char_match, compute_rewards,
+                                  exact_match, format_reward, regex_match, resolve, score)
+
+
+def test_exact_match():
+    assert exact_match("p", " 42 ", answer="42") == 1.0
+    assert exact_match("p", "421", answer="42") == 0.0
+
+
+@pytest.mark.parametrize("completion,want", [("67", 1.0), ("6", 0.5), ("68", 0.5), ("678", 2 / 3), ("", 0.0),
+                                             ("76", 0.0)])
+def test_char_match_partial_credit(completion, want):
+    assert char_match(">345", completion, answer="67") == pytest.approx(want)
+
+
+def test_regex_and_format():
+    r = regex_match(r"\d+")
+    assert r("p", "abc 12") == 1.0 and r("p", "abc") == 0.0
+    f = format_reward(r"<a>\d+</a>")
+    assert f("p", " <a>12</a> ") == 1.0 and f("p", "<a>12</a> tail") == 0.0
+    g = format_reward()                                  # pattern from the sample's `format` field
+    assert g("p", "123", format=r"[0-9]+") == 1.0 and g("p", "12a", format=r"[0-9]+") == 0.0
+
+
+def test_compute_rewards_weights_and_parts():
+    specs = [RewardSpec(char_match), RewardSpec(exact_match, weight=2.0)]
+    total, parts = compute_rewards(specs, ["a", "b"], ["67", "6"], [{"answer": "67"}, {"answer": "67"}])
+    assert total == pytest.approx([1.0 + 2.0, 0.5])
+    assert parts == {"char_match": [1.0, 0.5], "exact_match": [1.0, 0.0]}
+
+
+def test_batched_reward_fn():
+    @batched
+    def lengths(prompts, completions, answer):
+        assert answer == ["x", "y"]
+        return [float(len(c)) for c in completions]
+    assert score(RewardSpec(lengths), ["p", "q"], ["ab", "c"], [{"answer": "x"}, {"answer": "y"}]) == [2.0, 1.0]
+
+
+def _run(fn, completions=("67", "boom")):
+    metas = [{"answer": "67"}] * len(completions)
+    return compute_rewards([RewardSpec(fn)], ["p"] * len(completions), list(completions), metas)
+
+
+def test_raising_reward_fn_names_function_and_sample():
+    def picky(prompt, completion, **meta):
+        if completion == "boom":
+            raise KeyError("no such thing")
+        return 1.0
+    with pytest.raises(RewardFunctionError) as ei:
+        _run(picky)
+    msg = str(ei.value)
+    assert "picky" in msg and "sample 1" in msg and "'boom'" in msg and "KeyError" in msg
+    assert isinstance(ei.value, ColomemError) and isinstance(ei.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("value,what", [("1.0", "str"), (None, "NoneType"), ([1.0], "list")])
+def test_non_float_return_is_refused(value, what):
+    def bad(prompt, completion, **meta):
+        return value
+    with pytest.raises(RewardFunctionError, match=rf"'bad' returned {what}.*sample 0"):
+        _run(bad)
+
+
+def test_tensor_and_nan_returns_are_refused():
+    with pytest.raises(RewardFunctionError, match=r"tensor.*\.item\(\)"):
+        _run(lambda p, c, **m: torch.tensor(1.0))
+    with pytest.raises(RewardFunctionError, match="finite"):
+        _run(lambda p, c, **m: math.nan)
+
+
+def test_ints_bools_and_numpy_floats_are_accepted():
+    np = pytest.importorskip("numpy")
+    assert _run(lambda p, c, **m: 1)[0] == [1.0, 1.0]
+    assert _run(lambda p, c, **m: c == "67")[0] == [1.0, 0.0]
+    assert _run(lambda p, c, **m: np.float32(0.5))[0] == [0.5, 0.5]
+
+
+def test_batched_wrong_count_and_raise():
+    @batched
+    def short(prompts, completions, **meta):
+        return [1.0]
+    with pytest.raises(RewardFunctionError, match=r"'short' returned 1 values for 2 samples"):
+        _run(short)
+
+    @batched
+    def broken(prompts, completions, **meta):
+        raise ValueError("bad input")
+    with pytest.raises(RewardFunctionError, match=r"'broken' raised ValueError: bad input"):
+        _run(broken)
+
+    @batched
+    def scalar(prompts, completions, **meta):
+        return 1.0
+    with pytest.raises(RewardFunctionError, match="list of 2 floats"):
+        _run(scalar)
+
+
+def test_resolve_builtins_and_module_function(monkeypatch):
+    assert resolve("exact_match") is exact_match
+    mod = types.ModuleType("my_rewards_mod")
+    mod.shout = lambda prompt, completion, **m: float(completion.isupper())
+    monkeypatch.setitem(sys.modules, "my_rewards_mod", mod)
+    assert resolve("my_rewards_mod:shout")("p", "AB") == 1.0
+    with pytest.raises(InvalidArgumentError, match="unknown reward"):
+        resolve("nope")
+    with pytest.raises(InvalidArgumentError, match="cannot import"):
+        resolve("no_such_module_xyz:fn")
+    with pytest.raises(InvalidArgumentError, match="no reward functions"):
+        compute_rewards([], [], [], [])

@@ -1,0 +1,157 @@
+"""Two ranks on CPU (torchrun-style environment, gloo): barriers, the work split, the whole loop, and a
+stalled rank that makes the other fail with a clear timeout instead of hanging."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent(r'''
+    import json, os, sys, time
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    from colomem.runner.ranks import BarrierTimeoutError, Ranks
+
+    def dump(obj):
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(obj, f)
+
+    if mode == "barrier":
+        r = Ranks.from_env(barrier_timeout_s=60)
+        r.barrier("one")
+        r.barrier("two")
+        dump({"world": r.world_size, "gen": r.generate_groups(6), "train": r.train_groups(6),
+              "sum": r.sum([rank, 1.0]), "main": r.is_main})
+        r.close()
+    elif mode.startswith("stall"):
+        staller = int(mode[-1])
+        r = Ranks.from_env(barrier_timeout_s=3)
+        r.barrier("warm-up")                     # both ranks are up
+        if rank == staller:
+            time.sleep(120)                      # stuck (the test kills it)
+        try:
+            r.barrier("before wake, step 0")
+            dump({"error": None})
+        except BarrierTimeoutError as e:
+            dump({"error": str(e), "type": type(e).__name__, "timeout": isinstance(e, TimeoutError)})
+            sys.exit(3)
+    elif mode == "run":
+        import torch
+        from colomem.grpo.config import config_from_dict
+        from colomem.runner import run_job
+        from colomem.runner.backends import build_engines
+        seen = {}
+
+        def factory(cfg, backend, model_path, tok, ranks, grad_accum):
+            eng = build_engines(cfg, backend, model_path, tok, ranks, grad_accum=grad_accum)
+            close = eng.trainer.close
+
+            def close_and_record():
+                w = {n: float(t.double().sum()) for n, t in eng.trainer.named_weights()}
+                seen["weights"] = w
+                close()
+            eng.trainer.close = close_and_record
+            return eng
+        cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
+                                "progress": False, "plots": False, "out": os.path.join(out, "job"),
+                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}})
+        res = run_job(cfg, engines_factory=factory, print_fn=print)
+        dump({"status": res.summary["status"], "weights": seen["weights"],
+              "rewards": [r.metrics["reward_mean"] for r in res.records],
+              "train_rows": [r.metrics["train/micro_batches"] for r in res.records]})
+''')
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, mode, cache=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if cache:
+            env["COLOMEM_CACHE"] = str(cache)
+        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(p, timeout):
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail(f"rank process hung past {timeout} s:\n{out[-3000:]}")
+    return p.returncode, out
+
+
+def _result(tmp_path, rank):
+    return json.loads((tmp_path / f"rank{rank}.json").read_text())
+
+
+def test_barriers_and_work_split(tmp_path):
+    procs = _launch(tmp_path, "barrier")
+    for p in procs:
+        rc, out = _finish(p, 120)
+        assert rc == 0, out[-3000:]
+    r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["world"] == r1["world"] == 2 and r0["main"] and not r1["main"]
+    assert r0["sum"] == r1["sum"] == [1.0, 2.0]
+    # tensor parallel 1: each rank generates exactly the groups it trains on; together they cover all
+    assert r0["gen"] == r0["train"] == [0, 2, 4] and r1["gen"] == r1["train"] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("staller", [1, 0])
+def test_a_stalled_rank_makes_the_other_fail_with_a_timeout(tmp_path, staller):
+    procs = _launch(tmp_path, f"stall{staller}")
+    waiter = procs[1 - staller]
+    try:
+        rc, out = _finish(waiter, 120)          # bounded: it must give up by itself
+    finally:
+        procs[staller].kill()                    # the stuck rank (ours) is ended here
+        procs[staller].communicate()
+    assert rc == 3, out[-3000:]
+    res = _result(tmp_path, 1 - staller)
+    assert res["type"] == "BarrierTimeoutError" and res["timeout"]
+    assert "before wake, step 0" in res["error"] and "within 3 s" in res["error"]
+    assert "stuck or died" in res["error"]
+
+
+def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
+    from colomem.grpo.tasks import make_task
+    from colomem.grpo.tiny_model import model_dir
+
+    cache = tmp_path / "cache"
+    model_dir("tiny", make_task("successor").alphabet, cache_dir=cache / "models", log=lambda *_: None)
+    procs = _launch(tmp_path, "run", cache)
+    outs = [_finish(p, 300) for p in procs]
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["status"] == r1["status"] == "ok"
+    # gradients are averaged over the ranks: both trainers hold the same weights after every step
+    assert r0["weights"] == r1["weights"]
+    # the printed reward is the global one, the same on both ranks
+    assert r0["rewards"] == r1["rewards"]
+    assert "step   2/2" in outs[0][1] and "step   2/2" not in outs[1][1]       # only rank 0 prints
+    job = tmp_path / "job"
+    lines = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("rank") for x in lines if "step" in x] == [0, 0]             # rank 0 writes the metrics
+    for rank in (0, 1):                                                       # every rank its timeline
+        recs = [json.loads(x) for x in (job / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["rank"] for x in recs] == [rank, rank] and "barrier_wake" in recs[0]["phase_s"]
