@@ -11,6 +11,7 @@ import torch
 from colomem import _C
 from colomem.units import parse_bytes
 
+CUDA_STREAM_LEGACY = 0x1  # cudaStreamLegacy
 _engines: dict[int, "_C.CopyEngine"] = {}
 _engines_lock = threading.Lock()
 
@@ -48,7 +49,9 @@ def stream_handle(device: torch.device, stream: Optional[torch.cuda.Stream] = No
     if device.type != "cuda":
         return 0
     s = stream if stream is not None else torch.cuda.current_stream(device)
-    return int(s.cuda_stream)
+    # torch's default stream is the legacy default stream, handle 0; the core reads 0 as "no stream",
+    # so it is passed as cudaStreamLegacy (0x1), which names the same stream.
+    return int(s.cuda_stream) or CUDA_STREAM_LEGACY
 
 
 def mem_get_info(device: torch.device) -> tuple[int, int]:

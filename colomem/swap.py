@@ -50,6 +50,7 @@ class SwapStats:
     seconds: float          # host wall time from submit to completion
     device_ms: float = 0.0  # copy time on the device (CUDA events), when measured
     freed_bytes: int = 0    # driver-visible memory given back (offload with release=True)
+    span_ms: float = 0.0    # swap(): device ms from the first copy's start to the last copy's end
 
     @property
     def gbps(self) -> float:
@@ -200,6 +201,8 @@ class SwapSet:
             raise InvalidArgumentError(f"{self.name}: {name} has layout {t.layout} on {t.device}; only dense "
                                        "strided tensors can be swapped")
         if self._device is None:
+            if t.device.type != "cuda" and self.skip_other_devices:
+                return False  # e.g. Adam's CPU `step` scalars ahead of the CUDA state
             if t.device.type != "cuda":
                 raise DeviceMismatchError(
                     f"{self.name}: {name} is on {t.device}; offload moves CUDA tensors to host memory. For the "
@@ -383,7 +386,10 @@ def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_T
     except BaseException:
         h_in.wait(timeout)
         raise
-    return h_out.wait(timeout), h_in.wait(timeout)
+    out, inn = h_out.wait(timeout), h_in.wait(timeout)
+    if timing:
+        out.span_ms = inn.span_ms = h_out._transfer.span_ms([h_in._transfer])
+    return out, inn
 
 
 @contextlib.contextmanager

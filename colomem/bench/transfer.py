@@ -181,13 +181,10 @@ def colomem_bidir(shape: Qwen2Shape, reps: int) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
 
-        def go():
-            colomem.swap(offload=src, reload=dst)
-
-        ms = cuda_time_ms(go)
+        out, _ = colomem.swap(offload=src, reload=dst, timing=True)
         walls.append((time.perf_counter() - t0) * 1e3)
         if i > 0:
-            times.append(ms)
+            times.append(out.span_ms)  # copy time of both directions together, on the device
     if sa.state != "resident":
         colomem.swap(offload=sb, reload=sa)
     sb.reload() if sb.state == "offloaded" else None
@@ -202,14 +199,37 @@ def colomem_bidir(shape: Qwen2Shape, reps: int) -> dict:
     return res
 
 
+def _anon_huge_bytes() -> int:
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def _thp_settings() -> dict:
+    out = {}
+    for k in ("enabled", "defrag"):
+        try:
+            out[k] = open(f"/sys/kernel/mm/transparent_hugepage/{k}").read().strip()
+        except OSError:
+            out[k] = "unknown"
+    return out
+
+
 def pool_creation(nbytes: int) -> dict:
+    huge0 = _anon_huge_bytes()
     t0 = time.perf_counter()
     pool = colomem.PinnedPool(nbytes)
     total = time.perf_counter() - t0
     st = pool.stats()
+    huge1 = _anon_huge_bytes()
     pool.close()
     return {"nbytes": nbytes, "seconds": total, "prefault_seconds": st["prefault_seconds"],
-            "pin_seconds": st["pin_seconds"], "map_seconds": st["map_seconds"]}
+            "pin_seconds": st["pin_seconds"], "map_seconds": st["map_seconds"],
+            "huge_page_bytes": huge1 - huge0 if huge0 >= 0 else None, "thp": _thp_settings()}
 
 
 def chunk_sweep(nbytes: int, chunks_mib: list[int], reps: int) -> dict:

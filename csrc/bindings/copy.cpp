@@ -21,6 +21,8 @@ void register_copy(py::module_& m) {
       .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("completed_copies", &Transfer::completed_copies, py::call_guard<py::gil_scoped_release>())
       .def("elapsed_ms", &Transfer::elapsed_ms)
+      .def("span_ms", &Transfer::span_ms, py::arg("others"),
+           "Device ms from the earliest start to the latest end of this and `others` (timed, finished).")
       .def_property_readonly("direction", [](const Transfer& t) { return direction_name(t.direction); })
       .def_readonly("nbytes", &Transfer::nbytes)
       .def_readonly("ncopies", &Transfer::ncopies)

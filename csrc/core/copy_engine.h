@@ -38,6 +38,10 @@ class Transfer {
   // Copy time measured on the device (CUDA events) or the host backend's clock; needs timing and done().
   virtual double elapsed_ms() = 0;
 
+  // Device time from the earliest start to the latest end of several transfers submitted with timing
+  // (both directions of a swap). All must come from the same backend.
+  virtual double span_ms(const std::vector<std::shared_ptr<Transfer>>& others) = 0;
+
   Direction direction = Direction::D2H;
   size_t nbytes = 0;
   size_t ncopies = 0;

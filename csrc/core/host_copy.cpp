@@ -1,4 +1,5 @@
 // The host backend of the copy engine: memcpy on one worker thread per direction.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -26,6 +27,7 @@ class HostTransfer : public Transfer {
   bool finished = false;
   bool timing = false;
   double ms = 0;
+  Clock::time_point started, ended;
 
   bool done() override {
     std::lock_guard<std::mutex> lk(mu);
@@ -49,8 +51,21 @@ class HostTransfer : public Transfer {
     return ms;
   }
 
+  double span_ms(const std::vector<std::shared_ptr<Transfer>>& others) override {
+    Clock::time_point lo = started, hi = ended;
+    require(done(), "span_ms() before the transfer is done; wait() first");
+    for (const auto& o : others) {
+      auto* h = dynamic_cast<HostTransfer*>(o.get());
+      require(h != nullptr && h->done(), "span_ms() needs finished transfers of the same backend");
+      lo = std::min(lo, h->started);
+      hi = std::max(hi, h->ended);
+    }
+    return std::chrono::duration<double, std::milli>(hi - lo).count();
+  }
+
   void run() {
     auto t0 = Clock::now();
+    started = t0;
     for (const auto& op : ops) {
       for (size_t off = 0; off < op.nbytes; off += chunk) {
         size_t n = std::min(chunk, op.nbytes - off);
@@ -59,7 +74,8 @@ class HostTransfer : public Transfer {
       completed.fetch_add(1);
     }
     std::lock_guard<std::mutex> lk(mu);
-    ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    ended = Clock::now();
+    ms = std::chrono::duration<double, std::milli>(ended - t0).count();
     finished = true;
     cv.notify_all();
   }

@@ -1,5 +1,6 @@
 // The CUDA backend of the copy engine: one non-blocking stream per direction, chunked cudaMemcpyAsync,
 // an event per chunk, small copies coalesced into cudaMemcpyBatchAsync calls.
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -84,6 +85,41 @@ class CudaTransfer : public Transfer {
       if (++spins < 2000) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(spins < 4000 ? 20 : 200));
     }
+  }
+
+  double span_ms(const std::vector<std::shared_ptr<Transfer>>& others) override {
+    std::vector<CudaTransfer*> all{this};
+    for (const auto& o : others) {
+      auto* c = dynamic_cast<CudaTransfer*>(o.get());
+      require(c != nullptr && c->start != nullptr, "span_ms() needs timed transfers of the CUDA backend");
+      all.push_back(c);
+    }
+    for (auto* c : all) {
+      require(c->start != nullptr, "span_ms() needs transfers submitted with timing=True");
+      if (!c->poll()) throw InvalidArgument("span_ms() before every transfer is done; wait() first");
+    }
+    DeviceGuard g(streams->device);
+    // The origin is the start event no other start precedes; then the latest end measured from it.
+    for (auto* origin : all) {
+      bool earliest = true;
+      for (auto* c : all) {
+        float ms = 0;
+        if (c != origin && (cudaEventElapsedTime(&ms, origin->start, c->start) != cudaSuccess || ms < 0)) {
+          (void)cudaGetLastError();
+          earliest = false;
+          break;
+        }
+      }
+      if (!earliest) continue;
+      double hi = 0;
+      for (auto* c : all) {
+        float ms = 0;
+        COLOMEM_CUDA_CHECK(cudaEventElapsedTime(&ms, origin->start, c->end));
+        hi = std::max(hi, static_cast<double>(ms));
+      }
+      return hi;
+    }
+    throw InvalidArgument("span_ms(): could not order the transfers' start events");
   }
 
   size_t completed_copies() override {
