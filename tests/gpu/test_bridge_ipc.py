@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -38,8 +39,16 @@ def peer_module():
 def spawn(*args, env=None) -> subprocess.Popen:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # colomem importable
-    return subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on stderr
+    p = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=err,
+                         text=True, env=env)
+    p.errfile = err
+    return p
+
+
+def stderr_of(p: subprocess.Popen) -> str:
+    p.errfile.seek(0)
+    return p.errfile.read()[-4000:]
 
 
 def next_event(p: subprocess.Popen, timeout: float = 120.0) -> dict:
@@ -51,8 +60,14 @@ def next_event(p: subprocess.Popen, timeout: float = 120.0) -> dict:
     line = box.get("line")
     if not line:
         p.kill()
-        raise AssertionError(f"peer sent nothing (rc={p.poll()}): {p.stderr.read()[-4000:]}")
+        p.wait(30)
+        raise AssertionError(f"peer sent nothing (rc={p.returncode}):\n{stderr_of(p)}")
     return json.loads(line)
+
+
+def finish(p: subprocess.Popen, timeout: float = 60.0) -> None:
+    rc = p.wait(timeout)
+    assert rc == 0, f"peer exited with {rc}:\n{stderr_of(p)}"
 
 
 def free_bytes() -> int:
@@ -258,7 +273,7 @@ def test_two_processes_byte_exact_over_versions(peer):
             assert ev["ok"], ev["bad"]
             assert ev["messages"] == stats.messages and ev["applied"] == v and ev["held"] >= 2
         assert next_event(child) == {"event": "closed", "live_views": 0}
-        assert child.wait(60) == 0
+        finish(child)
     finally:
         if child.poll() is None:
             child.kill()
@@ -311,7 +326,7 @@ def test_importer_finds_the_gpu_by_uuid_under_another_numbering(peer):
         bridge.sync(peer.named_tensors(0, "cuda:1"), version=0)
         ev = next_event(child)
         assert ev["ok"], ev["bad"]
-        assert child.wait(60) == 0
+        finish(child)
     finally:
         if child.poll() is None:
             child.kill()
