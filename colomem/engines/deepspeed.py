@@ -139,7 +139,7 @@ def build_ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int = 1, w
                     grad_accum_dtype: Optional[str] = None, reduce_bucket_size: Optional[int] = None,
                     overrides: Optional[dict] = None) -> dict:
     """The DeepSpeed config of a bf16 ZeRO-2/3 engine with AdamW (FusedAdam, or torch's with torch_adam)."""
-    zero: dict[str, Any] = {"stage": int(zero_stage), "contiguous_gradients": True, "overlap_comm": False}
+    zero: dict[str, Any] = {"stage": int(zero_stage), "contiguous_gradients": True}
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = int(reduce_bucket_size)
     if zero_stage == 3:
