@@ -263,7 +263,10 @@ class VLLMRollout:
     def _make_bridge(self):
         from colomem.bridge import WeightBridge
 
-        return WeightBridge(bucket_bytes=self.bucket_bytes, buffers=self.bucket_buffers, device=self.device)
+        # The producer must checksum at least as thoroughly as the worker verifies.
+        checksum = {"full": "full", "none": "none"}.get(self.verify, "sampled")
+        return WeightBridge(bucket_bytes=self.bucket_bytes, buffers=self.bucket_buffers, device=self.device,
+                            checksum=checksum)
 
     @property
     def sleep_level(self) -> int:
