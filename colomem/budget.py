@@ -1,0 +1,283 @@
+"""Memory budget of a colocated RL job: what must fit on each GPU in each phase, and what to offload.
+
+    python -m colomem.budget --params 7e9 --lora --zero 2 --kv-gib 20 --gpus 1 --gpu-gib 141
+
+Per GPU, bf16 mixed precision (DeepSpeed), AdamW:
+    rollout phase  vLLM awake: weights (2 B/param / TP) + KV cache + vLLM workspace + its CUDA context,
+                   next to whatever the trainer did not offload and the trainer process's CUDA context
+    train phase    trainer: bf16 params (2 B/param), bf16 grads (2), fp32 master (4), Adam m and v (8);
+                   ZeRO-1 shards master + Adam over the data-parallel GPUs, ZeRO-2 also the grads, ZeRO-3
+                   also the params; LoRA trains only the adapter (the base is frozen bf16);
+                   activations (with or without gradient checkpointing) and the logits of a micro-batch;
+                   next to what vLLM keeps while asleep
+The figures are estimates (within about 10-20 % for dense decoder-only models); measure with the runner's
+memory table. Model shapes come from the nearest Qwen2.5 size unless --hidden/--layers/--vocab are given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+GiB = float(1 << 30)
+
+# Qwen2.5 family: params -> (hidden, layers, vocab, intermediate, heads, kv_heads)
+SHAPES = {
+    0.49e9: (896, 24, 151936, 4864, 14, 2),
+    1.54e9: (1536, 28, 151936, 8960, 12, 2),
+    3.09e9: (2048, 36, 151936, 11008, 16, 2),
+    7.62e9: (3584, 28, 152064, 18944, 28, 4),
+    14.7e9: (5120, 48, 152064, 13824, 40, 8),
+    32.8e9: (5120, 64, 152064, 27648, 40, 8),
+    72.7e9: (8192, 80, 152064, 29568, 64, 8),
+}
+
+
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim * self.kv_heads
+
+
+def shape_for(params: float, hidden=None, layers=None, vocab=None) -> Shape:
+    key = min(SHAPES, key=lambda p: abs(math.log(p / params)))
+    h, L, V, I, a, kv = SHAPES[key]
+    if hidden and hidden != h:       # a custom width: scale the MLP and heads with it
+        I, a = int(I * hidden / h), max(1, hidden // 128)
+        kv = max(1, min(kv, a))
+        h = hidden
+    return Shape(h, layers or L, vocab or V, I, a, kv)
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    offloadable: bool = True
+
+
+@dataclass
+class Budget:
+    inputs: dict
+    rollout: list = field(default_factory=list)       # Items on the GPU while vLLM generates
+    train: list = field(default_factory=list)         # Items on the GPU while the trainer trains
+    trainer_state: list = field(default_factory=list)  # what the trainer holds between steps (offload set)
+    gpu_bytes: float = 0.0
+    advice: list = field(default_factory=list)
+    offload: list = field(default_factory=list)       # minimal set to offload for the rollout to fit
+    suggested_gpu_memory_utilization: Optional[float] = None
+
+    @staticmethod
+    def total(items) -> float:
+        return sum(i.bytes for i in items)
+
+    @property
+    def rollout_fits(self) -> bool:
+        return self.total(self.rollout) <= self.gpu_bytes
+
+    @property
+    def train_fits(self) -> bool:
+        return self.total(self.train) <= self.gpu_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.rollout_fits and self.train_fits
+
+    def to_dict(self) -> dict:
+        gib = lambda items: {i.name: round(i.bytes / GiB, 3) for i in items}  # noqa: E731
+        return {"inputs": self.inputs, "gpu_gib": round(self.gpu_bytes / GiB, 3),
+                "rollout_gib": gib(self.rollout), "rollout_total_gib": round(self.total(self.rollout) / GiB, 3),
+                "train_gib": gib(self.train), "train_total_gib": round(self.total(self.train) / GiB, 3),
+                "trainer_state_gib": gib(self.trainer_state),
+                "pinned_host_per_gpu_gib": round(self.total(self.trainer_state) / GiB, 3),
+                "rollout_fits": self.rollout_fits, "train_fits": self.train_fits, "fits": self.fits,
+                "offload_at_least": self.offload,
+                "suggested_gpu_memory_utilization": self.suggested_gpu_memory_utilization,
+                "advice": self.advice}
+
+
+def lora_params(shape: Shape, r: int) -> float:
+    """Adapter parameters for rank r on every linear layer (q, k, v, o, gate, up, down)."""
+    h, kv, I = shape.hidden, shape.kv_dim, shape.intermediate
+    per_layer = (h + h) + (h + kv) * 2 + (h + h) + (h + I) * 2 + (I + h)
+    return float(r * per_layer * shape.layers)
+
+
+def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int = 2, gpus: int = 1, tp: int = 1,
+             kv_gib: Optional[float] = None, kv_tokens: Optional[int] = None, gpu_gib: float = 141.0,
+             micro_batch: int = 4, seq_len: int = 1024, grad_ckpt: bool = True, hidden: Optional[int] = None,
+             layers: Optional[int] = None, vocab: Optional[int] = None, vllm_overhead_gib: float = 2.0,
+             vllm_asleep_gib: float = 1.5, context_gib: float = 0.6, host_gib: Optional[float] = None,
+             reduce_bucket: float = 5e8) -> Budget:
+    """The budget of one GPU. gpus: data-parallel ranks (ZeRO shards over them); tp: vLLM tensor parallel."""
+    if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0:
+        raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0")
+    if tp > gpus:
+        raise ValueError(f"tp ({tp}) cannot exceed the number of GPUs ({gpus})")
+    shape = shape_for(params, hidden, layers, vocab)
+    P, N = float(params), float(gpus)
+    b = Budget(inputs={"params": P, "lora": lora, "lora_r": lora_r if lora else None, "zero": zero,
+                       "gpus": gpus, "tp": tp, "gpu_gib": gpu_gib, "micro_batch": micro_batch,
+                       "seq_len": seq_len, "grad_ckpt": grad_ckpt, "shape": asdict(shape)},
+               gpu_bytes=gpu_gib * GiB)
+
+    # ---- trainer state between steps (what an offload moves), per GPU
+    shard = lambda stage: N if zero >= stage else 1.0  # noqa: E731
+    if lora:
+        A = lora_params(shape, lora_r)
+        b.inputs["lora_params"] = A
+        b.trainer_state = [Item("frozen base (bf16)", 2 * P / shard(3)),
+                           Item("adapter (bf16)", 2 * A / shard(3)),
+                           Item("adapter fp32 master", 4 * A / shard(1)),
+                           Item("adapter Adam m+v", 8 * A / shard(1))]
+        trainable = A
+    else:
+        b.trainer_state = [Item("params (bf16)", 2 * P / shard(3)), Item("fp32 master", 4 * P / shard(1)),
+                           Item("Adam m+v (fp32)", 8 * P / shard(1))]
+        trainable = P
+    grads = Item("grads (bf16)", 2 * trainable / shard(2))
+    buckets = Item("ZeRO reduce buckets", min(reduce_bucket * 2.0, 2 * trainable) if zero >= 1 else 0.0)
+
+    # ---- activations of one micro-batch (bytes): ~34 * b*s*h per layer (flash attention, no s^2 term)
+    bsh = micro_batch * seq_len * shape.hidden
+    if grad_ckpt:
+        act = 2.0 * bsh * shape.layers + 34.0 * bsh          # layer inputs kept + one layer recomputed
+    else:
+        act = 34.0 * bsh * shape.layers
+    logits = micro_batch * seq_len * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
+    gathered = 2 * P / N * (N - 1) / max(shape.layers, 1) * 2 if zero == 3 and N > 1 else 0.0
+
+    b.train = list(b.trainer_state) + [grads, buckets, Item("activations", act), Item("logits", logits)]
+    if gathered:
+        b.train.append(Item("ZeRO-3 gathered layers", gathered))
+    b.train += [Item("trainer CUDA context", context_gib * GiB, False),
+                Item("vLLM asleep (context + leftovers)", vllm_asleep_gib * GiB, False)]
+
+    # ---- rollout
+    if kv_gib is None:
+        tokens = kv_tokens if kv_tokens is not None else 64 * 2048
+        kv_bytes = 2.0 * shape.layers * shape.kv_dim * 2 * tokens / tp       # K and V, bf16
+    else:
+        kv_bytes = kv_gib * GiB
+    weights = 2 * P / tp
+    vllm = [Item("vLLM weights (bf16)", weights, False), Item("KV cache", kv_bytes, False),
+            Item("vLLM workspace + context", vllm_overhead_gib * GiB, False)]
+    b.suggested_gpu_memory_utilization = round(min(1.0, (weights + kv_bytes + vllm_overhead_gib * GiB) /
+                                                   b.gpu_bytes + 0.01), 3)
+    # the smallest set of trainer state to offload so the rollout fits (largest first)
+    base = vllm + [Item("trainer CUDA context", context_gib * GiB, False)]
+    room = b.gpu_bytes - Budget.total(base)
+    resident = sorted(b.trainer_state, key=lambda i: -i.bytes)
+    kept = Budget.total(resident)
+    for item in resident:
+        if kept <= room:
+            break
+        b.offload.append(item.name)
+        kept -= item.bytes
+    left = [i for i in b.trainer_state if i.name not in b.offload]
+    b.rollout = base + [Item(f"trainer {i.name} (not offloaded)", i.bytes) for i in left]
+
+    # ---- advice
+    total_state = Budget.total(b.trainer_state)
+    if not b.rollout_fits:
+        over = Budget.total(b.rollout) - b.gpu_bytes
+        b.advice.append(f"the rollout does not fit even with the whole trainer offloaded: {over / GiB:.1f} GiB "
+                        f"over. Lower the KV cache (now {kv_bytes / GiB:.1f} GiB: --gpu-memory-utilization / "
+                        f"--max-model-len) or raise vLLM tensor parallel (weights {weights / GiB:.1f} GiB per GPU)")
+    elif b.offload:
+        b.advice.append(f"offload at least: {', '.join(b.offload)} ({(total_state - kept) / GiB:.1f} GiB) before "
+                        f"vLLM wakes; colomem's switch offloads all trainer state ({total_state / GiB:.1f} GiB)")
+    else:
+        b.advice.append(f"the trainer state ({total_state / GiB:.1f} GiB) fits next to the awake rollout; offloading "
+                        "it still frees room for a larger KV cache")
+    if not b.train_fits:
+        over = Budget.total(b.train) - b.gpu_bytes
+        tips = []
+        if not grad_ckpt:
+            tips.append("turn on gradient checkpointing")
+        if micro_batch > 1:
+            tips.append("lower --micro-batch")
+        if not lora:
+            tips.append("use LoRA")
+        if zero < 3 and gpus > 1:
+            tips.append("use ZeRO-3")
+        if gpus == 1:
+            tips.append("shard over more GPUs (ZeRO)")
+        b.advice.append(f"training does not fit: {over / GiB:.1f} GiB over. Try: {', '.join(tips) or 'a larger GPU'}")
+    b.advice.append(f"pinned host memory for the offload: {total_state / GiB:.1f} GiB per GPU "
+                    f"({total_state * gpus / GiB:.1f} GiB for {gpus} GPU(s) on one host)")
+    if host_gib is not None and total_state * gpus > host_gib * GiB:
+        b.advice.append(f"host RAM ({host_gib:.0f} GiB) is smaller than the offload ({total_state * gpus / GiB:.1f} "
+                        "GiB): use LoRA, ZeRO-3 across more hosts, or keep part of the state on the GPU")
+    return b
+
+
+def format_budget(b: Budget) -> str:
+    def table(title, items):
+        rows = [f"  {i.name:<46} {i.bytes / GiB:9.2f} GiB" for i in items]
+        tot = Budget.total(items)
+        verdict = "fits" if tot <= b.gpu_bytes else "DOES NOT FIT"
+        return "\n".join([f"{title}:"] + rows + [f"  {'total':<46} {tot / GiB:9.2f} GiB of {b.gpu_bytes / GiB:.0f} GiB"
+                                                  f"  -> {verdict}"])
+    inp = b.inputs
+    head = (f"{inp['params'] / 1e9:.2f} B params ({'LoRA r=%d' % inp['lora_r'] if inp['lora'] else 'full fine-tune'}),"
+            f" ZeRO-{inp['zero']}, {inp['gpus']} GPU(s), vLLM TP {inp['tp']}, micro-batch {inp['micro_batch']} x "
+            f"{inp['seq_len']} tokens, gradient checkpointing {'on' if inp['grad_ckpt'] else 'off'}")
+    parts = [head, "", table("rollout phase (per GPU)", b.rollout), "", table("train phase (per GPU)", b.train), "",
+             f"answer: {'fits' if b.fits else 'does NOT fit'}; suggested --gpu-memory-utilization "
+             f"{b.suggested_gpu_memory_utilization}"]
+    parts += [f"  - {a}" for a in b.advice]
+    return "\n".join(parts)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m colomem.budget",
+                                description="Does a colocated RL job fit on the GPU, and what should be offloaded?")
+    p.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
+    p.add_argument("--lora", action="store_true", help="LoRA fine-tune (default: full)")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3))
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (ZeRO shards over them)")
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--kv-gib", type=float, help="KV cache per GPU in GiB (default: from --kv-tokens)")
+    p.add_argument("--kv-tokens", type=int, help="tokens the KV cache must hold (default 64 x 2048)")
+    p.add_argument("--gpu-gib", type=float, default=141.0, help="memory of one GPU (H200: 141)")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--vllm-overhead-gib", type=float, default=2.0)
+    p.add_argument("--vllm-asleep-gib", type=float, default=1.5)
+    p.add_argument("--host-gib", type=float, help="host RAM for the pinned pool (checked when given)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
+    a = p.parse_args(argv)
+    try:
+        b = estimate(a.params, lora=a.lora, lora_r=a.lora_r, zero=a.zero, gpus=a.gpus, tp=a.tp, kv_gib=a.kv_gib,
+                     kv_tokens=a.kv_tokens, gpu_gib=a.gpu_gib, micro_batch=a.micro_batch, seq_len=a.seq_len,
+                     grad_ckpt=a.grad_ckpt, hidden=a.hidden, layers=a.layers, vocab=a.vocab,
+                     vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(b.to_dict(), indent=1) if a.json else format_budget(b))
+    return 0 if b.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The memory-budget calculator: per-phase arithmetic, ZeRO sharding, LoRA, the offload advice, the CLI."""
+import json
+
+import pytest
+
+from colomem.budget import GiB, Budget, estimate, lora_params, main, shape_for
+
+
+def _items(items):
+    return {i.name: i.bytes for i in items}
+
+
+def test_full_finetune_state_is_14_bytes_per_param_on_one_gpu():
+    b = estimate(1e9, zero=2, gpus=1, kv_gib=10)
+    st = _items(b.trainer_state)
+    assert st == {"params (bf16)": 2e9, "fp32 master": 4e9, "Adam m+v (fp32)": 8e9}
+    tr = _items(b.train)
+    assert tr["grads (bf16)"] == 2e9
+    assert b.to_dict()["pinned_host_per_gpu_gib"] == pytest.approx(14e9 / GiB, rel=1e-3)
+
+
+@pytest.mark.parametrize("zero,params_div,grads_div,opt_div", [(0, 1, 1, 1), (1, 1, 1, 4), (2, 1, 4, 4),
+                                                               (3, 4, 4, 4)])
+def test_zero_stages_shard_what_they_should(zero, params_div, grads_div, opt_div):
+    b = estimate(1e9, zero=zero, gpus=4, kv_gib=10)
+    st, tr = _items(b.trainer_state), _items(b.train)
+    assert st["params (bf16)"] == pytest.approx(2e9 / params_div)
+    assert st["fp32 master"] == pytest.approx(4e9 / opt_div)
+    assert st["Adam m+v (fp32)"] == pytest.approx(8e9 / opt_div)
+    assert tr["grads (bf16)"] == pytest.approx(2e9 / grads_div)
+
+
+def test_lora_trains_only_the_adapter():
+    shape = shape_for(1.54e9)
+    assert (shape.hidden, shape.layers, shape.kv_dim, shape.intermediate) == (1536, 28, 256, 8960)
+    A = lora_params(shape, 8)
+    # q, k, v, o, gate, up, down: r * (in + out) each, per layer
+    per_layer = 8 * ((1536 + 1536) + 2 * (1536 + 256) + (1536 + 1536) + 2 * (1536 + 8960) + (8960 + 1536))
+    assert A == per_layer * 28
+    b = estimate(1.54e9, lora=True, lora_r=8, kv_gib=10)
+    st = _items(b.trainer_state)
+    assert st["frozen base (bf16)"] == pytest.approx(2 * 1.54e9)
+    assert st["adapter fp32 master"] == pytest.approx(4 * A) and st["adapter Adam m+v"] == pytest.approx(8 * A)
+    assert _items(b.train)["grads (bf16)"] == pytest.approx(2 * A)
+
+
+def test_rollout_phase_and_suggested_utilisation():
+    b = estimate(1e9, kv_gib=20, gpu_gib=80, tp=1)
+    r = _items(b.rollout)
+    assert r["vLLM weights (bf16)"] == 2e9 and r["KV cache"] == 20 * GiB
+    want = (2e9 + 20 * GiB + 2 * GiB) / (80 * GiB) + 0.01
+    assert b.suggested_gpu_memory_utilization == pytest.approx(want, abs=1e-3)
+    b2 = estimate(1e9, kv_gib=20, gpu_gib=80, tp=2, gpus=2)
+    assert _items(b2.rollout)["vLLM weights (bf16)"] == 1e9
+
+
+def test_kv_from_tokens():
+    s = shape_for(7.62e9)
+    b = estimate(7.62e9, kv_tokens=1000)
+    assert _items(b.rollout)["KV cache"] == pytest.approx(2 * s.layers * s.kv_dim * 2 * 1000)
+
+
+def test_offload_advice_names_the_smallest_sufficient_set():
+    # 7B full FT on 141 GiB with a 40 GiB KV cache: state 91 GiB; Adam alone (52 GiB) is enough to offload
+    b = estimate(7e9, kv_gib=40, micro_batch=4, seq_len=2048)
+    assert b.fits and b.offload == ["Adam m+v (fp32)"]
+    assert any("offload at least: Adam m+v" in a for a in b.advice)
+    # a bigger KV cache needs the master weights out too
+    b = estimate(7e9, kv_gib=90, micro_batch=4, seq_len=2048)
+    assert b.offload == ["Adam m+v (fp32)", "fp32 master"]
+
+
+def test_does_not_fit_says_what_to_change():
+    b = estimate(14e9, kv_gib=20, gpu_gib=80, micro_batch=8, seq_len=4096, grad_ckpt=False)
+    assert not b.train_fits and not b.fits
+    advice = " ".join(b.advice)
+    assert "gradient checkpointing" in advice and "--micro-batch" in advice and "LoRA" in advice
+    b = estimate(70e9, kv_gib=60, gpu_gib=141)
+    assert not b.rollout_fits and "tensor parallel" in " ".join(b.advice)
+    b = estimate(7e9, kv_gib=10, host_gib=32)
+    assert any("host RAM" in a for a in b.advice)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError):
+        estimate(-1)
+    with pytest.raises(ValueError):
+        estimate(1e9, gpus=1, tp=2)
+
+
+def test_cli(capsys):
+    assert main(["--params", "7e9", "--lora", "--zero", "2", "--kv-gib", "20", "--gpus", "1",
+                 "--gpu-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout phase" in out and "train phase" in out and "answer: fits" in out
+    assert main(["--params", "70e9", "--kv-gib", "60", "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["rollout_total_gib"] > d["gpu_gib"]
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--tp", "4"])
+    assert Budget.total([]) == 0
