@@ -24,13 +24,13 @@ run() {  # run NAME TIMEOUT CMD...
   tail -${TAIL:-15} "$OUT/$name.log"
   stamp "$name rc=$rc"
 }
-has core && run core_tests 240 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests
-has core && run bench_transfer 300 python3 -m colomem.bench --out "$OUT/transfer"
-has ipc && run ipc_tests 180 python3 -m pytest -q -rs -m ipc tests
-has deepspeed && run ds_tests 300 python3 -m pytest -q -rs -m deepspeed tests
-has vllm && run vllm_tests 300 python3 -m pytest -q -rs -m vllm tests
-has syncbench && run bench_sync 420 python3 runners/bench_sync.py --out "$OUT/sync"
-has dsbench && run bench_ds 300 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds"
-has grpo && run grpo_default 480 python3 runners/grpo_colocated.py --out "$OUT/grpo"
-has grpobench && run bench_grpo 540 python3 runners/bench_grpo.py --out "$OUT/grpobench"
+has core && run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests
+has core && run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer"
+has ipc && run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests
+has vllm && run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests
+has deepspeed && run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests
+has syncbench && run bench_sync 300 python3 runners/bench_sync.py --out "$OUT/sync"
+has dsbench && run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds"
+has grpo && run grpo_default 300 python3 runners/grpo_colocated.py --out "$OUT/grpo"
+has grpobench && run bench_grpo 400 python3 runners/bench_grpo.py --out "$OUT/grpobench"
 stamp "all done"
