@@ -157,3 +157,7 @@ def _build(d: Path, shape: str, alphabet: str, seed: int, dtype: str, log) -> No
         {"shape": shape, "params": n, "vocab_size": vocab, "alphabet": "".join(sorted(set(alphabet))),
          "seed": seed, "dtype": dtype, "format": FORMAT_VERSION}, indent=1) + "\n")
     del model
+    if device == "cuda":            # give the memory back before vLLM measures what is free
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -59,7 +59,9 @@ class Ranks:
         if rank >= world:
             raise InvalidArgumentError(f"RANK={rank} but WORLD_SIZE={world}")
         if tp < 1 or world % tp:
-            raise InvalidArgumentError(f"tensor_parallel_size={tp} must divide the number of ranks ({world})")
+            raise InvalidArgumentError(
+                f"tensor_parallel_size={tp} must divide the number of ranks ({world}): in a colocated job every GPU "
+                f"runs a trainer rank, so start it with torchrun --nproc-per-node {max(tp, world)}")
         r = cls(rank, world, local, tp, float(barrier_timeout_s))
         if world > 1:
             import torch.distributed as dist

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Colocated GRPO with colomem against the same job time-split without it, on a 1.5B-shaped model.
+
+    python runners/bench_grpo.py --out benchmarks/grpo                           # full and LoRA, both modes
+    python runners/bench_grpo.py --out benchmarks/grpo --configs full --run-default
+    python runners/bench_grpo.py --out benchmarks/grpo --configs lora            # merges into the same JSON
+
+Each run is `runners/grpo_colocated.py --config configs/grpo_1p5b_<full|lora>.yaml --switch <mode>` in a
+fresh process (its outputs under --out/<config>_<mode>/):
+  colomem    trainer state through the pinned pool (SwapSet), vLLM level-2 sleep, weights refilled by the bridge
+  timesplit  DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
+Both sync the trained weights through the same bridge, so the difference is the phase switch itself.
+
+Reported per run (medians over the steps after the first, which pays one-time pinning): step time, switch time
+(offload, barriers, wake, sync, check, sleep, reload) and its share of the step, each phase, GPU memory in use
+while both sides sleep, what the trainer process still reserves after its offload, and the logprob gap
+between rollout and trainer (the check that the rollout really used the trained weights).
+Writes grpo_bench.json (top level: default_steps, reward_first5_mean, reward_last5_mean from the default run,
+switch_overhead_fraction for the 1.5B full fine-tune, speedup_vs_timesplit) and grpo_bench.md; prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml"}
+MODES = ("colomem", "timesplit")
+GiB = float(1 << 30)
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _read_jsonl(path: Path) -> list:
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _env() -> dict:
+    env = {"python": sys.version.split()[0]}
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpu_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GiB, 1)
+    except ImportError:
+        pass
+    for mod in ("vllm", "deepspeed", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001  (a missing package is just not reported)
+            pass
+    return env
+
+
+def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float) -> dict:
+    """Runs the colocated runner in a fresh process; returns rc, wall time and the log tail."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "runners" / "grpo_colocated.py"), *args, "--out", str(out_dir),
+           "--no-progress"]
+    log_path = out_dir / "run.log"
+    print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)          # the runner and its vLLM engine process
+            p.wait()
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    tail = log_path.read_text()[-2500:]
+    print(f"[bench] {name}: rc={rc} in {wall:.0f} s", flush=True)
+    return {"rc": rc, "wall_s": wall, "log_tail": tail, "cmd": cmd}
+
+
+def analyse(out_dir: Path) -> dict:
+    """Figures of one run from its summary.json and metrics.jsonl."""
+    summary = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else {}
+    steps = [r for r in _read_jsonl(out_dir / "metrics.jsonl") if "step" in r and "phase_s" in r]
+    warm = steps[1:] if len(steps) > 1 else steps
+    res = {"status": summary.get("status"), "error": summary.get("error"), "steps_done": len(steps),
+           "build_s": summary.get("build_s"), "backend": summary.get("backend"),
+           "model_shape": (summary.get("config") or {}).get("model_shape")}
+    if not steps:
+        return res
+    phases = sorted({p for r in warm for p in r["phase_s"]})
+    mem = lambda r, ph, k: (r.get("memory", {}).get(ph) or {}).get(k)  # noqa: E731
+    gaps = [r.get("train/rollout_logprob_gap") for r in steps]
+    res.update({
+        "step_s": _median([r["step_s"] for r in warm]),
+        "switch_s": _median([r["switch_s"] for r in warm]),
+        "switch_overhead_fraction": _median([r["switch_s"] / r["step_s"] for r in warm if r["step_s"]]),
+        "phase_s": {p: _median([r["phase_s"].get(p) for r in warm]) for p in phases},
+        "first_step": {"step_s": steps[0]["step_s"], "switch_s": steps[0]["switch_s"],
+                       "phase_s": steps[0]["phase_s"]},
+        "gpu_used_both_asleep_gib": _gib(max((mem(r, "sleep", "driver_used") or 0) for r in steps)),
+        "trainer_reserved_after_offload_gib": _gib(max((mem(r, "offload", "reserved") or 0) for r in steps)),
+        "gpu_used_in_rollout_gib": _gib(max((mem(r, "rollout", "driver_used") or 0) for r in steps)),
+        "gpu_used_in_train_gib": _gib(max((mem(r, "train", "driver_used") or 0) for r in steps)),
+        "pinned_host_gib": _gib(max((mem(r, "train", "pinned_host") or 0) for r in steps)),
+        "offload_bytes": _median([r.get("trainer_offload/nbytes") for r in warm]),
+        "sync_bytes": _median([r.get("sync/nbytes") for r in warm]),
+        "rollout_logprob_gap_max": max([g for g in gaps if g is not None], default=None),
+        "samples_per_step": steps[-1].get("samples_total"),
+        "completion_len_mean": _median([r.get("completion_len_mean") for r in warm]),
+    })
+    return res
+
+
+def _gib(n):
+    return None if not n else round(n / GiB, 3)
+
+
+def _fmt(x, spec=".3f", scale=1.0, suffix=""):
+    return "-" if x is None else f"{x * scale:{spec}}{suffix}"
+
+
+def table(runs: dict) -> str:
+    head = ("| job | switch | step s | switch s | switch share | offload s | reload s | wake+sync+check s | sleep s "
+            "| GPU used, both asleep | trainer left after offload | GPU used in rollout / train | status |")
+    lines = [head, "|" + " --- |" * 13]
+    for name in sorted(runs):
+        r = runs[name].get("result", {})
+        ph = r.get("phase_s") or {}
+        wake = sum(ph.get(p) or 0 for p in ("wake_weights", "sync", "check", "wake_kv")) if ph else None
+        cfg, _, mode = name.partition("_")
+        shape = r.get("model_shape") or "?"
+        lines.append(
+            f"| {shape} {cfg} | {mode} | {_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('switch_s'), '.3f')} | "
+            f"{_fmt(r.get('switch_overhead_fraction'), '.2f', 100, ' %')} | {_fmt(ph.get('offload'))} | "
+            f"{_fmt(ph.get('reload'))} | {_fmt(wake)} | {_fmt(ph.get('sleep'))} | "
+            f"{_fmt(r.get('gpu_used_both_asleep_gib'), '.2f', 1, ' GiB')} | "
+            f"{_fmt(r.get('trainer_reserved_after_offload_gib'), '.2f', 1, ' GiB')} | "
+            f"{_fmt(r.get('gpu_used_in_rollout_gib'), '.1f')} / {_fmt(r.get('gpu_used_in_train_gib'), '.1f')} GiB | "
+            f"{r.get('status') or runs[name].get('rc')} |")
+    return "\n".join(lines)
+
+
+def top_level(report: dict) -> None:
+    runs = report["runs"]
+
+    def res(name):
+        return runs.get(name, {}).get("result", {})
+    full_c, full_t = res("full_colomem"), res("full_timesplit")
+    report["switch_overhead_fraction"] = full_c.get("switch_overhead_fraction")
+    if full_c.get("step_s") and full_t.get("step_s"):
+        report["speedup_vs_timesplit"] = full_t["step_s"] / full_c["step_s"]
+        if full_c.get("switch_s"):
+            report["switch_speedup_vs_timesplit"] = full_t["switch_s"] / full_c["switch_s"]
+    lora_c, lora_t = res("lora_colomem"), res("lora_timesplit")
+    if lora_c.get("step_s") and lora_t.get("step_s"):
+        report["speedup_vs_timesplit_lora"] = lora_t["step_s"] / lora_c["step_s"]
+        report["switch_overhead_fraction_lora"] = lora_c.get("switch_overhead_fraction")
+    # the switch does not grow with the batch, the work does: the share at longer steps
+    if full_c.get("switch_s") and full_c.get("step_s"):
+        sw, work = full_c["switch_s"], full_c["step_s"] - full_c["switch_s"]
+        report["switch_overhead_fraction_if_work_x"] = {str(k): sw / (sw + k * work) for k in (2, 4, 8, 16)}
+
+
+def read_default(path: Path) -> dict:
+    """default_steps and the reward at the start and end of the default job (a run dir or its metrics.jsonl)."""
+    p = path / "metrics.jsonl" if path.is_dir() else path
+    steps = [r for r in _read_jsonl(p) if "step" in r and r.get("reward_mean") is not None]
+    if not steps:
+        return {"default_error": f"no step records in {p}"}
+    r = [s["reward_mean"] for s in steps]
+    out = {"default_steps": len(steps), "reward_first5_mean": sum(r[:5]) / len(r[:5]),
+           "reward_last5_mean": sum(r[-5:]) / len(r[-5:]), "default_metrics": str(p)}
+    acc = [s.get("accuracy") for s in steps if s.get("accuracy") is not None]
+    if acc:
+        out.update(accuracy_first5_mean=sum(acc[:5]) / len(acc[:5]), accuracy_last5_mean=sum(acc[-5:]) / len(acc[-5:]))
+    summary = (p.parent / "summary.json")
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        out["default_switch_overhead_fraction"] = s.get("switch_overhead_fraction")
+        out["default_step_s"] = s.get("step_s_median")
+        out["default_backend"] = s.get("backend")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory (JSON, markdown, per-run outputs)")
+    ap.add_argument("--configs", default="full,lora", help="comma list of: full, lora")
+    ap.add_argument("--modes", default="colomem,timesplit", help="comma list of: colomem, timesplit")
+    ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")
+    ap.add_argument("--extra", default="", help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64'")
+    ap.add_argument("--run-timeout-s", type=float, default=480.0)
+    ap.add_argument("--run-default", action="store_true", help="also run the default tiny job (40 steps)")
+    ap.add_argument("--default-run", help="an existing default run (directory or metrics.jsonl) to report")
+    a = ap.parse_args(argv)
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "grpo_bench.json"
+    report = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    report.setdefault("runs", {})
+    report["environment"] = _env()
+
+    def save():
+        top_level(report)
+        report["table_markdown"] = table(report["runs"])
+        jpath.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / "grpo_bench.md").write_text(
+            "# Colocated GRPO: colomem vs time-split (1.5B-shaped model)\n\n"
+            f"Command: `python runners/bench_grpo.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+            + report["table_markdown"] + "\n")
+
+    if a.run_default:
+        d = out / "default"
+        report["default_run"] = run_one("default", [], d, a.run_timeout_s)
+        report.update(read_default(d))
+        save()
+    elif a.default_run:
+        report.update(read_default(Path(a.default_run)))
+        save()
+
+    for cfg in [c.strip() for c in a.configs.split(",") if c.strip()]:
+        if cfg not in CONFIGS:
+            ap.error(f"unknown config {cfg!r}; choose from {sorted(CONFIGS)}")
+        for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+            if mode not in MODES:
+                ap.error(f"unknown mode {mode!r}; choose from {MODES}")
+            name = f"{cfg}_{mode}"
+            args = ["--config", str(ROOT / CONFIGS[cfg]), "--switch", mode, "--steps", str(a.steps)]
+            args += a.extra.split()
+            d = out / name
+            info = run_one(name, args, d, a.run_timeout_s)
+            info["result"] = analyse(d)
+            report["runs"][name] = info
+            save()                      # on disk after every run: a later timeout keeps what finished
+
+    save()
+    print()
+    print(report["table_markdown"])
+    keys = ("default_steps", "reward_first5_mean", "reward_last5_mean", "switch_overhead_fraction",
+            "speedup_vs_timesplit", "speedup_vs_timesplit_lora")
+    print("\n" + json.dumps({k: report.get(k) for k in keys}, indent=1))
+    bad = [n for n, r in report["runs"].items() if r.get("result", {}).get("status") != "ok"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
