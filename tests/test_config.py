@@ -130,3 +130,12 @@ def test_models_can_be_built_in_code():
     assert GRPOConfig(clip_eps=0.2, clip_eps_high=0.3).clip_high == 0.3
     with pytest.raises(ConfigError):
         config_from_dict({"tensor_parallel_size": 2, "backend": "cpu"})
+
+
+def test_every_flag_is_documented():
+    from pathlib import Path
+
+    from colomem.grpo.config import _flag_table
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "colocated-training.md").read_text()
+    missing = [f for f in _flag_table() if f"`{f}" not in doc and f"{f}`" not in doc and f"{f}," not in doc]
+    assert not missing, f"flags missing from docs/colocated-training.md: {missing}"
