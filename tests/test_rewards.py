@@ -1,6 +1,5 @@
 """Reward functions: built-ins, and clear errors for reward functions that misbehave."""
 import math
-import re
 import sys
 import types
 

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError
+from colomem.errors import InvalidArgumentError, NotAvailableError
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ def plot_timeline(records: list[dict], path: os.PathLike, title: Optional[str] =
     if not steps:
         return None
     plt = _plt()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, max(3.0, 0.22 * len(steps) + 1.5)),
-                                  gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, max(3.5, 0.22 * len(steps) + 1.5)),
+                                  gridspec_kw={"width_ratios": [3, 1], "wspace": 0.35})
     seen = set()
     for r in steps:
         left = 0.0
@@ -38,18 +38,20 @@ def plot_timeline(records: list[dict], path: os.PathLike, title: Optional[str] =
                     hatch="//" if p in SWITCH_PHASES else None, label=p if p not in seen else None)
             seen.add(p)
             left += w
+    from matplotlib.ticker import MaxNLocator
     ax.set_xlabel("seconds within the step")
     ax.set_ylabel("step")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=7, ncol=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=1, frameon=False)
     ax.set_title(title or "phase timeline (hatched: switch phases)")
     frac = [100 * (r.get("switch_fraction") or 0) for r in steps]
     ax2.barh([r["step"] for r in steps], frac, color="#d62728")
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.invert_yaxis()
     ax2.set_xlabel("switch overhead, % of step")
     ax2.set_title("switch share")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return os.fspath(path)
 
@@ -69,6 +71,8 @@ def plot_rewards(records: list[dict], path: os.PathLike, title: Optional[str] = 
                     alpha=0.15, label="± std over samples")
     if any(r.get("accuracy") is not None for r in steps):
         ax.plot(x, [r.get("accuracy") for r in steps], color="#2ca02c", marker=".", ms=3, label="accuracy")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

@@ -154,17 +154,23 @@ def _fmt(n: Optional[float]) -> str:
 
 
 def memory_table(records: list[StepRecord]) -> str:
-    """Markdown table: per phase, the median over steps of each memory column after that phase."""
+    """Markdown table: per phase, the median over steps of each memory column after that phase (columns
+    that were never measured, e.g. the GPU ones on CPU, are left out)."""
     if not records:
         return ""
-    lines = ["| after phase | GPU allocated | GPU reserved | GPU driver-used | pinned host |",
-             "| --- | --- | --- | --- | --- |"]
+    names = {"allocated": "GPU allocated", "reserved": "GPU reserved", "driver_used": "GPU driver-used",
+             "pinned_host": "pool host memory"}
+    keys = [k for k in MEMORY_KEYS if any((r.memory.get(p) or {}).get(k) is not None
+                                          for r in records for p in r.memory)]
+    if not keys:
+        return "(no memory measured)"
+    lines = ["| after phase | " + " | ".join(names[k] for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
     for phase in CYCLE:
         rows = [r.memory[phase] for r in records if phase in r.memory]
         if not rows:
             continue
         cols = []
-        for k in MEMORY_KEYS:
+        for k in keys:
             vals = sorted(v[k] for v in rows if v.get(k) is not None)
             cols.append(_fmt(vals[len(vals) // 2]) if vals else "-")
         lines.append(f"| {phase} | " + " | ".join(cols) + " |")
