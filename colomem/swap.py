@@ -380,11 +380,13 @@ def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_T
 
     The reloaded set's memory is allocated first, so the GPU must hold both for the duration.
     """
-    h_in = reload.reload_async(timing=timing)
+    # The offload is submitted first: the reload makes the current stream wait for its copies, and a D2H
+    # submitted after that would wait for the whole reload instead of running beside it.
+    h_out = offload.offload_async(timing=timing)
     try:
-        h_out = offload.offload_async(timing=timing)
+        h_in = reload.reload_async(timing=timing)
     except BaseException:
-        h_in.wait(timeout)
+        h_out.wait(timeout)
         raise
     out, inn = h_out.wait(timeout), h_in.wait(timeout)
     if timing:
