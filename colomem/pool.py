@@ -52,16 +52,21 @@ class PinnedPool:
     initial: bytes reserved now ('16GiB', an int, ...), pinned with parallel pre-faulting and huge pages.
     max_bytes: cap on what the pool may grow to (None: no cap); beyond it `alloc` raises
         PoolExhaustedError. segment_bytes: size of each growth step (a larger request gets its own size).
+    prefault: 'populate' (MADV_POPULATE_WRITE from several threads) or 'touch' (threads write each page).
     """
 
     def __init__(self, initial: Size = 0, *, max_bytes: Optional[Size] = None, segment_bytes: Size = "1GiB",
-                 pin="auto", huge_pages: bool = True, prefault_threads: int = 0, alignment: int = 4096):
+                 pin="auto", huge_pages: bool = True, prefault_threads: int = 0, alignment: int = 4096,
+                 prefault: str = "populate"):
+        if prefault not in ("populate", "touch"):
+            raise InvalidArgumentError(f"prefault must be 'populate' or 'touch', got {prefault!r}")
         self._pin = _resolve_pin(pin)
         self._core = _C.HostPool(
             initial_bytes=parse_bytes(initial),
             max_bytes=0 if max_bytes is None else parse_bytes(max_bytes),
             segment_bytes=parse_bytes(segment_bytes),
             pin=self._pin, huge_pages=huge_pages, prefault_threads=prefault_threads, alignment=alignment,
+            populate=prefault == "populate",
         )
         self._live: dict[int, Block] = {}
         self._lock = threading.Lock()

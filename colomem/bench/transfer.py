@@ -219,15 +219,15 @@ def _thp_settings() -> dict:
     return out
 
 
-def pool_creation(nbytes: int) -> dict:
+def pool_creation(nbytes: int, prefault: str = "populate") -> dict:
     huge0 = _anon_huge_bytes()
     t0 = time.perf_counter()
-    pool = colomem.PinnedPool(nbytes)
+    pool = colomem.PinnedPool(nbytes, prefault=prefault)
     total = time.perf_counter() - t0
     st = pool.stats()
     huge1 = _anon_huge_bytes()
     pool.close()
-    return {"nbytes": nbytes, "seconds": total, "prefault_seconds": st["prefault_seconds"],
+    return {"nbytes": nbytes, "prefault": prefault, "seconds": total, "prefault_seconds": st["prefault_seconds"],
             "pin_seconds": st["pin_seconds"], "map_seconds": st["map_seconds"],
             "huge_page_bytes": huge1 - huge0 if huge0 >= 0 else None, "thp": _thp_settings()}
 

@@ -14,7 +14,7 @@ void register_pool(py::module_& m) {
   m.def("unpin_range", [](uintptr_t ptr) { unpin_range(reinterpret_cast<void*>(ptr)); }, py::arg("address"));
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool", "Pinned (or plain) host memory, sub-allocated.")
       .def(py::init([](size_t initial_bytes, size_t max_bytes, size_t segment_bytes, bool pin, bool huge_pages,
-                       int prefault_threads, size_t alignment) {
+                       int prefault_threads, size_t alignment, bool populate) {
              PoolConfig c;
              c.initial_bytes = initial_bytes;
              c.max_bytes = max_bytes;
@@ -23,12 +23,13 @@ void register_pool(py::module_& m) {
              c.huge_pages = huge_pages;
              c.prefault_threads = prefault_threads;
              c.alignment = alignment;
+             c.populate = populate;
              py::gil_scoped_release nogil;  // pinning a large pool takes a while
              return std::make_shared<HostPool>(c);
            }),
            py::arg("initial_bytes") = 0, py::arg("max_bytes") = 0, py::arg("segment_bytes") = 1ull << 30,
            py::arg("pin") = true, py::arg("huge_pages") = true, py::arg("prefault_threads") = 0,
-           py::arg("alignment") = 4096)
+           py::arg("alignment") = 4096, py::arg("populate") = true)
       .def(
           "alloc",
           [](HostPool& p, size_t nbytes) {

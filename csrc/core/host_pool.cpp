@@ -49,7 +49,7 @@ char* map_aligned(size_t size) {
 
 // First-touch every page from several threads: the kernel's page-fault path scales across cores,
 // and cudaHostRegister of already-populated pages is about 8x cheaper than of untouched ones.
-void prefault(char* base, size_t size, int threads) {
+void prefault(char* base, size_t size, int threads, bool populate) {
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   size_t per = round_up((size + threads - 1) / threads, kHugePage);
   std::vector<std::thread> pool;
@@ -60,7 +60,7 @@ void prefault(char* base, size_t size, int threads) {
     pool.emplace_back([=] {
       // MADV_POPULATE_WRITE (Linux 5.14+) faults the range in-kernel, huge pages included, without a
       // user fault per page; older kernels fall back to touching each page.
-      if (madvise(base + begin, end - begin, kMadvPopulateWrite) == 0) return;
+      if (populate && madvise(base + begin, end - begin, kMadvPopulateWrite) == 0) return;
       volatile char* p = base;
       for (size_t off = begin; off < end; off += page) p[off] = 0;
     });
@@ -115,7 +115,7 @@ void HostPool::add_segment_locked(size_t nbytes) {
   if (cfg_.huge_pages) (void)madvise(base, size, MADV_HUGEPAGE);  // best effort: THP may be off
   st_.map_seconds += seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
-  prefault(base, size, cfg_.prefault_threads);
+  prefault(base, size, cfg_.prefault_threads, cfg_.populate);
   st_.prefault_seconds += seconds_since(t0);
   auto seg = std::make_unique<Segment>();
   seg->base = base;
