@@ -4,8 +4,12 @@
 # Stages: core (GPU tests of pool/swap/engine + transfer bench), ipc (bridge tests), vllm, deepspeed,
 # syncbench, dsbench, grpo (default job), grpobench. Each stage is bounded by its own timeout.
 set -uo pipefail
-OUT=${OUT:-/tmp/colomem-out}
-mkdir -p "$OUT"
+# Everything goes to a work folder, packed into $OUT/results.tgz after every stage (the device tool
+# returns at most 8 files, and a stage cut by the call's time limit must not lose the earlier ones).
+RESULTS=${OUT:-/tmp/colomem-results}
+OUT=/tmp/colomem-out
+mkdir -p "$OUT" "$RESULTS"
+pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" . && mv "$RESULTS/results.tgz.tmp" "$RESULTS/results.tgz"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stages=",${1:-core},"
 has() { [[ "$stages" == *",$1,"* ]]; }
@@ -23,6 +27,7 @@ run() {  # run NAME TIMEOUT CMD...
   local rc=$?
   tail -${TAIL:-15} "$OUT/$name.log"
   stamp "$name rc=$rc"
+  pack
 }
 has core && run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests
 has core && run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer"
