@@ -71,6 +71,9 @@ class Ranks:
                 raise InvalidArgumentError(f"WORLD_SIZE={world} but {', '.join(missing)} not set; start the job "
                                            "with torchrun")
             timeout = datetime.timedelta(seconds=float(barrier_timeout_s))
+            if backend == "nccl":
+                import torch
+                torch.cuda.set_device(local)          # before NCCL makes its communicators
             if not dist.is_initialized():
                 dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
                 r.owns_process_group = True
