@@ -98,7 +98,7 @@ def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float) -> dict
 def analyse(out_dir: Path) -> dict:
     """Figures of one run from its summary.json and metrics.jsonl."""
     summary = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else {}
-    steps = [r for r in _read_jsonl(out_dir / "metrics.jsonl") if "step" in r and "phase_s" in r]
+    steps = [r for r in _read_jsonl(out_dir / "metrics.jsonl") if "phase_s" in r and not r.get("failed")]
     warm = steps[1:] if len(steps) > 1 else steps
     res = {"status": summary.get("status"), "error": summary.get("error"), "steps_done": len(steps),
            "build_s": summary.get("build_s"), "backend": summary.get("backend"),
@@ -182,7 +182,7 @@ def top_level(report: dict) -> None:
 def read_default(path: Path) -> dict:
     """default_steps and the reward at the start and end of the default job (a run dir or its metrics.jsonl)."""
     p = path / "metrics.jsonl" if path.is_dir() else path
-    steps = [r for r in _read_jsonl(p) if "step" in r and r.get("reward_mean") is not None]
+    steps = [r for r in _read_jsonl(p) if r.get("reward_mean") is not None and not r.get("failed")]
     if not steps:
         return {"default_error": f"no step records in {p}"}
     r = [s["reward_mean"] for s in steps]

@@ -260,7 +260,9 @@ def test_cleanup_and_metrics_when_a_reward_fn_raises(cache_env, tmp_path):
                 print_fn=lambda *_: None)
     assert held["calls"].count("close") == 2 and held["pool"].closed      # rollout + trainer closed
     recs = read_jsonl(tmp_path / "bad" / "metrics.jsonl")
-    assert [r.get("event", r.get("step")) for r in recs] == ["start", 0, "end"]
+    assert [r.get("event", r.get("step")) for r in recs] == ["start", 0, 1, "end"]
+    assert recs[2]["failed"] == "score" and "reward bug" in recs[2]["error"]        # the failed step's line
+    assert "sleep" in recs[2]["phase_s"] and "train" not in recs[2]["phase_s"]
     assert recs[-1]["status"] == "error" and "reward bug" in recs[-1]["error"]
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert summary["status"] == "error" and summary["steps_done"] == 1 and "flaky" in summary["error"]
@@ -296,6 +298,8 @@ def test_oom_at_wake_rolls_back_and_names_the_knob(cache_env, tmp_path):
     after = calls[len(calls) - calls[::-1].index("wake_kv"):]          # what ran after the failed wake
     assert after[0] == "sleep" and "reload" not in after and "generate" not in after
     assert held["pool"].closed
+    failed = [r for r in read_jsonl(tmp_path / "oom" / "metrics.jsonl") if r.get("failed")]
+    assert len(failed) == 1 and failed[0]["failed"] == "wake_kv" and "wake_kv" in failed[0]["memory"]
     summary = json.loads((tmp_path / "oom" / "summary.json").read_text())
     assert summary["status"] == "error" and summary["steps_done"] == 1
 

@@ -160,9 +160,25 @@ class ColocatedRunner:
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:
-        cfg, ranks = self.cfg, self.ranks
-        rec = StepRecord(step=k, rank=ranks.rank)
+        """One step; a step that fails still writes its line (phases so far, memory, `failed`, `error`)."""
+        rec = StepRecord(step=k, rank=self.ranks.rank)
         t_step = time.perf_counter()
+        try:
+            return self._step(k, rec, t_step)
+        except BaseException as e:
+            rec.step_s = time.perf_counter() - t_step
+            rec.metrics["failed"] = self.machine.failed or self.machine.current or "score"
+            rec.metrics["error"] = f"{type(e).__name__}: {e}"
+            for w in (self.writer, self.rank_writer):
+                if w is not None:
+                    try:
+                        w.write(rec.to_json())
+                    except Exception:  # noqa: BLE001  (the original error matters more)
+                        pass
+            raise
+
+    def _step(self, k: int, rec: StepRecord, t_step: float) -> StepRecord:
+        cfg, ranks = self.cfg, self.ranks
         n_groups = cfg.prompts_per_step
         samples = self.task.samples(n_groups, seed=cfg.seed, step=k)
         gen_idx = ranks.generate_groups(n_groups)

@@ -21,7 +21,7 @@ def _plt():
 
 def plot_timeline(records: list[dict], path: os.PathLike, title: Optional[str] = None) -> Optional[str]:
     """Stacked horizontal bars, one per step: how long each phase took (switch phases hatched)."""
-    steps = [r for r in records if "phase_s" in r]
+    steps = [r for r in records if "phase_s" in r and not r.get("failed")]
     if not steps:
         return None
     plt = _plt()
@@ -58,7 +58,7 @@ def plot_timeline(records: list[dict], path: os.PathLike, title: Optional[str] =
 
 def plot_rewards(records: list[dict], path: os.PathLike, title: Optional[str] = None) -> Optional[str]:
     """Mean reward per step with its spread over the samples, and accuracy when the task logs one."""
-    steps = [r for r in records if r.get("reward_mean") is not None]
+    steps = [r for r in records if r.get("reward_mean") is not None and not r.get("failed")]
     if not steps:
         return None
     plt = _plt()
