@@ -359,12 +359,13 @@ def test_cli_main(cache_env, tmp_path, capsys):
 def test_cpu_explains_what_the_gpu_path_needs(cache_env, tmp_path, capsys):
     from colomem.runner.backends import resolve_backend
     backend, why = resolve_backend("auto")
-    if backend == "cpu":
-        assert "vllm" in why and "deepspeed" in why and "CUDA" in why
+    if backend != "cpu":
+        pytest.skip("the GPU path is available here; this checks the fallback on machines without it")
+    assert "vllm" in why and "deepspeed" in why and "CUDA" in why
     res = run_job(small_cfg(tmp_path / "auto", backend="auto", steps=40, cpu_steps=1), print_fn=print)
-    if res.summary["backend"] == "cpu":
-        assert res.summary["steps_done"] == 1
-        assert "1 steps instead of 40" in capsys.readouterr().out
+    assert res.summary["backend"] == "cpu" and res.summary["steps_done"] == 1
+    out = capsys.readouterr().out
+    assert "1 steps instead of 40" in out and "The GPU path needs" in out
 
 
 @pytest.mark.slow
