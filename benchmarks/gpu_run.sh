@@ -34,8 +34,9 @@ has core && run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer
 has ipc && run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests
 has vllm && run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests
 has deepspeed && run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests
-has syncbench && run bench_sync 300 python3 runners/bench_sync.py --out "$OUT/sync"
+has syncbench && run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+  --slow-reps 3 --reload-reps 1 --sw-reps 2
 has dsbench && run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds"
-has grpo && run grpo_default 300 python3 runners/grpo_colocated.py --out "$OUT/grpo"
+has grpo && run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo"
 has grpobench && run bench_grpo 400 python3 runners/bench_grpo.py --out "$OUT/grpobench"
 stamp "all done"

@@ -52,12 +52,13 @@ class PinnedPool:
     initial: bytes reserved now ('16GiB', an int, ...), pinned with parallel pre-faulting and huge pages.
     max_bytes: cap on what the pool may grow to (None: no cap); beyond it `alloc` raises
         PoolExhaustedError. segment_bytes: size of each growth step (a larger request gets its own size).
-    prefault: 'populate' (MADV_POPULATE_WRITE from several threads) or 'touch' (threads write each page).
+    prefault: 'touch' (threads write each page; 16 GB pinned in 0.83 s on the H200 host) or 'populate'
+        (MADV_POPULATE_WRITE from several threads; 5.0 s there, slower in-kernel with huge pages).
     """
 
     def __init__(self, initial: Size = 0, *, max_bytes: Optional[Size] = None, segment_bytes: Size = "1GiB",
                  pin="auto", huge_pages: bool = True, prefault_threads: int = 0, alignment: int = 4096,
-                 prefault: str = "populate"):
+                 prefault: str = "touch"):
         if prefault not in ("populate", "touch"):
             raise InvalidArgumentError(f"prefault must be 'populate' or 'touch', got {prefault!r}")
         self._pin = _resolve_pin(pin)

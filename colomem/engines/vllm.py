@@ -258,6 +258,9 @@ class VLLMRollout:
         """Creates vllm.LLM (overridden by the CPU tests with a fake engine)."""
         from vllm import LLM
 
+        # The runner touches CUDA (pool, trainer) before vLLM starts its engine process; a forked engine
+        # then cannot initialise CUDA, so spawn unless the user chose otherwise.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         return LLM(**kwargs)
 
     def _make_bridge(self):

@@ -29,7 +29,7 @@ void register_pool(py::module_& m) {
            }),
            py::arg("initial_bytes") = 0, py::arg("max_bytes") = 0, py::arg("segment_bytes") = 1ull << 30,
            py::arg("pin") = true, py::arg("huge_pages") = true, py::arg("prefault_threads") = 0,
-           py::arg("alignment") = 4096, py::arg("populate") = true)
+           py::arg("alignment") = 4096, py::arg("populate") = false)
       .def(
           "alloc",
           [](HostPool& p, size_t nbytes) {

@@ -26,7 +26,7 @@ struct PoolConfig {
   bool pin = true;               // page-lock segments with CUDA
   bool huge_pages = true;        // madvise(MADV_HUGEPAGE)
   int prefault_threads = 0;      // 0: min(16, hardware threads)
-  bool populate = true;          // pre-fault with MADV_POPULATE_WRITE (else touch every page)
+  bool populate = false;         // pre-fault with MADV_POPULATE_WRITE (else touch every page: faster)
 };
 
 struct PoolStats {
