@@ -224,11 +224,7 @@ class ColomemWorkerExtension:
         if verify not in ("none", "sampled", "full"):
             raise InvalidArgumentError(f"verify must be 'none', 'sampled' or 'full', got {verify!r}")
         st = self._colomem()
-        if st.importer is not None:
-            try:
-                st.importer.close()
-            finally:
-                st.importer = None
+        self._colomem_drop_importer(st)
         st.importer = self._colomem_connect(address, float(timeout))
         st.address = address
         st.verify = verify
@@ -237,14 +233,18 @@ class ColomemWorkerExtension:
         dev = self._colomem_device()
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(dev)}
 
-    @_rpc
-    def colomem_detach(self) -> dict:
-        st = self._colomem()
+    @staticmethod
+    def _colomem_drop_importer(st) -> None:
         if st.importer is not None:
             try:
                 st.importer.close()
             finally:
                 st.importer = None
+
+    @_rpc
+    def colomem_detach(self) -> dict:
+        st = self._colomem()
+        self._colomem_drop_importer(st)
         st.address = None
         return {"detached": True}
 
@@ -497,11 +497,7 @@ class ColomemWorkerExtension:
     def colomem_close(self) -> dict:
         """Detaches from the bridge and frees the pool (the engine is about to shut down)."""
         st = self._colomem()
-        if st.importer is not None:
-            try:
-                st.importer.close()
-            finally:
-                st.importer = None
+        self._colomem_drop_importer(st)
         bk = st.backup
         if bk.pool is not None and not bk.pool.closed:
             bk.pool.close(force=True)
