@@ -31,6 +31,7 @@ from colomem.units import format_bytes
 TensorSource = Union[Iterable, Callable[[], Iterable]]
 
 RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
+DISCARDED = "discarded"  # offloaded, then its pool copy dropped on purpose: the tensors hold no bytes
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -275,7 +276,7 @@ class SwapSet:
     # -- offload ------------------------------------------------------------------------------------------
     def offload_async(self, *, timing: bool = False) -> SwapHandle:
         """Starts copying the set to the pool. GPU memory is freed when the handle's wait() returns."""
-        if self.state != RESIDENT:
+        if self.state not in (RESIDENT, DISCARDED):
             raise PhaseOrderError(f"{self.name}: offload while {self.state}; reload it (or wait) first")
         self._pool.check_open()
         entries = self._plan()
@@ -365,11 +366,34 @@ class SwapSet:
     def reload(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *, timing: bool = False) -> SwapStats:
         return self.reload_async(timing=timing).wait(timeout)
 
+    # -- while offloaded ----------------------------------------------------------------------------------
+    def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A CPU tensor over the pool copy of `t` (same dtype, shape, strides), valid while offloaded;
+        None when `t` has no offloaded copy here. Read it, e.g. to sync weights without a reload."""
+        if self.state != OFFLOADED:
+            return None
+        key = t.untyped_storage()._cdata
+        for e in self._entries:
+            if e.storage._cdata == key and e.block is not None:
+                raw = e.block.as_tensor(e.nbytes)
+                return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        return None
+
+    def discard(self) -> None:
+        """Drops the pool copy of an offloaded set without reloading it: its tensors keep no bytes."""
+        if self.state != OFFLOADED:
+            raise PhaseOrderError(f"{self.name}: discard() while {self.state}; only an offloaded set")
+        self._give_back_blocks()
+        self._drop_kept()
+        self._entries = []
+        self.state = DISCARDED
+
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
         """Gives the set's pool blocks back. Refused while offloaded: the pool holds the only copy."""
-        if self.state != RESIDENT:
-            raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload first so no data is lost")
+        if self.state not in (RESIDENT, DISCARDED):
+            raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload (or discard()) first so no "
+                                  "data is lost by accident")
         self._drop_kept()
         self._entries = []
 

@@ -237,3 +237,33 @@ def test_many_cycles_do_not_grow_the_pool(pool):
     after = pool.stats()
     assert after["reserved_bytes"] == before["reserved_bytes"]
     assert after["in_use_bytes"] == before["in_use_bytes"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_view_reads_the_offloaded_copy(device, pool):
+    base = torch.arange(60, dtype=torch.float32, device=device).reshape(6, 10)
+    view = base[1:4, ::2]
+    other = torch.ones(3, device=device)
+    s = colomem.SwapSet.from_tensors([base, view], pool, device=device)
+    s.offload()
+    hv = s.host_view(view)
+    assert hv.device.type == "cpu" and hv.shape == view.shape and hv.stride() == view.stride()
+    assert torch.equal(hv, torch.arange(60, dtype=torch.float32).reshape(6, 10)[1:4, ::2])
+    assert s.host_view(other) is None
+    s.reload()
+    assert s.host_view(view) is None  # resident: no offloaded copy to read
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_discard_drops_the_copy_and_allows_close(device):
+    p = colomem.PinnedPool("1MiB")
+    t = torch.ones(1000, device=device)
+    s = colomem.SwapSet.from_tensors([t], p, device=device)
+    s.offload()
+    with pytest.raises(PhaseOrderError, match="discard"):
+        s.close()
+    s.discard()
+    assert s.state == "discarded" and t.untyped_storage().nbytes() == 0
+    s.close()
+    assert p.stats()["in_use_bytes"] == 0
+    p.close()
