@@ -237,7 +237,8 @@ def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentPa
         help_ = model.model_fields[path[-1]].description or ""
         dest = "f__" + "__".join(path)
         if ann is bool:
-            p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_)
+            p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_,
+                           metavar="true|false")
             p.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="false",
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
