@@ -286,6 +286,28 @@ def test_close_unmaps_now_or_when_the_last_view_goes(monkeypatch):
     imp.close()  # idempotent
 
 
+def test_importer_keeps_no_view_once_the_caller_copied_and_let_go(monkeypatch):
+    # What the GPU two-process test checks at close (live_views == 0), by plain refcounting (no gc), with
+    # split and whole tensors over versions. Its peer once kept a for-loop variable (the last view) alive.
+    bridge, imp, _ = cpu_pair(monkeypatch, nbuffers=2)
+    for version in range(3):
+        got = {}
+        for msg in bridge.publish(named(30 + version), version=version):
+            got.update({name: t.clone() for name, t in imp.tensors(msg.to_dict(), verify="full")})
+            assert imp.live_views == 0  # neither the importer nor its exhausted iterator holds a view
+        assert imp.version == version and len(got) == 10
+    gen = bridge.publish(named(40), version=3)
+    for name, t in imp.tensors(next(gen).to_dict()):
+        pass
+    gen.close()
+    assert imp.live_views == 1  # ... whereas a loop variable keeps the last whole-tensor view alive
+    bufs = list(imp._buffers)
+    del t
+    assert imp.live_views == 0
+    imp.close()
+    assert all(b.closed for b in bufs)  # nothing viewed: every buffer unmapped at close
+
+
 # --- the socket transport (real bridge socket, CPU buffers) -------------------------------------------------
 def socket_pair(monkeypatch, **kw):
     bridge, imp, released = cpu_pair(monkeypatch, **kw)

@@ -73,8 +73,9 @@ def consumer(address: str, versions: int, hold_s: float) -> None:
         got, held, nmsg = {}, 0, 0
         for msg in imp.messages(timeout=60):
             nmsg += 1
-            for name, t in imp.tensors(msg, verify="full"):
-                got[name] = t.clone()
+            # A comprehension, not a for-loop: a loop variable would keep the last view of the buffer alive
+            # after the loop (and count in live_views at close).
+            got.update({name: t.clone() for name, t in imp.tensors(msg, verify="full")})
             if msg["seq"] % 2 == 0:
                 torch.cuda.synchronize()
                 time.sleep(hold_s)  # the producer packs the next buckets meanwhile
