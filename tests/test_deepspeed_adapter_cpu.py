@@ -2,6 +2,10 @@
 the state collection and the swap strategies on a ZeRO-2-shaped stand-in (host path), and the LoRA merge."""
 
 import copy
+import functools
+import gc
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -421,3 +425,146 @@ def test_unresizable_storage_is_kept_reported_and_still_readable(pool):
     assert items[0][1] is foreign and items[1][1].untyped_storage().nbytes() > 0
     s.reload()
     s.close()
+
+
+# ------------------------------------------- ZeRO-3: nothing process-wide keeps a closed engine's state alive
+def nvtx_like(func):                      # DeepSpeed's instrument_w_nvtx: a wrapper without functools.wraps
+    def wrapped_fn(*args, **kwargs):
+        return func(*args, **kwargs)
+    return wrapped_fn
+
+
+class Coordinator:                        # PartitionedParameterCoordinator: one lru_cache shared by all instances
+    def __init__(self, owner):
+        self.owner = owner                # the real coordinator reaches the optimizer too (through the engine)
+
+    @nvtx_like
+    @functools.lru_cache(maxsize=None)
+    def params_to_release(self, submodule, step_id):
+        return {id(p) for p in submodule.parameters()}
+
+
+class FakeZero3Optimizer:
+    def __init__(self, module):
+        self.fp32_partitioned_groups_flat = [torch.zeros(1024)]
+        self.coordinator = Coordinator(self)
+        for p in module.parameters():
+            p._z3_optimizer = self        # what stage3._link_all_hp_params does
+
+
+def fake_zero3_engine(stack):
+    """A ZeRO-3-shaped engine registered where DeepSpeed 0.19 registers one: its root on FWD_MODULE_STACK
+    (plus what an early-stopped checkpoint recompute leaves there), a submodule in the shared lru cache."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    opt = FakeZero3Optimizer(module)
+    stack += [module, module[1], module[1][0]]
+    opt.coordinator.params_to_release(module[1], 0)
+    return SimpleNamespace(module=module, optimizer=opt, destroy=lambda: None, zero_optimization_stage=lambda: 3)
+
+
+CACHES = dsa._lru_caches(Coordinator.params_to_release)
+
+
+def test_lru_cache_found_behind_a_decorator_without_wraps():
+    assert len(CACHES) == 1 and CACHES[0].cache_info().maxsize is None
+    assert dsa._lru_caches(lambda: None) == [] and dsa._lru_caches(None) == []
+
+
+def test_zero3_release_frees_the_closed_engine_and_keeps_the_others():
+    stack: list = []
+    other = fake_zero3_engine(stack)
+    eng = fake_zero3_engine(stack)
+    opt = weakref.ref(eng.optimizer)
+    # each holder alone keeps the whole optimizer alive
+    dsa._release_zero3_references(eng.module[1][0], stack, [])          # only part of the engine
+    gc.collect()
+    assert opt() is not None
+    n = dsa._release_zero3_references(eng.module, stack, CACHES)
+    assert n >= 3
+    assert [id(m) for m in stack] == [id(other.module), id(other.module[1]), id(other.module[1][0])]
+    assert not hasattr(eng.module[0].weight, "_z3_optimizer")
+    assert other.module[0].weight._z3_optimizer is other.optimizer      # another live engine keeps its links
+    del eng
+    gc.collect()
+    assert opt() is None
+
+
+def test_trim_module_stack_drops_only_what_the_step_left():
+    a, b, c = object(), object(), object()
+    stack = [a, b, c]
+    assert dsa._trim_module_stack(stack, 1) == 2 and stack == [a]
+    assert dsa._trim_module_stack(stack, 1) == 0 and stack == [a]
+    assert dsa._trim_module_stack(None, 0) == 0
+
+
+def closable_trainer(engine):
+    t = bare_trainer(engine.module, None)
+    t.__dict__.update(engine=engine, zero_stage=3, _strategies={}, _owns_pool=False, _ref_fn=None,
+                      timeout_s=30.0, deepspeed_version="0.19.8", _fwd_stack=None)
+    return t
+
+
+def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch):
+    stack: list = []
+    monkeypatch.setattr(dsa, "_zero3_global_holders", lambda: (stack, CACHES))
+    eng = fake_zero3_engine(stack)
+    opt = weakref.ref(eng.optimizer)
+    t = closable_trainer(eng)
+    del eng
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        t.close()
+    assert opt() is None and stack == [] and t.engine is None
+    held = fake_zero3_engine(stack).optimizer                          # the caller keeps the optimizer
+    t = closable_trainer(SimpleNamespace(module=None, optimizer=held, destroy=lambda: None))
+    with pytest.warns(RuntimeWarning, match="FakeZero3Optimizer is still referenced"):
+        t.close()
+
+
+class StackPushingEngine(torch.nn.Module):
+    """A model behind the engine methods train_step calls; every forward leaves two entries on `stack`, like
+    ZeRO-3 pre-forward hooks whose post-forward hooks an early-stopped checkpoint recompute skipped."""
+
+    def __init__(self, model, stack):
+        super().__init__()
+        self.module, self.stack = model, stack
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def forward(self, **kw):
+        self.stack += [self.module, self.module.model]
+        return self.module(**kw)
+
+    def set_gradient_accumulation_boundary(self, flag):
+        pass
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def get_global_grad_norm(self):
+        return None
+
+    def get_lr(self):
+        return [1e-3]
+
+
+def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
+    from colomem.grpo.batch import GRPOBatch
+    from colomem.grpo.config import GRPOConfig
+
+    root = object()
+    stack = [root]
+    eng = StackPushingEngine(tiny_qwen2(), stack)
+    t = bare_trainer(eng.module, None)
+    t.__dict__.update(engine=eng, grpo=GRPOConfig(kl_coef=0.0, log_entropy=False), micro_batch=1, steps=0,
+                      _ref_fn=None, _fwd_stack=stack)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    comp = torch.ones(2, 8)
+    comp[:, :3] = 0
+    batch = GRPOBatch(ids, torch.ones(2, 8, dtype=torch.long), comp, torch.tensor([1.0, -1.0]),
+                      old_logprobs=torch.full((2, 8), -4.0) * comp)
+    t.train_step(batch)
+    assert stack == [root]

@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -378,6 +379,80 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+# -------------------------------------------------------------------------- ZeRO-3 process-wide references
+# DeepSpeed 0.19's ZeRO-3 keeps an engine's modules reachable from two process-wide objects, and every
+# parameter points at the whole optimizer (param._z3_optimizer, set by _link_all_hp_params), so after
+# engine.destroy() the fp32 masters, Adam moments, grad partitions and bf16 partitions all stay allocated:
+#   parameter_offload.FWD_MODULE_STACK  the root module is pushed when the hooks are set up and never popped;
+#       non-reentrant activation checkpointing stops its recompute early (inside a forward), so the post-forward
+#       hook that pops does not run and each micro-batch leaves more submodules on it.
+#   PartitionedParameterCoordinator.__params_to_release  a functools.lru_cache on a method: one cache shared by
+#       all coordinators, keyed by (coordinator, submodule, step), never cleared.
+def _zero3_global_holders() -> tuple[Optional[list], list]:
+    """(FWD_MODULE_STACK, [lru caches holding submodules]) of the installed DeepSpeed; (None, []) without it."""
+    try:
+        from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+    except ImportError:
+        return None, []
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    cls = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
+    fn = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
+    return (stack if isinstance(stack, list) else None), _lru_caches(fn)
+
+
+def _lru_caches(fn, depth: int = 3) -> list:
+    """The functools.lru_cache wrappers inside fn (itself, __wrapped__, or closure cells of decorators that
+    do not use functools.wraps, like DeepSpeed's instrument_w_nvtx)."""
+    out: list = []
+    todo, seen = [(fn, 0)], set()
+    while todo:
+        f, d = todo.pop()
+        if f is None or id(f) in seen or d > depth:
+            continue
+        seen.add(id(f))
+        if callable(getattr(f, "cache_clear", None)) and callable(getattr(f, "cache_info", None)):
+            out.append(f)
+        todo.append((getattr(f, "__wrapped__", None), d + 1))
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, d + 1))
+            except ValueError:           # an empty cell
+                pass
+    return out
+
+
+def _trim_module_stack(stack: Optional[list], depth: int) -> int:
+    """Drops what a finished step left above `depth` on FWD_MODULE_STACK (every forward has returned, so
+    nothing there is live); returns how many entries went."""
+    if stack is None or len(stack) <= depth:
+        return 0
+    n = len(stack) - depth
+    del stack[depth:]
+    return n
+
+
+def _release_zero3_references(module, stack: Optional[list] = None, caches: Optional[list] = None) -> int:
+    """After engine.destroy(): unhooks `module` (a ZeRO-3 engine's module) from DeepSpeed's process-wide objects
+    so the engine can be collected; other engines' entries stay. Returns how many references went."""
+    if stack is None and caches is None:
+        stack, caches = _zero3_global_holders()
+    n = 0
+    if module is not None:
+        ours = {id(m) for m in module.modules()}
+        if stack is not None:
+            keep = [m for m in stack if id(m) not in ours]
+            n += len(stack) - len(keep)
+            stack[:] = keep              # in place: DeepSpeed reads the list object it imported
+        for p in module.parameters():
+            if "_z3_optimizer" in getattr(p, "__dict__", {}):
+                del p._z3_optimizer      # a module the caller still holds must not keep the optimizer alive
+                n += 1
+    for cache in caches or ():
+        n += cache.cache_info().currsize
+        cache.cache_clear()              # only a cache: live engines recompute their entries
+    return n
+
+
 # ------------------------------------------------------------------------------------ offload strategies
 @dataclass
 class _Move:
@@ -723,6 +798,7 @@ class DeepSpeedTrainer:
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
         self.model = self.engine.module
+        self._fwd_stack = _zero3_global_holders()[0] if zero_stage == 3 else None
         self._ref_fn = None
         try:
             stage = int(self.engine.zero_optimization_stage())
@@ -807,14 +883,19 @@ class DeepSpeedTrainer:
         acc = MetricAccumulator()
         engine = self.engine
         total_loss = 0.0
-        for i, mb in enumerate(micro):
-            mb = mb.to(self.device, non_blocking=True)
-            engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            loss, metrics = compute_loss(engine, mb, self.grpo, ref_fn)
-            engine.backward(loss, scale_wrt_gas=False)    # the loss already carries mb.loss_weight
-            total_loss += metrics.pop("loss")             # weighted: the sum is the batch loss
-            acc.add(metrics, mb.loss_weight / batch.loss_weight)
-        engine.step()
+        stack = getattr(self, "_fwd_stack", None)
+        depth = len(stack) if stack is not None else 0
+        try:
+            for i, mb in enumerate(micro):
+                mb = mb.to(self.device, non_blocking=True)
+                engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+                loss, metrics = compute_loss(engine, mb, self.grpo, ref_fn)
+                engine.backward(loss, scale_wrt_gas=False)    # the loss already carries mb.loss_weight
+                total_loss += metrics.pop("loss")             # weighted: the sum is the batch loss
+                acc.add(metrics, mb.loss_weight / batch.loss_weight)
+            engine.step()
+        finally:
+            _trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
         self.steps += 1
         out = acc.result()
         out["loss"] = total_loss
@@ -1093,15 +1174,30 @@ class DeepSpeedTrainer:
         self._strategies = {}
         self._free_staging()
         engine = getattr(self, "engine", None)
+        opt_ref = None
         if engine is not None:
             _run_with_timeout(engine.destroy, self.timeout_s, "DeepSpeed engine.destroy()")
+            if getattr(self, "zero_stage", None) == 3:
+                try:
+                    _release_zero3_references(getattr(engine, "module", None))
+                except Exception as e:     # noqa: BLE001 - closing goes on; the check below reports a leak
+                    warnings.warn(f"unhooking the ZeRO-3 module from DeepSpeed failed: {e!r}", RuntimeWarning,
+                                  stacklevel=2)
+            opt_ref = _weakref_or_none(getattr(engine, "optimizer", None))
+        del engine                         # a local reference would keep it alive through the collection below
         self.engine = self.model = self._ref_fn = None
+        self._fwd_stack = None
         if self._owns_pool and self._pool is not None and not self._pool.closed:
             self._pool.close(force=True)
         self._pool = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if opt_ref is not None and opt_ref() is not None:
+            version = getattr(self, "deepspeed_version", "?")
+            warnings.warn(f"the closed trainer's {type(opt_ref()).__name__} is still referenced, so its GPU state "
+                          "stays allocated; drop your references to trainer.engine / .optimizer / .model (with "
+                          f"DeepSpeed {version}: report it if you hold none)", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> "DeepSpeedTrainer":
         return self
@@ -1111,6 +1207,13 @@ class DeepSpeedTrainer:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _weakref_or_none(obj):
+    try:
+        return weakref.ref(obj) if obj is not None else None
+    except TypeError:                    # not weak-referenceable: nothing to check
+        return None
+
+
 def _check_model_dir(model_path) -> None:
     p = Path(str(model_path)).expanduser()
     if not p.is_dir():
