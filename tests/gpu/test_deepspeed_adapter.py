@@ -9,6 +9,7 @@ Run: python -m pytest -m "gpu and deepspeed" -s tests/gpu/test_deepspeed_adapter
 """
 import gc
 import os
+import weakref
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")      # deterministic cuBLAS: exact loss trajectories
 
@@ -146,13 +147,15 @@ def reference_run(model_dir, stage, lora):
     """Losses and final state of an identical engine that is never offloaded (cached per config)."""
     key = (stage, lora)
     if key not in _reference:
+        _, alloc0 = baseline()
         t = make_trainer(model_dir, stage, lora)
         try:
             losses = [t.train_step(make_batch(s))["loss"] for s in range(STEPS)]
             _reference[key] = (losses, final_state(t))
         finally:
             t.close()
-        settle()
+        # the tests' baselines are taken after this: a closed engine must leave nothing behind
+        assert baseline()[1] - alloc0 <= ALLOC_MARGIN, "the closed reference engine still holds GPU memory"
     return _reference[key]
 
 
@@ -165,6 +168,7 @@ def test_offload_frees_reload_restores_training_matches(model_dir, ready, stage,
     free_base, alloc_base = baseline()
     pool = colomem.PinnedPool(0)
     t = make_trainer(model_dir, stage, lora, pool=pool)
+    closed_opt = weakref.ref(t.optimizer)
     try:
         losses = [t.train_step(make_batch(0))["loss"]]
         for step in range(1, STEPS):
@@ -218,6 +222,8 @@ def test_offload_frees_reload_restores_training_matches(model_dir, ready, stage,
     assert pool.stats()["in_use_bytes"] == 0          # close() gave every block back
     pool.close()
     free_end, alloc_end = baseline()
+    # nothing process-wide (ZeRO-3's FWD_MODULE_STACK, the coordinator's lru_cache) keeps the engine alive
+    assert closed_opt() is None, "the closed engine's optimizer is still referenced"
     assert alloc_end - alloc_base <= ALLOC_MARGIN
     assert free_end >= free_base - DRIVER_MARGIN
 
