@@ -1038,11 +1038,11 @@ class DeepSpeedTrainer:
     def _complete_locally(self) -> bool:
         return self.zero_stage != 3 or self.world_size == 1
 
-    def _iter_weights(self, merged: bool) -> Iterator[tuple[str, Tensor, bool]]:
-        """(HF name, full tensor, direct); direct: a view of the engine's own storage (not a temporary)."""
+    def _walk_weights(self) -> Iterator[tuple[str, object, list]]:
+        """(prefix, module, params) per module in HF order: a peft LoRA layer comes with params None (its
+        base weight and adapters are handled together), other modules with their own not-yet-seen params."""
         base = self.model.get_base_model() if self.lora is not None else self.model
         lora_cls = _lora_layer_class() if self.lora is not None else None
-        direct = self._complete_locally
         skip_prefixes: list[str] = []
         seen: set[int] = set()
         for mname, mod in base.named_modules():
@@ -1051,12 +1051,20 @@ class DeepSpeedTrainer:
             prefix = mname + "." if mname else ""
             if lora_cls is not None and isinstance(mod, lora_cls):
                 skip_prefixes.append(prefix)
-                yield from self._lora_weights(prefix, mod, merged, direct)
+                yield prefix, mod, None
                 continue
             params = [(pn, p) for pn, p in mod.named_parameters(recurse=False) if id(p) not in seen]
-            if not params:
-                continue
             seen.update(id(p) for _, p in params)
+            if params:
+                yield prefix, mod, params
+
+    def _iter_weights(self, merged: bool) -> Iterator[tuple[str, Tensor, bool]]:
+        """(HF name, full tensor, direct); direct: a view of the engine's own storage (not a temporary)."""
+        direct = self._complete_locally
+        for prefix, mod, params in self._walk_weights():
+            if params is None:
+                yield from self._lora_weights(prefix, mod, merged, direct)
+                continue
             with self._full_params([p for _, p in params]) as full:
                 for (pn, _), t in zip(params, full):
                     yield prefix + pn, t, direct
@@ -1106,24 +1114,15 @@ class DeepSpeedTrainer:
         def nbytes_of(p) -> int:
             numel = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
             return (numel * p.element_size() + 255) // 256 * 256
-        base = self.model.get_base_model() if self.lora is not None else self.model
-        lora_cls = _lora_layer_class() if self.lora is not None else None
-        skip_prefixes, seen = [], set()
-        for mname, mod in base.named_modules():
-            if any(mname.startswith(p) for p in skip_prefixes):
-                continue
-            prefix = mname + "." if mname else ""
-            if lora_cls is not None and isinstance(mod, lora_cls):
-                skip_prefixes.append(prefix)
+        for prefix, mod, params in self._walk_weights():
+            if params is None:
                 is_merged = merged and any(a in mod.lora_A for a in mod.active_adapters)
                 yield prefix + "weight", nbytes_of(mod.base_layer.weight), direct and not is_merged
                 if getattr(mod.base_layer, "bias", None) is not None:
                     yield prefix + "bias", nbytes_of(mod.base_layer.bias), direct
                 continue
-            for pn, p in mod.named_parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield prefix + pn, nbytes_of(p), direct
+            for pn, p in params:
+                yield prefix + pn, nbytes_of(p), direct
 
     def _staging(self, nbytes: int) -> Tensor:
         """A host uint8 buffer of at least nbytes, page-locked, kept across offloads (pool block if any)."""
