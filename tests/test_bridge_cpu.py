@@ -13,14 +13,7 @@ import colomem.bridge as br
 from colomem import _C
 from colomem._bucket import BucketMessage, Reassembler, entry_view, pack_bucket, plan_buckets
 from colomem.errors import InvalidArgumentError, PeerError, PoolClosedError, WeightCheckError
-
-
-def random_tensor(shape, dtype, gen):
-    n = 1
-    for s in shape:
-        n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen).view(dtype).reshape(shape)
+from random_bytes import random_tensor
 
 
 def same_bytes(a, b):

@@ -13,22 +13,11 @@ from colomem import _C
 from colomem._bucket import (ALIGN, BucketMessage, Entry, Reassembler, dtype_from_name, dtype_name, entry_view,
                              pack_bucket, plan_buckets)
 from colomem.errors import InvalidArgumentError, PeerError
+from random_bytes import random_tensor
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64]
 DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
-
-
-def random_tensor(shape, dtype, gen):
-    """Random bytes reinterpreted as dtype (NaNs and all), so equality is checked on bytes."""
-    n = 1
-    for s in shape:
-        n *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
-    if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import colomem
+from random_bytes import random_tensor
 from colomem.errors import (DeviceMismatchError, ForeignTensorError, PhaseOrderError, PoolClosedError,
                             PoolExhaustedError, TransferTimeoutError)
 
@@ -15,15 +16,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.int64, torch.bool, torch.complex64]
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.append(torch.float8_e4m3fn)
-
-
-def random_tensor(shape, dtype, device, gen):
-    """Random bytes reinterpreted as dtype: every bit pattern (NaN payloads too) must come back exactly."""
-    nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape).to(device)
 
 
 def as_bytes(t):
@@ -41,7 +33,7 @@ def pool():
 def test_exact_bytes_round_trip_all_dtypes_odd_sizes(device, pool):
     gen = torch.Generator().manual_seed(0)
     shapes = [(1,), (3,), (7, 5), (1023,), (33, 17, 3), (0,), (4097,)]
-    tensors = {f"{dt}-{s}": random_tensor(s, dt, device, gen) for dt in DTYPES for s in shapes}
+    tensors = {f"{dt}-{s}": random_tensor(s, dt, gen, device) for dt in DTYPES for s in shapes}
     before = {k: as_bytes(v) for k, v in tensors.items()}
     s = colomem.SwapSet.from_tensors(tensors, pool, device=device)
     for _ in range(3):
@@ -124,8 +116,8 @@ def test_second_cycle_allocates_nothing(device, pool):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bidirectional_swap(device, pool):
     gen = torch.Generator().manual_seed(1)
-    a = [random_tensor((513, 7), torch.float32, device, gen) for _ in range(3)]
-    b = [random_tensor((1001,), torch.bfloat16, device, gen) for _ in range(4)]
+    a = [random_tensor((513, 7), torch.float32, gen, device) for _ in range(3)]
+    b = [random_tensor((1001,), torch.bfloat16, gen, device) for _ in range(4)]
     a_bytes, b_bytes = [as_bytes(t) for t in a], [as_bytes(t) for t in b]
     sa = colomem.SwapSet.from_tensors(a, pool, device=device, name="a")
     sb = colomem.SwapSet.from_tensors(b, pool, device=device, name="b")

@@ -7,8 +7,12 @@ sides regenerate from a seed, so the consumer checks bytes without receiving the
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: shared test helpers
+from random_bytes import random_tensor  # noqa: E402
 
 BUCKET_BYTES = 1 << 20  # small buckets: many messages, several split tensors
 
@@ -37,14 +41,7 @@ def named_tensors(version: int, device) -> list:
             specs.append((name, getattr(torch, name), (300,)))
     out = []
     for name, dtype, shape in specs:
-        n = 1
-        for s in shape:
-            n *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-        if dtype == torch.bool:
-            raw = raw % 2
-        out.append((name, raw.view(dtype).reshape(shape).to(device)))
+        out.append((name, random_tensor(shape, dtype, g, device)))
     base = torch.randint(0, 1 << 15, (40, 30), dtype=torch.int16, generator=g).view(torch.bfloat16).to(device)
     out.append(("transposed", base.t()))            # non-contiguous
     out.append(("strided", base[::3, 1::2]))
