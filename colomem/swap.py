@@ -188,8 +188,9 @@ class SwapSet:
     @property
     def host_bytes(self) -> int:
         """Pool bytes this set holds now (kept blocks included)."""
-        return sum(b.nbytes for b in self._kept) + sum(e.block.nbytes for e in self._entries
-                                                       if e.block is not None and e.block not in self._kept)
+        held = {b.block_id: b.nbytes for b in self._kept}
+        held.update((e.block.block_id, e.block.nbytes) for e in self._entries if e.block is not None)
+        return sum(held.values())
 
     def __repr__(self) -> str:
         return f"SwapSet({self.name!r}, {self.state}, {len(self._entries)} storages, {format_bytes(self.nbytes)})"
@@ -239,8 +240,8 @@ class SwapSet:
 
     def _take_blocks(self, entries: list[_Entry]) -> None:
         """Gives each entry a pool block, reusing kept ones when the layout is unchanged."""
-        if self._kept and [b.nbytes >= e.nbytes for b, e in zip(self._kept, entries)] == [True] * len(entries) \
-                and len(self._kept) == len(entries):
+        if self._kept and len(self._kept) == len(entries) \
+                and all(b.nbytes >= e.nbytes for b, e in zip(self._kept, entries)):
             for e, b in zip(entries, self._kept):
                 e.block = b
             return
