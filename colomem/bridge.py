@@ -406,12 +406,15 @@ class WeightBridge:
         self._pending[i] = (ev, plan.sources)  # sources stay alive until the pack finished
 
     def sync(self, named_tensors: Iterable, version: int, send: Optional[Callable[[dict], Any]] = None,
-             timeout: Optional[float] = None) -> BridgeStats:
+             timeout: Optional[float] = None, tag: Optional[str] = None) -> BridgeStats:
         """Publishes a version and waits for each bucket's ACK.
 
         send=None: over the bridge socket to every attached importer (waits up to `timeout` for the first to
-        attach); each must answer through BridgeImporter.messages()/ack(). send=callable: called with each
-        message's dict; its return value is the ACK (False or {"ok": False, "error": ...} refuses).
+        attach); each must answer through BridgeImporter.messages()/ack(). If the publish fails midway, the
+        importers get an "abort" and their receive raises PeerError at once. tag: a string naming this sync;
+        an importer that receives with the same tag ignores what an earlier, failed sync left in the socket.
+        send=callable: called with each message's dict; its return value is the ACK (False or
+        {"ok": False, "error": ...} refuses).
         """
         timeout = self.timeout if timeout is None else float(timeout)
         conns: list = []
@@ -419,22 +422,44 @@ class WeightBridge:
             self.wait_for_importers(1, timeout)
             with self._lock:
                 conns = list(self._importers)
-        for msg in self.publish(named_tensors, version):
-            d = msg.to_dict()
-            if send is not None:
-                _check_ack(send(d), msg, "the consumer")
-                continue
-            payload = _encode("bucket", **d)
-            for c in conns:
-                self._guard(c, lambda: c.send(payload, [], timeout))
-            for c in conns:
-                data, fds = self._guard(c, lambda: c.recv(timeout))
-                reply = _decode(data, c, fds)
-                if reply.get("kind") != "ack":
-                    raise PeerError(f"importer process {c.peer_pid} answered {reply.get('kind')!r} to bucket "
-                                    f"{msg.seq}, expected an ack")
-                _check_ack(reply, msg, f"importer process {c.peer_pid}")
+        try:
+            for msg in self.publish(named_tensors, version):
+                d = msg.to_dict()
+                if send is not None:
+                    _check_ack(send(d), msg, "the consumer")
+                    continue
+                payload = _encode("bucket", tag=tag, **d)
+                for c in conns:
+                    self._guard(c, lambda: c.send(payload, [], timeout))
+                for c in conns:
+                    reply = self._reply(c, tag, timeout)
+                    if reply.get("kind") != "ack":
+                        raise PeerError(f"importer process {c.peer_pid} answered {reply.get('kind')!r} to bucket "
+                                        f"{msg.seq}, expected an ack")
+                    _check_ack(reply, msg, f"importer process {c.peer_pid}")
+        except BaseException as exc:
+            # Importers waiting for the next bucket learn at once that this version will not come.
+            self._abort(conns, version, tag, f"{type(exc).__name__}: {exc}")
+            raise
         return self.last_stats
+
+    def _reply(self, c, tag: Optional[str], timeout: float) -> dict:
+        """The importer's next answer to this sync (answers to an earlier, failed sync are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            data, fds = self._guard(c, lambda: c.recv(max(1e-3, deadline - time.monotonic())))
+            reply = _decode(data, c, fds)
+            if reply.get("tag") == tag or reply.get("kind") != "ack":
+                return reply
+            log.debug("weight bridge: skipping an ack of an earlier sync from process %s", c.peer_pid)
+
+    def _abort(self, conns: list, version: int, tag: Optional[str], why: str) -> None:
+        payload = _encode("abort", version=int(version), tag=tag, error=why[:2000])
+        for c in conns:
+            try:
+                c.send(payload, [], 1.0)
+            except ColomemError:
+                pass  # gone already: it gets PeerError on its own
 
     def _guard(self, conn: "_C.UnixConnection", fn: Callable):
         """Runs a socket call; an importer that died or broke the protocol is detached."""
@@ -597,12 +622,29 @@ class BridgeImporter:
         When the iterator is exhausted, the current stream has finished every copy out of the buffer, so the
         caller may ACK. Copy what you keep: the buffer is refilled after the ACK.
         """
+        return self._whole(self.entries(msg, verify))  # entries() checks its arguments now, not lazily
+
+    def _whole(self, parts: Iterator[tuple]) -> Iterator[tuple]:
+        for e, view in parts:
+            out = self.reassemble(e, view)
+            if out is not None:
+                yield out
+
+    def entries(self, msg: Union[dict, BucketMessage], verify: str = "sampled") -> Iterator[tuple]:
+        """(Entry, view) for each entry of the bucket, parts of split tensors as they are (1-D views of
+        their element range): for consumers that place parts themselves. Feed the parts you do not place
+        to reassemble(). Ordering, verification and the final stream wait are as in tensors()."""
         self._check_open()
         if verify not in CHECKSUM_STRIDES:
             raise InvalidArgumentError(f"verify must be one of {sorted(CHECKSUM_STRIDES)}, got {verify!r}")
         m = BucketMessage.from_dict(msg)
         self._check_order(m)
-        return self._tensors(m, verify)
+        return self._entries(m, verify)
+
+    def reassemble(self, e, view: torch.Tensor) -> Optional[tuple]:
+        """(name, tensor) once a tensor is complete: the view itself for a whole entry, a scratch tensor
+        gathering a split tensor's parts (across buckets) after its last part; None while parts are missing."""
+        return self._reasm.add(e, view)
 
     def _check_order(self, m: BucketMessage) -> None:
         if m.buffer >= len(self._buffers):
@@ -623,7 +665,7 @@ class BridgeImporter:
                             f"{self._next}; restart the version from its first bucket")
         self._next = (m.version, m.seq + 1)
 
-    def _tensors(self, m: BucketMessage, verify: str) -> Iterator[tuple]:
+    def _entries(self, m: BucketMessage, verify: str) -> Iterator[tuple]:
         buf = self._buffers[m.buffer]
         if verify != "none":
             self._verify(m, buf, verify)
@@ -633,9 +675,7 @@ class BridgeImporter:
             base = _view(buf, max(m.nbytes, 1), self.device, owner)
             del owner
             for e in m.entries:
-                out = self._reasm.add(e, entry_view(base, e))
-                if out is not None:
-                    yield out
+                yield e, entry_view(base, e)
             del base
             _wait_current_stream(self.device, self.timeout, f"copies out of bucket {m.seq}")
         if m.last:
@@ -669,19 +709,28 @@ class BridgeImporter:
                                    f"overwritten before its ACK or corrupted. Send the version again")
 
     # -- socket transport ------------------------------------------------------------------------------------
-    def receive(self, timeout: Optional[float] = None) -> dict:
+    def receive(self, timeout: Optional[float] = None, tag: Optional[str] = None) -> dict:
         """The next message sent over the bridge socket (WeightBridge.sync(send=None)).
 
-        PeerError when the producer closed the bridge or died; TransferTimeoutError when nothing came in time
-        (the connection stays usable).
+        tag: only messages of the sync with this tag count; what an earlier sync left unread is skipped.
+        PeerError when the producer closed the bridge, died, or abandoned the version; TransferTimeoutError
+        when nothing came in time (the connection stays usable).
         """
         self._check_open()
         timeout = self.timeout if timeout is None else float(timeout)
-        data, fds = self._conn.recv(timeout)
-        d = _decode(data, self._conn, fds)
+        deadline = time.monotonic() + timeout
+        while True:
+            data, fds = self._conn.recv(max(1e-3, deadline - time.monotonic()))
+            d = _decode(data, self._conn, fds)
+            if tag is None or d.get("kind") == "closed" or d.get("tag") == tag:
+                break
+            log.debug("weight bridge: skipping a %s message of an earlier sync", d.get("kind"))
         kind = d.pop("kind")
         if kind == "closed":
             raise PeerError(f"exporter process {self.producer_pid} closed the weight bridge")
+        if kind == "abort":
+            raise PeerError(f"exporter process {self.producer_pid} abandoned version {d.get('version')}: "
+                            f"{d.get('error', 'no reason given')}")
         if kind != "bucket":
             raise PeerError(f"exporter process {self.producer_pid} sent an unexpected {kind!r} message")
         return d
@@ -694,14 +743,17 @@ class BridgeImporter:
         timeout = self.timeout if timeout is None else float(timeout)
         m = BucketMessage.from_dict(msg)
         _wait_current_stream(self.device, timeout, f"copies out of bucket {m.seq}")
-        self._conn.send(_encode("ack", ok=bool(ok), version=m.version, seq=m.seq, error=error), [], timeout)
+        tag = msg.get("tag") if isinstance(msg, dict) else None
+        self._conn.send(_encode("ack", ok=bool(ok), version=m.version, seq=m.seq, error=error, tag=tag), [],
+                        timeout)
 
-    def messages(self, timeout: Optional[float] = None) -> Iterator[dict]:
+    def messages(self, timeout: Optional[float] = None, tag: Optional[str] = None) -> Iterator[dict]:
         """Receives the messages of one version over the socket, until its last. Each is ACKed when the loop
         body is done with it (the generator resumes); leaving the loop early (an exception, a break) refuses
-        it instead. To send the producer your own error text, call ack(msg, ok=False, error=...) yourself."""
+        it instead. To send the producer your own error text, call ack(msg, ok=False, error=...) yourself.
+        tag: as in receive()."""
         while True:
-            msg = self.receive(timeout)
+            msg = self.receive(timeout, tag)
             try:
                 yield msg
             except BaseException as exc:

@@ -5,7 +5,9 @@
 
 For Qwen2-1.5B- and Qwen2-7B-shaped bf16 models (config only; vLLM loads load_format="dummy" weights), the
 "trainer" holds random weights on the same GPU and sends them to vLLM with:
-  bridge      colomem WeightBridge -> ColomemWorkerExtension.colomem_apply (one collective_rpc per bucket)
+  bridge      colomem WeightBridge -> ColomemWorkerExtension.colomem_receive: one collective_rpc per sync, buckets
+              announced and ACKed over the bridge socket, recorded load_weights copies replayed (load_plan);
+              also timed once the old way (one collective_rpc per bucket, load_weights every time)
   torch_ipc   per-tensor CUDA IPC: torch's reduce_tensor in the trainer, rebuild_cuda_tensor in the worker,
               one collective_rpc carrying every handle (vLLM's non-packed IPC weight transfer, the fast case)
   reload      vLLM's collective_rpc("reload_weights") from a safetensors directory written once (page cache warm)
@@ -174,11 +176,32 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
         seconds = timed_syncs(sync, a.warmup, a.reps)
         st, bs = r.last_sync, r._bridge.last_stats
         out[b] = {**summary(seconds, nbytes, d2d), "buckets": st.nbuckets, "verified": True,
-                  "worker_apply_ms": round(st.apply_seconds * 1e3, 2),
+                  "worker_apply_ms": round(st.apply_seconds * 1e3, 2), "replayed_tensors": st.replayed_tensors,
                   "pack_wait_ms": round(bs.pack_wait_seconds * 1e3, 2) if bs else None}
         log(f"bridge {b}: {out[b]}")
     best = min(out, key=lambda k: out[k]["ms_median"])
     res["bridge_best"] = {"bucket": best, **out[best]}
+    # What the two speed-ups are worth: the same bucket size with one RPC per bucket and load_weights each time
+    if a.ablation:
+        r.sync_transport, r.fast_load = "rpc", False
+        try:
+            r.set_bucket_bytes(parse_bytes(best))
+            version = [r.weight_version]
+
+            def slow_sync():
+                version[0] += 1
+                r.load_weights(items, version=version[0])
+
+            slow_sync()
+            r.check(reference=items)
+            seconds = timed_syncs(slow_sync, 1, max(2, a.reps // 2))
+            res["bridge_per_bucket_rpc_load_weights"] = {
+                "bucket": best, **summary(seconds, nbytes, d2d), "buckets": r.last_sync.nbuckets,
+                "worker_apply_ms": round(r.last_sync.apply_seconds * 1e3, 2), "verified": True}
+            log(f"bridge {best}, rpc per bucket + load_weights: {res['bridge_per_bucket_rpc_load_weights']}")
+        finally:
+            r.sync_transport, r.fast_load = "socket", True
+            r.set_bucket_bytes(parse_bytes(best))
 
 
 def bench_torch_ipc(r, items, nbytes, a, d2d, res):
@@ -325,6 +348,9 @@ def headline(sizes: dict) -> dict:
             top[f"sync_{k}_gbps"] = best["gbps"]
             top[f"sync_{k}_ratio_to_d2d"] = best["ratio_to_d2d"]
             top[f"sync_{k}_bucket"] = best["bucket"]
+        old = r.get("bridge_per_bucket_rpc_load_weights")
+        if old:
+            top[f"sync_{k}_per_bucket_rpc_load_weights_ms"] = old["ms_median"]
         base = {n: r[n]["ms_median"] for n in ("torch_ipc", "reload") if "ms_median" in r.get(n, {})}
         if base:
             name = min(base, key=base.get)
@@ -349,6 +375,10 @@ def table(sizes: dict) -> str:
         for b, x in r.get("bridge", {}).items():
             lines.append(f"{size:5} {'colomem bridge, ' + b + ' buckets':34} {x['ms_median']:10.2f} {x['gbps']:8.1f} "
                          f"{x['ratio_to_d2d']:6.3f}")
+        x = r.get("bridge_per_bucket_rpc_load_weights")
+        if x:
+            lines.append(f"{size:5} {'bridge ' + x['bucket'] + ', RPC/bucket + load_weights':34} {x['ms_median']:10.2f} "
+                         f"{x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
         for n, label in (("torch_ipc", "torch per-tensor CUDA IPC"), ("reload", "vLLM reload_weights (safetensors)")):
             x = r.get(n, {})
             if "ms_median" in x:
@@ -392,13 +422,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for bench_sync.json, sync_<size>.json")
     p.add_argument("--sizes", default="1.5b,7b")
-    p.add_argument("--buckets", default="512MiB,1GiB", help="bridge bucket sizes to time (comma-separated)")
+    p.add_argument("--buckets", default="256MiB,512MiB,1GiB", help="bridge bucket sizes to time (comma-separated)")
     p.add_argument("--reps", type=int, default=10, help="timed bridge syncs per bucket size")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slow-reps", type=int, default=5, help="timed torch IPC syncs")
     p.add_argument("--reload-reps", type=int, default=2, help="timed reload_weights from disk")
     p.add_argument("--sw-reps", type=int, default=3, help="timed sleep/wake cycles per mode (after a first one)")
     p.add_argument("--gpu-util", type=float, default=0.3, help="vLLM gpu_memory_utilization")
+    p.add_argument("--no-ablation", dest="ablation", action="store_false",
+                   help="skip timing the bridge with one RPC per bucket and load_weights every sync")
     p.add_argument("--skip", default="", help="sections to skip: bridge,torch_ipc,sleep_wake,reload")
     p.add_argument("--scratch", default=None, help="where the safetensors baseline is written (default: $TMPDIR)")
     p.add_argument("--size-timeout", type=float, default=None,

@@ -375,3 +375,45 @@ def test_producer_gone_is_a_peer_error_on_receive(monkeypatch):
     with pytest.raises(PeerError, match="closed the connection"):
         imp.receive(timeout=10)
     server.close()
+
+
+def test_a_failed_publish_aborts_the_waiting_importer_at_once(monkeypatch):
+    bridge, imp, server = socket_pair(monkeypatch)
+
+    def bad_items():
+        yield from named(4, n=3)
+        raise ValueError("the trainer's tensor iterator broke")
+
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(ValueError, bridge.sync, bad_items(), 0,
+                                                                    tag="s1")))
+    t.start()
+    # not a 10 s receive timeout: the abort names the producer's error
+    with pytest.raises(PeerError, match="abandoned version 0: ValueError: the trainer's tensor iterator broke"):
+        for msg in imp.messages(timeout=10, tag="s1"):
+            list(imp.tensors(msg, verify="full"))
+    t.join(10)
+    assert errors and not bridge._publishing
+    server.close()
+
+
+def test_a_tagged_sync_skips_what_a_failed_one_left_in_the_socket(monkeypatch):
+    bridge, imp, server = socket_pair(monkeypatch)
+    conn = bridge._importers[0]
+    # leftovers of sync "old": a bucket nobody read and its abort
+    conn.send(br._encode("bucket", tag="old", buffer=0, version=1, seq=3, last=False, nbytes=0, checksum=None,
+                         checksum_stride=0, entries=[]), [], 5.0)
+    conn.send(br._encode("abort", tag="old", version=1, error="gone"), [], 5.0)
+    items = named(5)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("s", bridge.sync(items, version=2, timeout=10,
+                                                                            tag="new")))
+    t.start()
+    got = {}
+    for msg in imp.messages(timeout=10, tag="new"):
+        for name, x in imp.tensors(msg, verify="full"):
+            got[name] = x.clone()
+    t.join(10)
+    assert result["s"].messages > 2 and imp.version == 2
+    assert all(same_bytes(got[n], x) for n, x in items)
+    server.close()

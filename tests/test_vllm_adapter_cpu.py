@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -25,10 +26,12 @@ from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerErro
 
 # ------------------------------------------------------------------------------------------------ fakes
 BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake bridge "maps"
+CHANNELS: dict = {}  # address -> (bridge -> worker queue, worker -> bridge queue): the fake "socket"
 
 
 class FakeImporter:
-    """BridgeImporter without CUDA: the same message parsing, views and reassembly of split tensors."""
+    """BridgeImporter without CUDA: the same message parsing, views and reassembly of split tensors, and a
+    queue standing in for the socket transport (abort, tags, ACKs as in colomem.bridge)."""
 
     def __init__(self, address):
         if address not in BUFFERS:
@@ -37,13 +40,42 @@ class FakeImporter:
         self.reasm = Reassembler()
         self.closed = False
 
-    def tensors(self, msg, verify="sampled"):
+    def entries(self, msg, verify="sampled"):
         m = BucketMessage.from_dict(msg)
         base = BUFFERS[self.address][m.buffer]
         for e in m.entries:
-            out = self.reasm.add(e, entry_view(base, e))
+            yield e, entry_view(base, e)
+        if m.last and self.reasm.pending():
+            raise PeerError(f"split tensors missing parts: {self.reasm.pending()}")
+
+    def reassemble(self, e, view):
+        return self.reasm.add(e, view)
+
+    def tensors(self, msg, verify="sampled"):
+        for e, view in self.entries(msg, verify):
+            out = self.reassemble(e, view)
             if out is not None:
                 yield out
+
+    def messages(self, timeout=None, tag=None):
+        inbox, outbox = CHANNELS[self.address]
+        while True:
+            try:
+                kind, d = inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise TransferTimeoutError("no bucket in time") from None
+            if tag is not None and d.get("tag") != tag:
+                continue
+            if kind == "abort":
+                raise PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
+            try:
+                yield d
+            except BaseException as exc:
+                outbox.put({"ok": False, "error": repr(exc), "tag": tag, "seq": d["seq"]})
+                raise
+            outbox.put({"ok": True, "tag": tag, "seq": d["seq"], "version": d["version"]})
+            if d["last"]:
+                return
 
     def close(self):
         self.closed = True
@@ -61,7 +93,9 @@ class FakeBridge:
         self.buffers = [torch.zeros(bucket_bytes, dtype=torch.uint8) for _ in range(buffers)]
         self.bucket_bytes = bucket_bytes
         BUFFERS[self.address] = self.buffers
+        CHANNELS[self.address] = (queue.Queue(), queue.Queue())
         self.closed = False
+        self.last_stats = None
 
     def publish(self, items, version):
         plans = list(plan_buckets(items, self.bucket_bytes)) or [None]
@@ -74,9 +108,30 @@ class FakeBridge:
                                 nbytes=plan.nbytes if plan else 0, checksum=None, checksum_stride=0,
                                 entries=entries)
 
+    def sync(self, items, version, send=None, timeout=None, tag=None):
+        assert send is None
+        outbox, inbox = CHANNELS[self.address]
+        n = 0
+        try:
+            for msg in self.publish(items, version):
+                outbox.put(("bucket", {**msg.to_dict(), "tag": tag}))
+                n += 1
+                try:
+                    ack = inbox.get(timeout=timeout)
+                except queue.Empty:
+                    raise TransferTimeoutError("no ack in time") from None
+                if not ack["ok"]:
+                    raise PeerError(f"importer refused bucket {msg.seq}: {ack['error']}")
+        except BaseException as exc:
+            outbox.put(("abort", {"version": version, "tag": tag, "error": repr(exc)}))
+            raise
+        self.last_stats = types.SimpleNamespace(messages=n)
+        return self.last_stats
+
     def close(self):
         self.closed = True
         BUFFERS.pop(self.address, None)
+        CHANNELS.pop(self.address, None)
 
 
 class TinyModel(torch.nn.Module):
@@ -287,18 +342,31 @@ def test_adapter_mode_refuses_a_sleep_that_discards_the_base():
     r.close()
 
 
-def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each():
-    r = make()
-    w = trainer_weights(1)
-    stats = r.load_weights(w.items(), version=1)
-    assert isinstance(stats, SyncStats)
+@pytest.mark.parametrize("transport", ["socket", "rpc"])
+def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
+    r = make(sync_transport=transport)
     m = model_of(r)
-    assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
-    assert torch.equal(m.o_proj.detach(), w["o_proj"]) and torch.equal(m.norm.detach(), w["norm"])
-    assert torch.equal(m.embed.detach(), w["embed"])               # reassembled from parts in 5+ buckets
-    assert stats.ntensors == 6 and stats.nbytes == sum(t.numel() * 4 for t in w.values())
-    assert stats.nbuckets == r.llm.calls.count("colomem_apply") >= 7
-    assert stats.complete is True and r.weight_version == 1
+    for version in (1, 2, 3):       # the first sync records load_weights, the next ones replay its copies
+        w = trainer_weights(version)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(-1.0)       # as after a level-2 sleep: nothing of the old bytes may leak through
+        stats = r.load_weights(w.items(), version=version)
+        assert isinstance(stats, SyncStats)
+        assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+        assert torch.equal(m.o_proj.detach(), w["o_proj"]) and torch.equal(m.norm.detach(), w["norm"])
+        assert torch.equal(m.embed.detach(), w["embed"])               # reassembled from parts in 5+ buckets
+        assert stats.ntensors == 6 and stats.nbytes == sum(t.numel() * 4 for t in w.values())
+        assert stats.complete is True and r.weight_version == version
+        ack = r._worker._colomem().last_ack
+        assert ack["total_tensors"] == 6
+        assert ack["replayed_tensors"] == (0 if version == 1 else 6)
+        assert ack["load_plan"]["replayable"] == 6
+    calls = r.llm.calls
+    if transport == "socket":   # one RPC per sync, the buckets went over the (fake) socket
+        assert calls.count("colomem_receive") == 3 and "colomem_apply" not in calls and stats.nbuckets >= 7
+    else:
+        assert stats.nbuckets >= 7 and calls.count("colomem_apply") == 3 * stats.nbuckets
     r.check()                                   # trainer checksums vs the worker's bytes
     r.check(reference=w.items())
     with pytest.raises(WeightCheckError, match="differ"):

@@ -17,9 +17,10 @@ class SyncStats:
     version: int
     nbytes: int = 0               # bytes of base weights sent
     ntensors: int = 0             # base tensors sent
-    nbuckets: int = 0             # bridge messages (one collective_rpc each)
+    nbuckets: int = 0             # bridge messages
     seconds: float = 0.0          # wall time from the first byte packed to the last ACK
-    apply_seconds: float = 0.0    # time vLLM's worker spent in load_weights (sum over buckets)
+    apply_seconds: float = 0.0    # time vLLM's worker spent applying buckets (sum over buckets)
+    replayed_tensors: int = 0     # tensors placed by replaying recorded load_weights copies (load_plan)
     adapter_tensors: int = 0      # LoRA tensors handed to vLLM's LoRA manager (adapter mode)
     adapter_seconds: float = 0.0
     complete: Optional[bool] = None  # every vLLM parameter was written (None: not known)

@@ -165,6 +165,8 @@ class VLLMRollout:
         logprobs_mode: str = "processed_logprobs",
         verify: str = "sampled",
         check_sample: int = 8,
+        sync_transport: str = "socket",
+        fast_load: bool = True,
         rpc_timeout_s: float = 120.0,
         generate_timeout_s: float = 1800.0,
         wake_timeout_s: float = 300.0,
@@ -185,6 +187,10 @@ class VLLMRollout:
             raise InvalidArgumentError(f"logprobs_mode must be 'processed_logprobs' (log-softmax of logits / "
                                        f"temperature, as the GRPO loss computes them) or 'raw_logprobs', "
                                        f"got {logprobs_mode!r}")
+        if sync_transport not in ("socket", "rpc"):
+            raise InvalidArgumentError(f"sync_transport must be 'socket' (one RPC per sync, buckets announced "
+                                       f"over the bridge socket) or 'rpc' (one collective_rpc per bucket), "
+                                       f"got {sync_transport!r}")
         if int(bucket_buffers) < 1:
             raise InvalidArgumentError(f"bucket_buffers must be >= 1, got {bucket_buffers}")
         for name, v in (("rpc_timeout_s", rpc_timeout_s), ("generate_timeout_s", generate_timeout_s),
@@ -208,6 +214,9 @@ class VLLMRollout:
         self.bucket_buffers = int(bucket_buffers)
         self.verify = verify
         self.check_sample = int(check_sample)
+        self.sync_transport = sync_transport
+        self.fast_load = bool(fast_load)
+        self._syncs = 0
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.generate_timeout_s = float(generate_timeout_s)
         self.wake_timeout_s = float(wake_timeout_s)
@@ -318,6 +327,10 @@ class VLLMRollout:
         return bool(getattr(res, "engine_dead", False))
 
     def _call(self, fn: Callable, timeout: float, what: str):
+        return self._await(self._start(fn, what), timeout, what)
+
+    def _start(self, fn: Callable, what: str) -> concurrent.futures.Future:
+        """Queues an engine call without waiting for it (collect it with _await)."""
         if self._phase == CLOSED:
             raise PoolClosedError(f"VLLMRollout is closed; cannot {what}")
         if self._broken:
@@ -325,7 +338,9 @@ class VLLMRollout:
         if self._engine_dead():
             self._broken = "engine process died"
             raise PeerError(f"vLLM's engine process died before {what}; close() and start a new VLLMRollout")
-        fut = self._calls.submit(fn)
+        return self._calls.submit(fn)
+
+    def _await(self, fut: concurrent.futures.Future, timeout: float, what: str):
         try:
             return fut.result(timeout=timeout)
         except BaseException as exc:
@@ -578,7 +593,7 @@ class VLLMRollout:
                     "vLLM's workers sit on several; sync with tensor_parallel_size=1 (one engine per GPU)")
             bridge = self._make_bridge()
             try:
-                self.rpc("colomem_attach", bridge.address, 30.0, self.verify, self.check_sample,
+                self.rpc("colomem_attach", bridge.address, 30.0, self.verify, self.check_sample, self.fast_load,
                          timeout=max(60.0, self.rpc_timeout_s))
             except BaseException:
                 bridge.close()
@@ -626,17 +641,12 @@ class VLLMRollout:
                 yield name, t
 
         t0 = time.perf_counter()
-        acks: list = []
-        # Resuming the generator is the ACK (the bridge refills that buffer), so it resumes only after the
-        # worker's load_weights finished; the bridge packs the next bucket meanwhile.
-        messages = bridge.publish(watched(), version=version)
-        try:
-            for msg in messages:
-                acks = self.rpc("colomem_apply", msg.to_dict())
-                stats.nbuckets += 1
-                stats.apply_seconds += max(a.get("apply_ms", 0.0) for a in acks) / 1e3
-        finally:
-            messages.close()  # an error midway: let in-flight packs finish, free the bridge for the next sync
+        if self.sync_transport == "socket":
+            acks = self._sync_over_socket(bridge, watched(), version)
+            stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
+            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
+        else:
+            acks = self._sync_per_bucket_rpc(bridge, watched(), version, stats)
         stats.seconds = time.perf_counter() - t0
         if acks:
             flags = [a.get("complete") for a in acks]
@@ -644,7 +654,45 @@ class VLLMRollout:
             stats.nmissing = max(int(a.get("nmissing", 0)) for a in acks)
             stats.missing = tuple(acks[0].get("missing", ()))
             snapshots.extend(dict(a.get("snapshot", {})) for a in acks)
+            stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
         return stats
+
+    def _sync_over_socket(self, bridge, items: Iterator, version: int) -> list:
+        """One collective_rpc for the whole version: every worker receives the buckets over the bridge socket
+        and ACKs each there, while this thread packs (the RPC runs on the engine-call thread)."""
+        self._syncs += 1
+        tag = f"{os.getpid()}.{version}.{self._syncs}"
+        t = self.rpc_timeout_s
+        fut = self._start(lambda: self._llm.collective_rpc("colomem_receive", args=(tag, t)), "colomem_receive")
+        try:
+            bridge.sync(items, version=version, send=None, timeout=t, tag=tag)
+        except BaseException as exc:
+            # The workers were told (an abort on the socket) or refused themselves: their RPC ends at once.
+            # A worker's own error says more than "refused", so it is the one raised.
+            try:
+                results = self._await(fut, t, "colomem_receive after a failed sync")
+            except Exception as late:  # noqa: BLE001 - the sync's own error is the one to report
+                log.debug("colomem_receive after a failed sync: %s", late)
+                raise exc
+            if isinstance(exc, PeerError):  # the workers refused: their error is the cause
+                for r in results:
+                    raise_if_error(r, "colomem_receive")
+            raise
+        return [raise_if_error(r, "colomem_receive") for r in self._await(fut, t, "colomem_receive")]
+
+    def _sync_per_bucket_rpc(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
+        acks: list = []
+        # Resuming the generator is the ACK (the bridge refills that buffer), so it resumes only after the
+        # worker's load_weights finished; the bridge packs the next bucket meanwhile.
+        messages = bridge.publish(items, version=version)
+        try:
+            for msg in messages:
+                acks = self.rpc("colomem_apply", msg.to_dict())
+                stats.nbuckets += 1
+                stats.apply_seconds += max(a.get("apply_ms", 0.0) for a in acks) / 1e3
+        finally:
+            messages.close()  # an error midway: let in-flight packs finish, free the bridge for the next sync
+        return acks
 
     def _snapshot(self, why: str) -> None:
         """Records checksums of a spread sample of vLLM's parameters (per worker) for check() to find again."""

@@ -133,6 +133,7 @@ class _SyncState:
     nbytes: int = 0
     apply_s: float = 0.0
     layerwise: bool = False
+    replayed: int = 0
 
 
 @dataclass
@@ -151,6 +152,8 @@ class _WorkerState:
     address: Optional[str] = None
     verify: str = "sampled"
     snapshot_k: int = 8
+    fast_load: bool = True                               # replay recorded load_weights copies (load_plan)
+    plan: Any = None                                     # LoadPlan of the model, made at the first sync
     sync: _SyncState = field(default_factory=_SyncState)
     backup: _PoolBackup = field(default_factory=_PoolBackup)
     last_ack: dict = field(default_factory=dict)
@@ -215,11 +218,13 @@ class ColomemWorkerExtension:
     # -- bridge -----------------------------------------------------------------------------------------
     @_rpc
     def colomem_attach(self, address: str, timeout: float = 30.0, verify: str = "sampled",
-                       snapshot_k: int = 8) -> dict:
+                       snapshot_k: int = 8, fast_load: bool = True) -> dict:
         """Connects to the trainer's WeightBridge at `address` (a Unix socket path) and maps its buffers.
 
         snapshot_k: the ACK of a version's last bucket carries checksums of this many parameters, the
-        state later checks compare against.
+        state later checks compare against. fast_load: record what the model's load_weights copies at the
+        first sync and replay those copies afterwards (colomem.engines.load_plan); False always calls
+        load_weights.
         """
         if verify not in ("none", "sampled", "full"):
             raise InvalidArgumentError(f"verify must be 'none', 'sampled' or 'full', got {verify!r}")
@@ -229,12 +234,14 @@ class ColomemWorkerExtension:
         st.address = address
         st.verify = verify
         st.snapshot_k = int(snapshot_k)
+        st.fast_load = bool(fast_load)
         st.sync = _SyncState()
         dev = self._colomem_device()
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(dev)}
 
     @staticmethod
     def _colomem_drop_importer(st) -> None:
+        st.plan = None
         if st.importer is not None:
             try:
                 st.importer.close()
@@ -250,11 +257,30 @@ class ColomemWorkerExtension:
 
     @_rpc
     def colomem_apply(self, msg: dict) -> dict:
-        """Loads one bucket: views of the mapped buffer go straight to the model's `load_weights`.
+        """Loads one bucket (the callable transport: one RPC per bucket). Returns the ACK only after the
+        copies out of the buffer finished, so the trainer may refill it. The last bucket of a version also
+        reports which parameters the version did not touch."""
+        return self._colomem_apply(msg)
 
-        Returns the ACK only after the copies out of the buffer finished, so the trainer may refill it.
-        The last bucket of a version also reports which parameters the version did not touch.
-        """
+    @_rpc
+    def colomem_receive(self, tag: Optional[str] = None, timeout: float = 60.0) -> dict:
+        """Loads one whole version sent over the bridge socket (WeightBridge.sync(send=None, tag=tag)): one
+        RPC per sync instead of one per bucket. Each bucket is ACKed over the socket once applied; returns
+        the last bucket's ACK (coverage, snapshot, totals). Waits at most `timeout` s for each bucket; a
+        trainer that died or abandoned the version is a PeerError, not a hang."""
+        st = self._colomem()
+        if st.importer is None:
+            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        ack: dict = {}
+        messages = st.importer.messages(float(timeout), tag)
+        for msg in messages:
+            try:
+                ack = self._colomem_apply(msg)
+            except BaseException as exc:
+                messages.throw(exc)  # refuses the bucket with this error's text, then raises it here
+        return ack
+
+    def _colomem_apply(self, msg: dict) -> dict:
         st = self._colomem()
         if st.importer is None:
             raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
@@ -272,17 +298,14 @@ class ColomemWorkerExtension:
         model = self._colomem_model()
         device = self._colomem_device()
         t0 = time.perf_counter()
-        counter = _Counter(st.importer.tensors(msg, verify=st.verify))
-        loaded = model.load_weights(counter)
+        count = self._colomem_load(st, sync, model, msg)
         _synchronize(device)  # the buffer may be refilled as soon as this returns
         dt = time.perf_counter() - t0
-        if loaded:
-            sync.loaded.update(loaded)
-        sync.ntensors += counter.count
+        sync.ntensors += count
         sync.nbytes += int(msg.get("nbytes", 0))
         sync.apply_s += dt
         sync.next_seq = seq + 1
-        ack = {"version": version, "seq": seq, "checksum": msg.get("checksum"), "ntensors": counter.count,
+        ack = {"version": version, "seq": seq, "checksum": msg.get("checksum"), "ntensors": count,
                "apply_ms": dt * 1e3, "last": bool(msg.get("last"))}
         if msg.get("last"):
             if sync.layerwise:
@@ -290,9 +313,44 @@ class ColomemWorkerExtension:
             ack.update(self._colomem_coverage(sync))
             params = dict(model.named_parameters())
             ack["snapshot"] = {n: tensor_checksum(params[n]) for n in spread_sample(params, st.snapshot_k)}
-            ack.update(total_tensors=sync.ntensors, total_bytes=sync.nbytes, total_apply_ms=sync.apply_s * 1e3)
+            ack.update(total_tensors=sync.ntensors, total_bytes=sync.nbytes, total_apply_ms=sync.apply_s * 1e3,
+                       replayed_tensors=sync.replayed)
+            if st.plan is not None:
+                ack["load_plan"] = st.plan.summary()
         st.last_ack = ack
         return ack
+
+    def _colomem_load(self, st: _WorkerState, sync: _SyncState, model, msg: dict) -> int:
+        """Puts one bucket's tensors into the model: recorded copies for names the plan knows, the model's
+        load_weights (recording it) for the rest. Returns the tensors completed by this bucket."""
+        plan = None
+        if st.fast_load and not sync.layerwise:
+            from colomem.engines.load_plan import LoadPlan
+
+            if st.plan is None or (msg.get("seq") == 0 and not st.plan.still_valid()):
+                st.plan = LoadPlan(model)  # first sync, or the model's parameters moved: record again
+            plan = st.plan
+        count = 0
+        ready: list = []
+        for e, view in st.importer.entries(msg, verify=st.verify):
+            if plan is not None and plan.can_replay(e):
+                sync.loaded.update(plan.replay(e, view))
+                if e.part is None or e.part[1] == e.part[2]:
+                    count += 1
+                    sync.replayed += 1
+                continue
+            out = st.importer.reassemble(e, view)
+            if out is not None:
+                ready.append(out)
+        if ready:
+            count += len(ready)
+            if plan is not None and any(n not in plan.refused for n, _ in ready):
+                loaded = plan.record(model.load_weights, ready)
+            else:
+                loaded = model.load_weights(iter(ready))
+            if loaded:
+                sync.loaded.update(loaded)
+        return count
 
     def _colomem_coverage(self, sync: _SyncState) -> dict:
         if not sync.loaded:  # the model's load_weights returned nothing we can use: coverage unknown
@@ -503,22 +561,6 @@ class ColomemWorkerExtension:
             bk.pool.close(force=True)
         st.backup = _PoolBackup()
         return {"closed": True}
-
-
-class _Counter:
-    """Passes (name, tensor) pairs through and counts them (load_weights consumes an iterator once)."""
-
-    def __init__(self, it: Iterable):
-        self._it = iter(it)
-        self.count = 0
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        item = next(self._it)
-        self.count += 1
-        return item
 
 
 # ----------------------------------------------------------------------- driver queries for the rollback
