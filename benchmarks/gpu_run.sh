@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
-# Stages: core (GPU tests of pool/swap/engine + transfer bench), ipc (bridge tests), vllm, deepspeed,
-# syncbench, dsbench, grpo (default job), grpobench. Each stage is bounded by its own timeout.
+# Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
+# ipc (bridge tests), vllm, deepspeed, syncbench, dsbench, grpo (default job), grpobench
+# (GRPOBENCH_ARGS adds arguments). Each stage is bounded by its own timeout.
 set -uo pipefail
 # Everything goes to a work folder, packed into $OUT/results.tgz after every stage (the device tool
 # returns at most 8 files, and a stage cut by the call's time limit must not lose the earlier ones).
@@ -11,8 +12,6 @@ OUT=/tmp/colomem-out
 mkdir -p "$OUT" "$RESULTS"
 pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" . && mv "$RESULTS/results.tgz.tmp" "$RESULTS/results.tgz"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-stages=",${1:-core},"
-has() { [[ "$stages" == *",$1,"* ]]; }
 t0=$SECONDS
 stamp() { echo "=== [$((SECONDS - t0)) s] $*"; }
 if [ -d .gpukit/p1 ]; then eval "$(bash .gpukit/p1/install.sh)" || exit 1; fi
@@ -29,14 +28,21 @@ run() {  # run NAME TIMEOUT CMD...
   stamp "$name rc=$rc"
   pack
 }
-has core && run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests
-has core && run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer"
-has ipc && run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests
-has vllm && run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests
-has deepspeed && run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests
-has syncbench && run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
-  --slow-reps 3 --reload-reps 1 --sw-reps 2
-has dsbench && run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds"
-has grpo && run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo"
-has grpobench && run bench_grpo 400 python3 runners/bench_grpo.py --out "$OUT/grpobench"
+stage() {  # the stages run in the order given on the command line
+  case $1 in
+    core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests ;;
+    transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
+    ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
+    vllm) run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests ;;
+    deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
+    syncbench) run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+      --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
+    dsbench) run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds" ;;
+    grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
+    grpobench) run bench_grpo 400 python3 runners/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
+    *) echo "unknown stage $1" ;;
+  esac
+}
+IFS=, read -ra wanted <<< "${1:-core}"
+for s in "${wanted[@]}"; do stage "$s"; done
 stamp "all done"

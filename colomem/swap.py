@@ -52,6 +52,7 @@ class SwapStats:
     device_ms: float = 0.0  # copy time on the device (CUDA events), when measured
     freed_bytes: int = 0    # driver-visible memory given back (offload with release=True)
     span_ms: float = 0.0    # swap(): device ms from the first copy's start to the last copy's end
+    alloc_ms: float = 0.0   # reload: host ms spent re-growing the storages (the caching allocator's cudaMalloc)
 
     @property
     def gbps(self) -> float:
@@ -332,14 +333,25 @@ class SwapSet:
                 f"lower gpu_memory_utilization or the micro-batch) and call reload() again; the data is still "
                 f"in the pinned pool. ({exc})") from exc
 
-    def reload_async(self, *, timing: bool = False) -> SwapHandle:
-        """Re-grows the storages and starts copying the bytes back; later work on the current stream waits."""
+    def _check_reloadable(self) -> None:
         if self.state != OFFLOADED:
             raise PhaseOrderError(f"{self.name}: reload while {self.state}; offload it first")
         if self._pool.closed:
             raise PoolClosedError(f"{self.name}: its pool was closed while the set was offloaded; the data is gone")
-        device = self._device
+
+    def _timed_regrow(self) -> float:
+        t0 = time.perf_counter()
         self._regrow()
+        return (time.perf_counter() - t0) * 1e3
+
+    def reload_async(self, *, timing: bool = False, _grown_ms: Optional[float] = None) -> SwapHandle:
+        """Re-grows the storages and starts copying the bytes back; later work on the current stream waits."""
+        if _grown_ms is None:  # (swap() grows them itself, before either direction starts)
+            self._check_reloadable()
+            alloc_ms = self._timed_regrow()
+        else:
+            alloc_ms = _grown_ms
+        device = self._device
         stream = _torch.stream_handle(device)
         copies = [(e.storage.data_ptr(), e.block.address, e.nbytes) for e in self._entries]
         t0 = time.perf_counter()
@@ -356,7 +368,7 @@ class SwapSet:
 
         def finish() -> SwapStats:
             stats = SwapStats("h2d", transfer.nbytes, len(self._entries), time.perf_counter() - t0,
-                              transfer.elapsed_ms() if timing else 0.0)
+                              transfer.elapsed_ms() if timing else 0.0, alloc_ms=alloc_ms)
             self._give_back_blocks()
             self.state = RESIDENT
             self.last_stats = stats
@@ -405,11 +417,22 @@ def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_T
 
     The reloaded set's memory is allocated first, so the GPU must hold both for the duration.
     """
-    # The offload is submitted first: the reload makes the current stream wait for its copies, and a D2H
-    # submitted after that would wait for the whole reload instead of running beside it.
-    h_out = offload.offload_async(timing=timing)
+    # Allocate before either copy starts: re-growing storages costs the caching allocator a cudaMalloc per
+    # block (about 7 ms/GB when its cache is empty), and done after the D2H started it would leave the
+    # link running one way only. Then the offload is submitted first: the reload makes the current stream
+    # wait for its copies, and a D2H submitted after that would wait for the whole reload.
+    reload._check_reloadable()
+    if offload.state not in (RESIDENT, DISCARDED):
+        raise PhaseOrderError(f"{offload.name}: offload while {offload.state}; reload it (or wait) first")
+    alloc_ms = reload._timed_regrow()
     try:
-        h_in = reload.reload_async(timing=timing)
+        h_out = offload.offload_async(timing=timing)
+    except BaseException:
+        for e in reload._entries:
+            e.storage.resize_(0)  # back to offloaded: its bytes are still in the pool
+        raise
+    try:
+        h_in = reload.reload_async(timing=timing, _grown_ms=alloc_ms)
     except BaseException:
         h_out.wait(timeout)
         raise

@@ -33,6 +33,8 @@ def parse_args(argv=None):
     ap.add_argument("--peak-gib", type=float, default=4.0, help="buffer size for the raw peak copies")
     ap.add_argument("--pool-gb", type=float, default=16.0, help="pool size for the creation timing (GB)")
     ap.add_argument("--chunks-mib", default="4,16,64,256", help="chunk sizes for the sweep ('' to skip)")
+    ap.add_argument("--no-reload-variants", dest="reload_variants", action="store_false",
+                    help="skip timing the reload with other chunk and small-copy sizes")
     ap.add_argument("--skip-slow-baselines", action="store_true", help="skip .cpu() and per-tensor pinning")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke run)")
     ap.add_argument("--no-plot", action="store_true")
@@ -41,6 +43,12 @@ def parse_args(argv=None):
 
 def log(*a):
     print(f"[bench {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+MiB = 1 << 20
+# name -> (chunk bytes, small-copy bytes): the default (64 MiB, 1 MiB) and its neighbours
+RELOAD_VARIANTS = {"default": (64 * MiB, 1 * MiB), "chunk16": (16 * MiB, 1 * MiB), "chunk256": (256 * MiB, 1 * MiB),
+                   "small8": (64 * MiB, 8 * MiB), "nochunk": (1 << 40, 1 * MiB)}
 
 
 def run_gpu(a) -> dict:
@@ -63,6 +71,9 @@ def run_gpu(a) -> dict:
         if not (r["colomem"]["correct_after_first_cycle"] and r["colomem"]["correct_after_all_cycles"]):
             raise SystemExit(f"set {key}: bytes changed across offload/reload; refusing to report timings")
         log(f"  colomem offload {r['colomem']['offload_gbps']:.1f} GB/s, reload {r['colomem']['reload_gbps']:.1f} GB/s")
+        if a.reload_variants and not a.quick:
+            log("  reload with other chunk / small-copy sizes")
+            r["reload_variants"] = transfer.reload_variants(tensors, RELOAD_VARIANTS, 3)
         slow = 0 if a.skip_slow_baselines else 1
         if slow:
             log("  torch baselines (.cpu() per tensor, per-tensor pin_memory: slow by design)")
@@ -93,6 +104,8 @@ def headline(res: dict) -> dict:
         "offload_wall_vs_peak": c["offload_wall_gbps"] / p["d2h"]["gbps"],
         "reload_wall_vs_peak": c["reload_wall_gbps"] / p["h2d"]["gbps"],
         "bidir_vs_peak": s["bidir"]["gbps"] / p["bidir"]["gbps"],
+        "bidir_wall_vs_peak": s["bidir"].get("wall_gbps", 0.0) / p["bidir"]["gbps"],
+        "bidir_alloc_ms": s["bidir"].get("alloc_ms_median"),
         "pool_16GB_seconds": res["pool_create"]["seconds"],
         "pool_16GB_seconds_populate": res.get("pool_create_populate", {}).get("seconds"),
         "freed_fraction": c["freed_fraction"],
@@ -116,6 +129,11 @@ def table(res: dict) -> str:
                  (f"{key} colomem reload (1st cycle)", c["reload_gbps_first"], c["reload_gbps_first"] / p["h2d"]["gbps"]),
                  (f"{key} colomem reload (wall)", c["reload_wall_gbps"], c["reload_wall_gbps"] / p["h2d"]["gbps"]),
                  (f"{key} colomem bidirectional", s["bidir"]["gbps"], s["bidir"]["gbps"] / p["bidir"]["gbps"])]
+        if "wall_gbps" in s["bidir"]:
+            rows.append((f"{key} colomem bidirectional (wall, incl. {s['bidir']['alloc_ms_median']:.0f} ms alloc)",
+                         s["bidir"]["wall_gbps"], s["bidir"]["wall_gbps"] / p["bidir"]["gbps"]))
+        for name, v in (s.get("reload_variants") or {}).items():
+            rows.append((f"{key} reload, engine {name}", v["gbps"], v["gbps"] / p["h2d"]["gbps"]))
         for name, t in (s.get("torch") or {}).items():
             if t:
                 rows.append((f"{key} torch {name}", t["gbps"], t["gbps"] / p["d2h"]["gbps"]))

@@ -175,28 +175,57 @@ def colomem_bidir(shape: Qwen2Shape, reps: int) -> dict:
     sa = colomem.SwapSet.from_tensors(a, pool, name="a")
     sb = colomem.SwapSet.from_tensors(b, pool, name="b")
     sb.offload()
-    times, walls = [], []
+    times, walls, allocs = [], [], []
     for i in range(reps + 1):
         src, dst = (sa, sb) if i % 2 == 0 else (sb, sa)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
 
-        out, _ = colomem.swap(offload=src, reload=dst, timing=True)
+        out, inn = colomem.swap(offload=src, reload=dst, timing=True)
         walls.append((time.perf_counter() - t0) * 1e3)
         if i > 0:
             times.append(out.span_ms)  # copy time of both directions together, on the device
+            allocs.append(inn.alloc_ms)  # swap() re-grows the reloaded set before either copy starts
     if sa.state != "resident":
         colomem.swap(offload=sb, reload=sa)
     sb.reload() if sb.state == "offloaded" else None
     ok = fingerprint(a) == fa and fingerprint(b) == fb
     res = summary(times, 2 * nbytes)
-    res.update({"nbytes_each_way": nbytes, "correct": ok, "wall_ms_median": statistics.median(walls[1:]),
-                "first_ms": walls[0]})
+    wall = statistics.median(walls[1:])
+    res.update({"nbytes_each_way": nbytes, "correct": ok, "wall_ms_median": wall, "first_ms": walls[0],
+                "alloc_ms_median": statistics.median(allocs), "wall_gbps": 2 * nbytes / (wall / 1e3) / 1e9})
     sa.close(); sb.close()
     pool.close()
     del a, b
     torch.cuda.empty_cache()
     return res
+
+
+def reload_variants(tensors: dict[str, torch.Tensor], variants: dict, reps: int) -> dict:
+    """Reload of the set with copy engines of other chunk / small-copy sizes (which default to pick)."""
+    from colomem import _torch as ct
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
+    s = colomem.SwapSet.from_tensors(tensors, pool, name="variants")
+    idx = torch.cuda.current_device()
+    default = ct.engine_for(torch.device("cuda", idx))
+    out = {}
+    try:
+        for name, (chunk, small) in variants.items():
+            ct._engines[idx] = _C.CopyEngine(idx, chunk, small)
+            ms = []
+            for _ in range(reps + 1):
+                s.offload()
+                ms.append(s.reload(timing=True).device_ms)
+            out[name] = {"chunk_bytes": chunk, "small_copy_bytes": small, **summary(ms[1:], nbytes)}
+    finally:
+        ct._engines[idx] = default
+        if s.state != "resident":
+            s.reload()
+        s.close()
+        pool.close()
+    return out
 
 
 def _anon_huge_bytes() -> int:
