@@ -2,7 +2,8 @@
 # One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
-# ipc (bridge tests), vllm, deepspeed, syncbench, dsbench, grpo (default job), grpobench
+# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, syncbench,
+# dsbench, grpo (default job), grpobench, diag (where a bridge sync's time goes)
 # (GRPOBENCH_ARGS adds arguments). Each stage is bounded by its own timeout.
 set -uo pipefail
 # Everything goes to a work folder, packed into $OUT/results.tgz after every stage (the device tool
@@ -33,7 +34,9 @@ stage() {  # the stages run in the order given on the command line
     core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests ;;
     transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
-    vllm) run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests ;;
+    vllm) run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
+    runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ;;
+    diag) run diag_bridge 120 python3 runners/diag_bridge.py --out "$OUT/diag" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
     syncbench) run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;

@@ -676,6 +676,7 @@ class SwitchReport:
     collect_seconds: float = 0.0  # finding the storages (part of move_seconds for colomem and to)
     sync_seconds: float = 0.0    # offload: preparing the weights for the sync (views or staging)
     staged_bytes: int = 0        # offload: weights copied to host for the sync (merged LoRA, ZeRO-3 ranks)
+    left_behind: str = ""        # offload: the largest CUDA tensors still alive when much stayed allocated
 
     @property
     def gbps(self) -> float:
@@ -687,6 +688,27 @@ class SwitchReport:
         d = asdict(self)
         d["gbps"] = round(self.gbps, 3)
         return d
+
+
+LEFT_BEHIND_REPORT_BYTES = 16 << 20   # an offload leaving more than this allocated says what it is
+
+
+def _left_behind(device: torch.device, top: int = 6) -> str:
+    """'shape dtype MiB' of the largest live tensors on `device` (a diagnosis of what an offload missed)."""
+    found, seen = [], set()
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, Tensor) and obj.device == device):
+                continue
+            st = obj.untyped_storage()
+            if st._cdata in seen or st.nbytes() == 0:
+                continue
+            seen.add(st._cdata)
+            found.append((st.nbytes(), f"{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"))
+        except Exception:  # noqa: BLE001 - a diagnosis must not fail the offload
+            continue
+    found.sort(reverse=True)
+    return "; ".join(f"{d} {n / 2**20:.1f} MiB" for n, d in found[:top])
 
 
 @dataclass
@@ -959,10 +981,12 @@ class DeepSpeedTrainer:
         torch.cuda.synchronize(dev)
         free1 = torch.cuda.mem_get_info(dev)[0]
         state = move.state
+        left = torch.cuda.memory_allocated(dev)
         self.last_offload = SwitchReport(
             method, "offload", time.perf_counter() - t0, move.nbytes, free1 - free0, free1,
-            torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), dict(state.sizes),
-            list(state.unlisted), sum(n for _, n in state.skipped), move.seconds, state.seconds, t_sync, staged)
+            left, torch.cuda.memory_reserved(dev), dict(state.sizes),
+            list(state.unlisted), sum(n for _, n in state.skipped), move.seconds, state.seconds, t_sync, staged,
+            _left_behind(dev) if left > LEFT_BEHIND_REPORT_BYTES else "")
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
