@@ -38,7 +38,7 @@ stage() {  # the stages run in the order given on the command line
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ;;
     diag) run diag_bridge 120 python3 runners/diag_bridge.py --out "$OUT/diag" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
-    syncbench) run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+    syncbench) run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 --buckets 1GiB,2GiB \
       --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     dsbench) run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;

@@ -83,13 +83,13 @@ def _wait_event(event: torch.cuda.Event, timeout: float, what: str) -> float:
         return 0.0
     t0 = time.perf_counter()
     deadline = t0 + timeout
-    pause = 20e-6
+    pause = 10e-6
     while not event.query():
         if time.perf_counter() > deadline:
             raise TransferTimeoutError(f"{what} did not finish within {timeout:g} s; the GPU may be hung or "
                                        f"heavily shared. Raise the timeout or check the device")
         time.sleep(pause)
-        pause = min(pause * 2, 2e-4)
+        pause = min(pause * 2, 5e-5)  # waits here are a bucket's copy (~1 ms): poll finely
     return time.perf_counter() - t0
 
 
@@ -552,6 +552,7 @@ class BridgeImporter:
         self.version: Optional[int] = None  # last version whose last bucket was applied
         self._next: Optional[tuple] = None  # (version, seq) expected next
         self._reasm = Reassembler()
+        self._sum_dev: Optional[torch.Tensor] = None  # the asynchronous checksum's slot
         self._closed = False
 
     @classmethod
@@ -667,8 +668,10 @@ class BridgeImporter:
 
     def _entries(self, m: BucketMessage, verify: str) -> Iterator[tuple]:
         buf = self._buffers[m.buffer]
-        if verify != "none":
-            self._verify(m, buf, verify)
+        # The checksum runs on the current stream ahead of the caller's copies and is read once they are
+        # done (one wait per bucket, not two); a mismatch raises before the bucket is ACKed, so the
+        # consumer fails the version instead of keeping what it copied.
+        check = self._start_verify(m, buf, verify) if verify != "none" else None
         if m.entries:
             owner = _ViewOwner(buf)
             self._owners[m.buffer].add(owner)
@@ -677,7 +680,10 @@ class BridgeImporter:
             for e in m.entries:
                 yield e, entry_view(base, e)
             del base
+        if m.entries or check is not None:
             _wait_current_stream(self.device, self.timeout, f"copies out of bucket {m.seq}")
+        if check is not None:
+            check()
         if m.last:
             pending = self._reasm.pending()
             self._reasm.reset()
@@ -695,14 +701,37 @@ class BridgeImporter:
         if verify != "none":
             self._verify(m, self._buffers[m.buffer], verify)
 
-    def _verify(self, m: BucketMessage, buf, verify: str) -> None:
+    def _start_verify(self, m: BucketMessage, buf, verify: str) -> Callable[[], None]:
+        """Queues the bucket's checksum on the current stream; the returned check() compares it (call it
+        after the stream passed that point)."""
+        self._check_verifiable(m, verify)
+        if self.device.type != "cuda":  # host buffers (tests): nothing to overlap with
+            got = _buffer_checksum(buf.ptr, m.nbytes, m.checksum_stride, self.device)
+            return lambda: self._compare(m, got)
+        if self._sum_dev is None:
+            self._sum_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        out = self._sum_dev
+        _C.checksum_into(buf.ptr, m.nbytes, m.checksum_stride, out.data_ptr(),
+                         int(torch.cuda.current_stream(self.device).cuda_stream), self.device.index)
+
+        def check() -> None:
+            self._compare(m, int(out.item()) & _U64)
+
+        return check
+
+    def _check_verifiable(self, m: BucketMessage, verify: str) -> None:
         if m.checksum is None or m.checksum_stride == 0:
             raise InvalidArgumentError(f"verify={verify!r} but the producer sends no checksum (checksum='none'); "
                                        f"use verify='none' or a producer with checksum='sampled'/'full'")
         if verify == "full" and m.checksum_stride != 1:
             raise InvalidArgumentError("verify='full' needs a producer with checksum='full' (this one samples "
                                        f"every {m.checksum_stride}-th word); use verify='sampled'")
-        got = _buffer_checksum(buf.ptr, m.nbytes, m.checksum_stride, self.device)
+
+    def _verify(self, m: BucketMessage, buf, verify: str) -> None:
+        self._check_verifiable(m, verify)
+        self._compare(m, _buffer_checksum(buf.ptr, m.nbytes, m.checksum_stride, self.device))
+
+    def _compare(self, m: BucketMessage, got: int) -> None:
         if got != m.checksum:
             raise WeightCheckError(f"bucket {m.seq} of version {m.version} (buffer {m.buffer}, {m.nbytes} B) has "
                                    f"checksum 0x{got:016x}, the producer packed 0x{m.checksum:016x}: the buffer was "
@@ -741,10 +770,12 @@ class BridgeImporter:
         stream first, so copies still queued out of the buffer finish before the refill."""
         self._check_open()
         timeout = self.timeout if timeout is None else float(timeout)
-        m = BucketMessage.from_dict(msg)
-        _wait_current_stream(self.device, timeout, f"copies out of bucket {m.seq}")
-        tag = msg.get("tag") if isinstance(msg, dict) else None
-        self._conn.send(_encode("ack", ok=bool(ok), version=m.version, seq=m.seq, error=error, tag=tag), [],
+        if isinstance(msg, dict):   # the fields it needs, without parsing every entry again
+            version, seq, tag = int(msg["version"]), int(msg["seq"]), msg.get("tag")
+        else:
+            version, seq, tag = msg.version, msg.seq, None
+        _wait_current_stream(self.device, timeout, f"copies out of bucket {seq}")
+        self._conn.send(_encode("ack", ok=bool(ok), version=version, seq=seq, error=error, tag=tag), [],
                         timeout)
 
     def messages(self, timeout: Optional[float] = None, tag: Optional[str] = None) -> Iterator[dict]:

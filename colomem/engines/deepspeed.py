@@ -977,6 +977,11 @@ class DeepSpeedTrainer:
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = _SyncSource(merged, self._resolve_sync(plan, strategy))
+        # cuBLAS keeps a workspace per (handle, stream) in torch's allocator, 32 MiB each on Hopper and out of
+        # any Python object's reach: give them back too (the next matmul makes them again).
+        clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_cublas is not None:
+            clear_cublas()
         torch.cuda.empty_cache()
         torch.cuda.synchronize(dev)
         free1 = torch.cuda.mem_get_info(dev)[0]
