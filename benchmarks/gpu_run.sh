@@ -35,7 +35,7 @@ stage() {  # the stages run in the order given on the command line
     transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
-    runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ;;
+    runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) run diag_bridge 120 python3 runners/diag_bridge.py --out "$OUT/diag" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
     syncbench) run bench_sync 230 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 --buckets 1GiB,2GiB \
