@@ -690,6 +690,15 @@ class SwitchReport:
         return d
 
 
+def _release_cached_memory() -> None:
+    """Returns torch's cached blocks to the driver, cuBLAS workspaces included: one per (handle, stream),
+    32 MiB each on Hopper, out of any Python object's reach (the next matmul makes them again)."""
+    clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_cublas is not None:
+        clear_cublas()
+    torch.cuda.empty_cache()
+
+
 LEFT_BEHIND_REPORT_BYTES = 16 << 20   # an offload leaving more than this allocated says what it is
 
 
@@ -977,12 +986,7 @@ class DeepSpeedTrainer:
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = _SyncSource(merged, self._resolve_sync(plan, strategy))
-        # cuBLAS keeps a workspace per (handle, stream) in torch's allocator, 32 MiB each on Hopper and out of
-        # any Python object's reach: give them back too (the next matmul makes them again).
-        clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_cublas is not None:
-            clear_cublas()
-        torch.cuda.empty_cache()
+        _release_cached_memory()
         torch.cuda.synchronize(dev)
         free1 = torch.cuda.mem_get_info(dev)[0]
         state = move.state
@@ -1220,7 +1224,7 @@ class DeepSpeedTrainer:
         self._pool = None
         gc.collect()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            _release_cached_memory()
         if opt_ref is not None and opt_ref() is not None:
             version = getattr(self, "deepspeed_version", "?")
             warnings.warn(f"the closed trainer's {type(opt_ref()).__name__} is still referenced, so its GPU state "
