@@ -376,3 +376,12 @@ def test_default_task_is_learned_on_cpu(cache_env, tmp_path):
     r = [x["reward_mean"] for x in read_jsonl(tmp_path / "l" / "metrics.jsonl") if "step" in x]
     assert len(r) == 10
     assert sum(r[-3:]) / 3 > sum(r[:3]) / 3 + 0.1, r
+
+
+def test_tensor_parallel_engines_are_refused_before_anything_starts():
+    from colomem.errors import InvalidArgumentError
+    from colomem.runner.ranks import Ranks
+
+    cfg = config_from_dict({"tensor_parallel_size": 2, "backend": "gpu"})
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1"):
+        build_engines(cfg, "gpu", "/nonexistent", None, Ranks(), grad_accum=1)

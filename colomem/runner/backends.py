@@ -103,6 +103,13 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
     pool = rollout = trainer = None
     try:
         if backend == "gpu":
+            if cfg.tensor_parallel_size > 1:
+                # Each rank would start its own engine over every GPU, and the bridge maps one GPU's buffers:
+                # refuse before anything is started instead of hanging in vLLM's startup.
+                raise InvalidArgumentError(
+                    f"tensor_parallel_size={cfg.tensor_parallel_size} is not supported by the colocated runner "
+                    f"yet (vLLM engines spanning torchrun ranks and the per-shard weight sync are issue 5); run "
+                    f"one engine per GPU: torchrun --nproc-per-node N with tensor_parallel_size=1 (data parallel)")
             pool = _pool(cfg, cpu=False)
             from colomem.engines.vllm import VLLMRollout
 
