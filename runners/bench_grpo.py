@@ -137,6 +137,16 @@ def _fmt(x, spec=".3f", scale=1.0, suffix=""):
     return "-" if x is None else f"{x * scale:{spec}}{suffix}"
 
 
+def _config_shape(cfg: str) -> str:
+    """The model shape a config names (for a run stopped before it wrote its summary)."""
+    try:
+        import yaml
+
+        return str(yaml.safe_load((ROOT / CONFIGS[cfg]).read_text()).get("model_shape", "?"))
+    except (KeyError, OSError, ImportError, AttributeError):
+        return "?"
+
+
 def table(runs: dict) -> str:
     head = ("| job | switch | step s | switch s | switch share | offload s | reload s | wake+sync+check s | sleep s "
             "| GPU used, both asleep | trainer left after offload | GPU used in rollout / train | status |")
@@ -146,7 +156,7 @@ def table(runs: dict) -> str:
         ph = r.get("phase_s") or {}
         wake = sum(ph.get(p) or 0 for p in ("wake_weights", "sync", "check", "wake_kv")) if ph else None
         cfg, _, mode = name.partition("_")
-        shape = r.get("model_shape") or "?"
+        shape = r.get("model_shape") or _config_shape(cfg)
         lines.append(
             f"| {shape} {cfg} | {mode} | {_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('switch_s'), '.3f')} | "
             f"{_fmt(r.get('switch_overhead_fraction'), '.2f', 100, ' %')} | {_fmt(ph.get('offload'))} | "
