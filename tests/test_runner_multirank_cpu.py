@@ -29,6 +29,18 @@ WORKER = textwrap.dedent(r'''
         dump({"world": r.world_size, "gen": r.generate_groups(6), "train": r.train_groups(6),
               "sum": r.sum([rank, 1.0]), "main": r.is_main})
         r.close()
+    elif mode == "bridges":
+        # tensor parallel 2 over both ranks: each rank's bridge (a fake GPU UUID and socket path) must reach
+        # the engine's worker on that GPU
+        r = Ranks.from_env(tp=2, barrier_timeout_s=60)
+        addrs = r.bridge_addresses(f"GPU-fake-{rank}", f"/run/colomem/bridge-{rank}.sock")
+        try:
+            r.bridge_addresses("GPU-same", "/x")    # two ranks on one GPU
+            same = None
+        except Exception as e:
+            same = type(e).__name__
+        dump({"addrs": addrs, "group": r.group_ranks, "same": same})
+        r.close()
     elif mode.startswith("stall"):
         staller = int(mode[-1])
         r = Ranks.from_env(barrier_timeout_s=3)
@@ -114,6 +126,17 @@ def test_barriers_and_work_split(tmp_path):
     assert r0["sum"] == r1["sum"] == [1.0, 2.0]
     # tensor parallel 1: each rank generates exactly the groups it trains on; together they cover all
     assert r0["gen"] == r0["train"] == [0, 2, 4] and r1["gen"] == r1["train"] == [1, 3, 5]
+
+
+def test_tensor_parallel_group_collects_one_bridge_per_gpu(tmp_path):
+    procs = _launch(tmp_path, "bridges")
+    for p in procs:
+        rc, out = _finish(p, 120)
+        assert rc == 0, out[-3000:]
+    want = {"GPU-fake-0": "/run/colomem/bridge-0.sock", "GPU-fake-1": "/run/colomem/bridge-1.sock"}
+    for rank in (0, 1):
+        r = _result(tmp_path, rank)
+        assert r["addrs"] == want and r["group"] == [0, 1] and r["same"] == "InvalidArgumentError"
 
 
 @pytest.mark.parametrize("staller", [1, 0])

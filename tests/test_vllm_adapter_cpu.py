@@ -658,3 +658,18 @@ def test_trainer_tensors_of_another_dtype_are_not_compared_byte_for_byte():
     with pytest.raises(InvalidArgumentError, match="dtype"):
         r.check(reference=w.items())
     r.close()
+
+
+def test_worker_maps_the_bridge_on_its_own_gpu_by_uuid():
+    w = FakeWorker()
+    w._colomem_device_uuid = lambda: "GPU-bbbb"
+    bridge = FakeBridge(256, 2)
+    try:
+        other = "/tmp/not-this-one"
+        got = w.colomem_attach({"GPU-aaaa": other, "GPU-BBBB": bridge.address})   # UUIDs compare case-blind
+        assert "error" not in got and w._colomem().importer.address == bridge.address
+        err = w.colomem_attach({"GPU-aaaa": other})
+        assert err["error"] == "PeerError" and "GPU-bbbb" in err["message"] and "GPU-aaaa" in err["message"]
+        assert w.colomem_attach({})["error"] == "InvalidArgumentError"
+    finally:
+        bridge.close()

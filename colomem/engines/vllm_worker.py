@@ -195,6 +195,25 @@ class ColomemWorkerExtension:
     def _colomem_param_names(self) -> set:
         return {n for n, _ in self._colomem_model().named_parameters()}
 
+    def _colomem_device_uuid(self) -> str:
+        from colomem import _C
+
+        return _C.device_uuid(self._colomem_device().index)
+
+    def _colomem_pick_address(self, address) -> str:
+        """A bridge address, or {GPU UUID: address} (tensor parallel: one trainer bridge per GPU, each worker
+        maps the one on its own GPU, whatever CUDA_VISIBLE_DEVICES numbers it)."""
+        if isinstance(address, str):
+            return address
+        if not isinstance(address, dict) or not address:
+            raise InvalidArgumentError(f"address must be a socket path or a {{GPU UUID: path}} dict, got {address!r}")
+        mine = self._colomem_device_uuid()
+        for uuid, path in address.items():
+            if str(uuid).lower() == str(mine).lower():
+                return str(path)
+        raise PeerError(f"no trainer bridge on this worker's GPU {mine} (rank {getattr(self, 'rank', '?')}); the "
+                        f"trainer offered {sorted(address)}: every GPU of the engine needs a trainer rank")
+
     def _colomem_connect(self, address: str, timeout: float):
         from colomem.bridge import BridgeImporter
 
@@ -217,9 +236,10 @@ class ColomemWorkerExtension:
 
     # -- bridge -----------------------------------------------------------------------------------------
     @_rpc
-    def colomem_attach(self, address: str, timeout: float = 30.0, verify: str = "sampled",
+    def colomem_attach(self, address: Any, timeout: float = 30.0, verify: str = "sampled",
                        snapshot_k: int = 8, fast_load: bool = True) -> dict:
-        """Connects to the trainer's WeightBridge at `address` (a Unix socket path) and maps its buffers.
+        """Connects to the trainer's WeightBridge at `address` (a Unix socket path, or {GPU UUID: path} with
+        one bridge per GPU of a tensor-parallel engine) and maps its buffers.
 
         snapshot_k: the ACK of a version's last bucket carries checksums of this many parameters, the
         state later checks compare against. fast_load: record what the model's load_weights copies at the
@@ -230,6 +250,7 @@ class ColomemWorkerExtension:
             raise InvalidArgumentError(f"verify must be 'none', 'sampled' or 'full', got {verify!r}")
         st = self._colomem()
         self._colomem_drop_importer(st)
+        address = self._colomem_pick_address(address)
         st.importer = self._colomem_connect(address, float(timeout))
         st.address = address
         st.verify = verify

@@ -130,6 +130,40 @@ class Ranks:
                                       "another rank is stuck or died") from None
         return t.tolist()
 
+    def exchange(self, obj) -> list:
+        """Every rank's `obj` (small, picklable), in rank order (bounded by the group's timeout)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:
+            raise BarrierTimeoutError(f"rank {self.rank}: exchanging data with the other ranks failed ({e}); "
+                                      "another rank is stuck or died") from None
+        return out
+
+    @property
+    def group_ranks(self) -> list[int]:
+        """The ranks of this rank's rollout group (the GPUs one vLLM engine spans)."""
+        g = self.rollout_group
+        return list(range(g * self.tp, (g + 1) * self.tp))
+
+    def bridge_addresses(self, gpu_uuid: str, address: str) -> dict[str, str]:
+        """{GPU UUID: bridge socket} of every rank in this rank's rollout group, from each rank's own pair:
+        what a tensor-parallel engine's workers need to find the trainer bridge on their own GPU (every rank
+        calls it, collectively)."""
+        pairs = self.exchange((str(gpu_uuid), str(address)))
+        out: dict[str, str] = {}
+        for r in self.group_ranks:
+            uuid, addr = pairs[r]
+            if uuid in out:
+                raise InvalidArgumentError(f"ranks of rollout group {self.rollout_group} share GPU {uuid}: one rank "
+                                           f"per GPU (set CUDA_VISIBLE_DEVICES or LOCAL_RANK right)")
+            out[uuid] = addr
+        return out
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Leaves torch.distributed: a last bounded barrier (no rank tears down the group while another
         still talks to it), then destroy_process_group. Errors here are ignored: this runs at exit."""
