@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from colomem._bucket import dtype_name
 from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
                             PhaseOrderError)
 
@@ -713,7 +714,7 @@ def _left_behind(device: torch.device, top: int = 6) -> str:
             if st._cdata in seen or st.nbytes() == 0:
                 continue
             seen.add(st._cdata)
-            found.append((st.nbytes(), f"{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"))
+            found.append((st.nbytes(), f"{list(obj.shape)} {dtype_name(obj.dtype)}"))
         except Exception:  # noqa: BLE001 - a diagnosis must not fail the offload
             continue
     found.sort(reverse=True)

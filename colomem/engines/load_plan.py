@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from colomem._bucket import Entry
+from colomem._bucket import Entry, dtype_name
 
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
@@ -223,7 +223,7 @@ class LoadPlan:
 
     def can_replay(self, e: Entry) -> bool:
         p = self.plans.get(e.name)
-        return p is not None and p.shape == tuple(e.shape) and str(p.dtype).removeprefix("torch.") == e.dtype
+        return p is not None and p.shape == tuple(e.shape) and dtype_name(p.dtype) == e.dtype
 
     def replay(self, e: Entry, view: torch.Tensor) -> set:
         """Does for one bucket entry (a whole tensor, or a part of a split one) what load_weights did for it:

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from colomem._bucket import dtype_name
 from colomem.engines import SyncStats
 from colomem.engines.vllm_worker import hashed_pick, raise_if_error, tensor_checksum
 from colomem.errors import (
@@ -843,7 +844,7 @@ class VLLMRollout:
 # --------------------------------------------------------------------------------------------- helpers
 def _same_layout(t: torch.Tensor, info: Optional[list]) -> bool:
     """The trainer's tensor has the bytes layout of vLLM's parameter (same shape and dtype: unfused, unsharded)."""
-    return info is not None and list(t.shape) == list(info[0]) and str(t.dtype).replace("torch.", "") == info[1]
+    return info is not None and list(t.shape) == list(info[0]) and dtype_name(t.dtype) == info[1]
 
 
 def _sampled_logprobs(c, ids: list) -> list:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from colomem import errors as _errors
+from colomem._bucket import dtype_name
 from colomem.errors import (
     ColomemError,
     InvalidArgumentError,
@@ -401,7 +402,7 @@ class ColomemWorkerExtension:
     @_rpc
     def colomem_param_info(self) -> dict:
         """{name: [shape, dtype]} of the model's parameters (vLLM's names: fused qkv_proj, gate_up_proj)."""
-        return {n: [list(p.shape), str(p.dtype).replace("torch.", "")]
+        return {n: [list(p.shape), dtype_name(p.dtype)]
                 for n, p in self._colomem_model().named_parameters()}
 
     @_rpc
