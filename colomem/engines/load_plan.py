@@ -16,7 +16,7 @@ parameter's storage moved (a reloaded model), so a replay never writes into memo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,13 +55,21 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size())
 
 
+class _Source(NamedTuple):
+    """A tensor handed to load_weights: its byte range, name and dtype."""
+    start: int
+    end: int
+    name: str
+    dtype: torch.dtype
+
+
 class _Recorder(TorchDispatchMode):
     """Watches aten ops while load_weights runs; attributes every write into the model to a source name."""
 
     def __init__(self, storages: dict):
         super().__init__()
         self.storages = storages          # storage data_ptr -> parameter name
-        self.sources: list = []           # (start, end, name, dtype, numel), newest last
+        self.sources: list = []           # _Source per tensor handed out, newest last
         self.current: Optional[str] = None
         self.plans: dict = {}             # name -> NamePlan
         self.bad: dict = {}               # name -> why it cannot be replayed
@@ -69,16 +77,18 @@ class _Recorder(TorchDispatchMode):
         self.keep: list = []              # the sources stay alive while recording: no address is reused
 
     # -- classification --------------------------------------------------------------------------------
-    def source_of(self, t: torch.Tensor) -> Optional[tuple]:
+    def source_of(self, t: torch.Tensor) -> tuple[Optional[_Source], bool]:
+        """(the source t reads, whether t lies inside it); a t that overlaps a source without lying inside
+        it is not a view we understand."""
         if t.numel() == 0 or t.device.type == "meta":
-            return None
+            return None, False
         lo, hi = _extent(t)
         for src in reversed(self.sources):
-            if src[0] <= lo and hi <= src[1]:
-                return src
-            if lo < src[1] and src[0] < hi:  # overlaps without being inside: not a view we understand
-                return src + ("partial",)
-        return None
+            if src.start <= lo and hi <= src.end:
+                return src, True
+            if lo < src.end and src.start < hi:
+                return src, False
+        return None, False
 
     def param_of(self, t: torch.Tensor) -> Optional[str]:
         try:
@@ -113,36 +123,38 @@ class _Recorder(TorchDispatchMode):
         if func._schema.is_mutable:
             for arg, val in zip(func._schema.arguments, args):
                 info = arg.alias_info
-                if info is not None and info.is_write and isinstance(val, torch.Tensor) and self.param_of(val):
+                written = self.param_of(val) if info is not None and info.is_write and isinstance(val, torch.Tensor) \
+                    else None
+                if written:
                     # which source it belongs to is not knowable (loaders read ahead): nothing is replayed
-                    self.mark_bad(None, f"{func} writes parameter {self.param_of(val)}")
+                    self.mark_bad(None, f"{func} writes parameter {written}")
         if not func.is_view:
             for t in tensors:
-                src = self.source_of(t)
+                src, _ = self.source_of(t)
                 if src is not None:
-                    self.mark_bad(src[2], f"{func} reads it (only views and copies are replayed)")
+                    self.mark_bad(src.name, f"{func} reads it (only views and copies are replayed)")
 
     def on_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        s = self.source_of(src)
+        s, inside = self.source_of(src)
         p = self.param_of(dst)
         if s is None:
             if p is not None:
                 self.mark_bad(None, f"parameter {p} written from computed data")
             return
-        name = s[2]
-        if len(s) > 5:
+        name = s.name
+        if not inside:
             self.mark_bad(name, "a copy reads a range that straddles its tensor")
         elif p is None:
             self.mark_bad(name, "copied into a temporary, not into a parameter")
         elif not (src.is_contiguous() and dst.is_contiguous()):
             self.mark_bad(name, "non-contiguous copy")
-        elif src.dtype != s[3]:
-            self.mark_bad(name, f"read as {src.dtype} instead of {s[3]}")
+        elif src.dtype != s.dtype:
+            self.mark_bad(name, f"read as {src.dtype} instead of {s.dtype}")
         elif src.numel() != dst.numel():
             self.mark_bad(name, "broadcasting copy")
         else:
             plan = self.plans[name]
-            off = (src.data_ptr() - s[0]) // src.element_size()
+            off = (src.data_ptr() - s.start) // src.element_size()
             plan.copies.append(_Copy(off, src.numel(), dst.detach().view(-1)))
             plan.params.add(p)
 
@@ -171,7 +183,7 @@ class _Recorder(TorchDispatchMode):
             self.plans[name] = NamePlan(t.dtype, tuple(t.shape))
             if not t.is_contiguous():
                 self.mark_bad(name, "non-contiguous source")
-            self.sources.append((lo, hi, name, t.dtype, t.numel()))
+            self.sources.append(_Source(lo, hi, name, t.dtype))
             self.keep.append(t)
             self.current = name
             yield name, t
