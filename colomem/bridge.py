@@ -619,8 +619,9 @@ class BridgeImporter:
         reassembled scratch tensors (split ones, yielded once their last part arrived).
 
         verify: "none", "sampled" (checks the message's checksum, whatever its stride) or "full" (requires a
-        producer with checksum="full"). A mismatch raises WeightCheckError before any tensor is yielded.
-        When the iterator is exhausted, the current stream has finished every copy out of the buffer, so the
+        producer with checksum="full"). The checksum runs on the current stream ahead of the caller's copies;
+        a mismatch raises WeightCheckError when the iterator ends, before the bucket may be ACKed (what was
+        copied out of it must then be discarded: the version failed). When the iterator is exhausted, the current stream has finished every copy out of the buffer, so the
         caller may ACK. Copy what you keep: the buffer is refilled after the ACK.
         """
         return self._whole(self.entries(msg, verify))  # entries() checks its arguments now, not lazily
@@ -699,7 +700,7 @@ class BridgeImporter:
         if m.buffer >= len(self._buffers) or m.nbytes > self._buffers[m.buffer].nbytes:
             raise PeerError(f"bucket {m.seq} does not fit buffer {m.buffer} of this bridge")
         if verify != "none":
-            self._verify(m, self._buffers[m.buffer], verify)
+            self._start_verify(m, self._buffers[m.buffer], verify)()
 
     def _start_verify(self, m: BucketMessage, buf, verify: str) -> Callable[[], None]:
         """Queues the bucket's checksum on the current stream; the returned check() compares it (call it
@@ -726,10 +727,6 @@ class BridgeImporter:
         if verify == "full" and m.checksum_stride != 1:
             raise InvalidArgumentError("verify='full' needs a producer with checksum='full' (this one samples "
                                        f"every {m.checksum_stride}-th word); use verify='sampled'")
-
-    def _verify(self, m: BucketMessage, buf, verify: str) -> None:
-        self._check_verifiable(m, verify)
-        self._compare(m, _buffer_checksum(buf.ptr, m.nbytes, m.checksum_stride, self.device))
 
     def _compare(self, m: BucketMessage, got: int) -> None:
         if got != m.checksum:
