@@ -678,6 +678,7 @@ class SwitchReport:
     sync_seconds: float = 0.0    # offload: preparing the weights for the sync (views or staging)
     staged_bytes: int = 0        # offload: weights copied to host for the sync (merged LoRA, ZeRO-3 ranks)
     left_behind: str = ""        # offload: the largest CUDA tensors still alive when much stayed allocated
+    #                              (the first such offload of a trainer)
 
     @property
     def gbps(self) -> float:
@@ -807,6 +808,7 @@ class DeepSpeedTrainer:
         self._closed = False
         self._offloaded = False
         self._offloaded_by: Optional[str] = None
+        self._left_behind_named = False       # the (slow) scan of live tensors runs once per trainer
         self._sync: Optional[_SyncSource] = None
         self._lora_cache: Optional[dict[str, Tensor]] = None
         self._stage_block = None
@@ -992,11 +994,15 @@ class DeepSpeedTrainer:
         free1 = torch.cuda.mem_get_info(dev)[0]
         state = move.state
         left = torch.cuda.memory_allocated(dev)
+        # A gc scan of live tensors costs a noticeable share of a second in a big process: name what stayed
+        # once, not on every step's offload (the timed switch of a baseline would carry it every step).
+        diagnose = left > LEFT_BEHIND_REPORT_BYTES and not self._left_behind_named
+        self._left_behind_named |= diagnose
         self.last_offload = SwitchReport(
             method, "offload", time.perf_counter() - t0, move.nbytes, free1 - free0, free1,
             left, torch.cuda.memory_reserved(dev), dict(state.sizes),
             list(state.unlisted), sum(n for _, n in state.skipped), move.seconds, state.seconds, t_sync, staged,
-            _left_behind(dev) if left > LEFT_BEHIND_REPORT_BYTES else "")
+            _left_behind(dev) if diagnose else "")
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
