@@ -158,18 +158,20 @@ def timed_syncs(fn, warmup: int, reps: int) -> list:
     return out
 
 
+def next_version_sync(r, items):
+    """A callable that sends `items` to the rollout as the next weight version each time."""
+    def sync():
+        r.load_weights(items, version=r.weight_version + 1)
+    return sync
+
+
 def bench_bridge(r, items, nbytes, a, d2d, res):
     from colomem.units import parse_bytes
 
     out = res.setdefault("bridge", {})
     for b in a.buckets.split(","):
         r.set_bucket_bytes(parse_bytes(b))
-        version = [r.weight_version]
-
-        def sync():
-            version[0] += 1
-            r.load_weights(items, version=version[0])
-
+        sync = next_version_sync(r, items)
         sync()                                       # attach + first pass, then check before timing
         r.check(reference=items)
         r.check()
@@ -186,12 +188,7 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
         r.sync_transport, r.fast_load = "rpc", False
         try:
             r.set_bucket_bytes(parse_bytes(best))
-            version = [r.weight_version]
-
-            def slow_sync():
-                version[0] += 1
-                r.load_weights(items, version=version[0])
-
+            slow_sync = next_version_sync(r, items)
             slow_sync()
             r.check(reference=items)
             seconds = timed_syncs(slow_sync, 1, max(2, a.reps // 2))
