@@ -11,6 +11,7 @@ Messages are plain dicts of ints, strings, lists and None (no tensors), so they 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -167,9 +168,18 @@ def pack_bucket(bucket: PlannedBucket, dst: torch.Tensor) -> None:
     stream. Bytes between entries are left as they were."""
     if dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < bucket.nbytes:
         raise InvalidArgumentError(f"pack destination must be a 1-D uint8 tensor of >= {bucket.nbytes} bytes")
+    ranges = []  # sources in dst's memory: raw copies, one call into the core for the whole bucket
     for e, src in zip(bucket.entries, bucket.sources):
-        if e.nbytes:
+        if not e.nbytes:
+            continue
+        if src.device == dst.device:
+            ranges.append((e.offset, src.data_ptr(), e.nbytes))
+        else:  # e.g. a CPU tensor into a GPU bucket: torch picks the copy
             dst[e.offset:e.offset + e.nbytes].copy_(_as_bytes(src), non_blocking=True)
+    if ranges:
+        from colomem import _torch
+
+        _torch.copy_ranges(_torch.ranges_tensor(ranges), dst.device, dst_base=dst.data_ptr())
 
 
 def entry_view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
@@ -221,6 +231,15 @@ class Reassembler:
         self._partial.clear()
 
 
+def layout_digest(entries) -> str:
+    """A short digest of a bucket's entries: equal digests mean the same names, dtypes, shapes and places,
+    so a consumer can reuse what it derived from an earlier bucket with that layout without parsing."""
+    h = hashlib.blake2b(digest_size=16)
+    for e in entries:
+        h.update(repr((e.name, e.dtype, e.shape, e.offset, e.nbytes, e.part)).encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class BucketMessage:
     """One bucket, as the consumer sees it. `to_dict()` is what crosses processes."""
@@ -233,25 +252,29 @@ class BucketMessage:
     checksum: Optional[int]         # uint64, or None when the producer computes none
     checksum_stride: int            # 1: every 8-byte word, N: every N-th (sampled), 0: no checksum
     entries: tuple
+    layout: Optional[str] = None    # layout_digest(entries), or None (then nothing is reused)
 
     def to_dict(self) -> dict:
         return {"buffer": self.buffer, "version": self.version, "seq": self.seq, "last": self.last,
                 "nbytes": self.nbytes, "checksum": self.checksum, "checksum_stride": self.checksum_stride,
-                "entries": [e.to_dict() for e in self.entries]}
+                "layout": self.layout, "entries": [e.to_dict() for e in self.entries]}
 
     @staticmethod
-    def from_dict(d) -> "BucketMessage":
+    def from_dict(d, entries: bool = True) -> "BucketMessage":
+        """Parses and checks a message dict; entries=False leaves the entries out (a consumer that knows the
+        layout already)."""
         if isinstance(d, BucketMessage):
             return d
         if not isinstance(d, dict):
             raise PeerError(f"a bridge message must be a dict, got {type(d).__name__}")
         try:
-            checksum = d.get("checksum")
+            checksum, layout = d.get("checksum"), d.get("layout")
             m = BucketMessage(buffer=int(d["buffer"]), version=int(d["version"]), seq=int(d["seq"]),
                               last=bool(d["last"]), nbytes=int(d["nbytes"]),
                               checksum=int(checksum) if checksum is not None else None,
                               checksum_stride=int(d.get("checksum_stride", 0) or 0),
-                              entries=tuple(Entry.from_dict(e) for e in d["entries"]))
+                              entries=tuple(Entry.from_dict(e) for e in d["entries"]) if entries else (),
+                              layout=str(layout) if layout is not None else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise PeerError(f"malformed bridge message (missing or bad field {exc}); producer and consumer "
                             f"colomem versions may differ") from None

@@ -74,3 +74,21 @@ def device_bytes(address: int, nbytes: int, device: torch.device, owner=None) ->
     """A uint8 CUDA tensor viewing `nbytes` at `address` on `device` (no copy, not resizable)."""
     with torch.cuda.device(device):
         return torch.as_tensor(_CudaArray(address, (nbytes,), "|u1", owner), device=device)
+
+
+def ranges_tensor(ops) -> torch.Tensor:
+    """(n, 3) int64 CPU tensor of (dst, src, nbytes) triples, the argument of copy_ranges."""
+    t = torch.tensor(ops, dtype=torch.int64) if not isinstance(ops, torch.Tensor) else ops
+    return t.reshape(-1, 3).contiguous()
+
+
+def copy_ranges(ops: torch.Tensor, device: torch.device, dst_base: int = 0, src_base: int = 0) -> None:
+    """Runs the raw copies of `ops` (see ranges_tensor; each dst/src plus its base) on the current stream of
+    `device` with one call into the core (batched on CUDA), or with memcpy for CPU memory. The copies may
+    run concurrently: no destination may overlap another range."""
+    if ops.dtype != torch.int64 or ops.device.type != "cpu" or ops.dim() != 2 or ops.shape[1] != 3 \
+            or not ops.is_contiguous():
+        raise ValueError("copy_ranges needs a contiguous (n, 3) int64 CPU tensor of (dst, src, nbytes)")
+    if ops.shape[0]:
+        _C.copy_ranges(ops.data_ptr(), ops.shape[0], dst_base, src_base, stream_handle(device),
+                       device_index(device))

@@ -38,8 +38,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from colomem import _C
-from colomem._bucket import (ALIGN, BucketMessage, Reassembler, entry_view, pack_bucket, plan_buckets)
-from colomem._torch import device_bytes
+from colomem._bucket import (ALIGN, BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket,
+                             plan_buckets)
+from colomem._torch import copy_ranges, device_bytes
 from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, NotAvailableError, PeerError,
                             PoolClosedError, TransferTimeoutError, WeightCheckError)
 from colomem.units import parse_bytes
@@ -364,7 +365,8 @@ class WeightBridge:
                 fill()  # other free buffers start packing while the consumer applies this one
                 last = not packed and not plan_next()
                 msg = BucketMessage(buffer=i, version=version, seq=seq, last=last, nbytes=plan.nbytes,
-                                    checksum=checksum, checksum_stride=stride, entries=tuple(plan.entries))
+                                    checksum=checksum, checksum_stride=stride, entries=tuple(plan.entries),
+                                    layout=layout_digest(plan.entries))
                 stats.messages += 1
                 stats.tensors += len(plan.entries)
                 stats.nbytes += sum(e.nbytes for e in plan.entries)
@@ -681,7 +683,12 @@ class BridgeImporter:
             for e in m.entries:
                 yield e, entry_view(base, e)
             del base
-        if m.entries or check is not None:
+        self._finish(m, check, bool(m.entries))
+
+    def _finish(self, m: BucketMessage, check: Optional[Callable[[], None]], copied: bool) -> None:
+        """After the caller's copies out of a bucket: waits for them, compares the checksum, closes the version
+        on its last bucket."""
+        if copied or check is not None:
             _wait_current_stream(self.device, self.timeout, f"copies out of bucket {m.seq}")
         if check is not None:
             check()
@@ -691,6 +698,25 @@ class BridgeImporter:
             if pending:
                 raise PeerError(f"version {m.version} ended with split tensors missing parts: {pending[:8]}")
             self.version = m.version
+
+    def copy_out(self, msg: Union[dict, BucketMessage], ranges: torch.Tensor, verify: str = "sampled") -> None:
+        """Copies out of a bucket along precomputed raw ranges, without parsing its entries or making views:
+        `ranges` is an (n, 3) int64 CPU tensor of (destination address, offset in the bucket, bytes), built
+        by the caller from an earlier message with the same `layout` (see colomem.engines.load_plan). One
+        call into the core on the current stream; ordering checks, verification and the final wait are as in
+        entries(), so the caller may ACK when this returns."""
+        self._check_open()
+        if verify not in CHECKSUM_STRIDES:
+            raise InvalidArgumentError(f"verify must be one of {sorted(CHECKSUM_STRIDES)}, got {verify!r}")
+        m = BucketMessage.from_dict(msg, entries=False)
+        self._check_order(m)
+        buf = self._buffers[m.buffer]
+        if ranges.shape[0] and int(ranges[:, 1].add(ranges[:, 2]).max()) > m.nbytes:
+            raise InvalidArgumentError(f"copy_out: a range reads past bucket {m.seq}'s {m.nbytes} bytes; the "
+                                       f"ranges belong to another layout")
+        check = self._start_verify(m, buf, verify) if verify != "none" else None
+        copy_ranges(ranges, self.device, src_base=buf.ptr)
+        self._finish(m, check, ranges.shape[0] > 0)
 
     def verify(self, msg: Union[dict, BucketMessage], verify: str = "sampled") -> None:
         """Checks the message's buffer still holds the bytes the producer packed (WeightCheckError if not).

@@ -417,3 +417,54 @@ def test_a_tagged_sync_skips_what_a_failed_one_left_in_the_socket(monkeypatch):
     assert result["s"].messages > 2 and imp.version == 2
     assert all(same_bytes(got[n], x) for n, x in items)
     server.close()
+
+
+# --- copy_out: raw ranges out of a bucket whose layout the consumer knows ----------------------------------------
+def test_copy_out_writes_the_ranges_verifies_and_keeps_order(monkeypatch):
+    from colomem._torch import ranges_tensor
+
+    bridge, imp, _ = cpu_pair(monkeypatch, nbuffers=2, bucket_bytes=4096)
+    items = named(3, n=4)  # whole tensors only (3.4 KB)
+    dst = {n: torch.zeros_like(t) for n, t in items}
+    msgs = []
+    for msg in bridge.publish(items, version=0):
+        d = msg.to_dict()
+        m = BucketMessage.from_dict(d)
+        assert d["layout"] == msg.layout and msg.layout is not None
+        ranges = ranges_tensor([(dst[e.name].data_ptr(), e.offset, e.nbytes) for e in m.entries])
+        imp.copy_out(d, ranges, verify="full")
+        msgs.append(d)
+    assert all(same_bytes(dst[n], t) for n, t in items) and imp.version == 0
+
+    gen = bridge.publish(items, version=1)
+    first = next(gen).to_dict()
+    bad = ranges_tensor([(dst["t0"].data_ptr(), 0, first["nbytes"] + 8)])
+    with pytest.raises(InvalidArgumentError, match="past bucket"):
+        imp.copy_out(first, bad, verify="none")
+    with pytest.raises(PeerError, match="out of order"):
+        imp.copy_out({**first, "seq": 5}, ranges_tensor([]), verify="none")
+    gen.close()
+
+
+def test_copy_out_raises_on_a_changed_buffer(monkeypatch):
+    from colomem._torch import ranges_tensor
+
+    bridge, imp, _ = cpu_pair(monkeypatch, nbuffers=1, bucket_bytes=4096)
+    items = named(4, n=3)
+    gen = bridge.publish(items, version=0)
+    d = next(gen).to_dict()
+    bridge._views[d["buffer"]][0] ^= 0xFF  # overwritten before the ACK
+    with pytest.raises(WeightCheckError):
+        imp.copy_out(d, ranges_tensor([]), verify="full")
+    gen.close()
+
+
+def test_layout_digest_tells_layouts_apart():
+    from colomem._bucket import layout_digest
+
+    a = list(plan_buckets([("x", torch.zeros(8)), ("y", torch.zeros(4))], 1024))[0].entries
+    b = list(plan_buckets([("x", torch.ones(8)), ("y", torch.ones(4))], 1024))[0].entries
+    c = list(plan_buckets([("x", torch.zeros(8)), ("z", torch.zeros(4))], 1024))[0].entries
+    d = list(plan_buckets([("x", torch.zeros(8)), ("y", torch.zeros(2, 2))], 1024))[0].entries
+    assert layout_digest(a) == layout_digest(b)  # values do not matter, places do
+    assert len({layout_digest(a), layout_digest(c), layout_digest(d)}) == 3

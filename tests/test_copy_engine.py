@@ -106,3 +106,64 @@ def test_cuda_failure_carries_its_status():
     assert "cudaHostRegister" in str(ei.value) and "pin.cpp" in str(ei.value)
     b.release()
     pool.close()
+
+
+def test_copy_ranges_on_the_host_copies_every_range_in_order():
+    from colomem._torch import copy_ranges, ranges_tensor
+
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    want = dst.clone()
+    ops = []
+    for k in range(60):  # random lengths (zero included) and sources; destinations never overlap
+        n = int(torch.randint(0, 64, (1,), generator=gen))
+        d, s = 64 * k, int(torch.randint(0, 4096 - 64, (1,), generator=gen))
+        ops.append((d, s, n))
+        want[d:d + n] = src[s:s + n]
+    copy_ranges(ranges_tensor(ops), torch.device("cpu"), dst_base=dst.data_ptr(), src_base=src.data_ptr())
+    assert torch.equal(dst, want)
+    copy_ranges(ranges_tensor([]), torch.device("cpu"))  # nothing to do is fine
+
+
+def test_copy_ranges_refuses_bad_input():
+    from colomem._torch import copy_ranges, ranges_tensor
+
+    buf = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        copy_ranges(ranges_tensor([(0, 0, -1)]), torch.device("cpu"), buf.data_ptr(), buf.data_ptr())
+    with pytest.raises(InvalidArgumentError, match="null"):
+        copy_ranges(ranges_tensor([(0, 0, 4)]), torch.device("cpu"))
+    with pytest.raises(ValueError, match="int64"):
+        copy_ranges(torch.zeros(2, 3, dtype=torch.int32), torch.device("cpu"))
+    assert torch.equal(buf, torch.zeros(16, dtype=torch.uint8))  # nothing was written by a refused call
+    if not _C.build_info()["cuda"]:
+        with pytest.raises(NotAvailableError, match="without CUDA"):
+            ops = ranges_tensor([(8, 0, 4)])  # held: the core reads it through its address
+            _C.copy_ranges(ops.data_ptr(), 1, buf.data_ptr(), buf.data_ptr(), 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side_stream", [False, True])  # the legacy default stream is copied one by one
+def test_copy_ranges_on_the_gpu_in_stream_order(side_stream):
+    from colomem._torch import copy_ranges, ranges_tensor
+
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, generator=gen).to(dev)
+    dst = torch.zeros(1 << 22, dtype=torch.uint8, device=dev)
+    want = torch.zeros(1 << 22, dtype=torch.uint8)
+    src_h = src.cpu()
+    ops = []
+    for k in range(1500):  # more than one batch of 1024; disjoint destinations, sizes up to 2 KiB
+        n = int(torch.randint(0, 2048, (1,), generator=gen))
+        d, s = 2048 * k, int(torch.randint(0, (1 << 22) - 2048, (1,), generator=gen))
+        ops.append((d, s, n))
+        want[d:d + n] = src_h[s:s + n]
+    stream = torch.cuda.Stream(dev) if side_stream else torch.cuda.current_stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        copy_ranges(ranges_tensor(ops), dev, dst_base=dst.data_ptr(), src_base=src.data_ptr())
+        dst.add_(0)  # later work on the stream sees the copies
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    assert torch.equal(dst.cpu(), want)

@@ -182,3 +182,47 @@ def test_a_changed_shape_or_dtype_is_not_replayed():
     assert not lp.can_replay(Entry("norm", "bfloat16", (H,), 0, 2 * H))
     assert not lp.can_replay(Entry("norm", "float32", (H, 1), 0, 4 * H))
     assert not lp.can_replay(Entry("unknown", "float32", (H,), 0, 4 * H))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 256])
+def test_compiled_buckets_write_exactly_what_replay_writes(bucket_bytes):
+    from colomem._torch import copy_ranges
+
+    m = VllmLike()
+    lp = LoadPlan(m)
+    load(m, lp, hf_weights(0), bucket_bytes)                        # recorded
+    cpu = torch.device("cpu")
+    for seed in (1, 2):
+        trash(m)
+        for k, plan in enumerate(plan_buckets(hf_weights(seed), bucket_bytes)):
+            buf = torch.zeros(bucket_bytes, dtype=torch.uint8)
+            pack_bucket(plan, buf)
+            cb = lp.compiled.get(("b", k)) or lp.compile(("b", k), plan.entries, cpu)
+            assert cb is not None
+            copy_ranges(cb.ranges, cpu, src_base=buf.data_ptr())
+            cb.fill()
+        got, want = state(m), reference(seed)
+        assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+    assert sum(cb.tensors for cb in lp.compiled.values()) == 9       # every tensor completed exactly once
+
+
+def test_compile_refuses_converting_copies_and_unknown_names():
+    class Half(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(4, dtype=torch.float16))
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.w.data.copy_(t)          # float32 -> float16: a raw byte copy would be wrong
+            return {"w"}
+
+    m = Half()
+    lp = LoadPlan(m)
+    named = [("w", torch.arange(4.0))]
+    lp.record(m.load_weights, named)
+    assert lp.can_replay(Entry("w", "float32", (4,), 0, 16))
+    assert lp.compile("k", [Entry("w", "float32", (4,), 0, 16)], torch.device("cpu")) is None
+    assert lp.compile("k", [Entry("x", "float32", (4,), 0, 16)], torch.device("cpu")) is None
+    assert lp.compile("k", [Entry("w", "float32", (4,), 0, 16)], torch.device("meta")) is None
+    assert not lp.compiled

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from colomem._bucket import BucketMessage, Reassembler, entry_view, pack_bucket, plan_buckets
+from colomem._bucket import BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket, plan_buckets
+from colomem._torch import copy_ranges
 from colomem.engines import SyncStats
 from colomem.engines.vllm import WORKER_EXTENSION, VLLMRollout
 from colomem.engines.vllm_worker import ColomemWorkerExtension, raise_if_error, tensor_checksum
@@ -39,6 +40,12 @@ class FakeImporter:
         self.address = address
         self.reasm = Reassembler()
         self.closed = False
+        self.copied_out = 0   # buckets applied through copy_out (precomputed ranges)
+
+    def copy_out(self, msg, ranges, verify="sampled"):
+        m = BucketMessage.from_dict(msg, entries=False)
+        copy_ranges(ranges, torch.device("cpu"), src_base=BUFFERS[self.address][m.buffer].data_ptr())
+        self.copied_out += 1
 
     def entries(self, msg, verify="sampled"):
         m = BucketMessage.from_dict(msg)
@@ -106,7 +113,7 @@ class FakeBridge:
             entries = tuple(plan.entries) if plan else ()
             yield BucketMessage(buffer=i, version=version, seq=seq, last=seq == len(plans) - 1,
                                 nbytes=plan.nbytes if plan else 0, checksum=None, checksum_stride=0,
-                                entries=entries)
+                                entries=entries, layout=layout_digest(entries))
 
     def sync(self, items, version, send=None, timeout=None, tag=None):
         assert send is None
@@ -362,6 +369,10 @@ def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
         assert ack["total_tensors"] == 6
         assert ack["replayed_tensors"] == (0 if version == 1 else 6)
         assert ack["load_plan"]["replayable"] == 6
+        # version 2 replays (and compiles) each bucket layout; version 3 applies every bucket as raw ranges
+        importer = r._worker._colomem().importer
+        assert importer.copied_out == (stats.nbuckets if version == 3 else 0)
+        importer.copied_out = 0
     calls = r.llm.calls
     if transport == "socket":   # one RPC per sync, the buckets went over the (fake) socket
         assert calls.count("colomem_receive") == 3 and "colomem_apply" not in calls and stats.nbuckets >= 7

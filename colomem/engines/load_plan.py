@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from colomem._bucket import Entry, dtype_name
+from colomem._torch import ranges_tensor
 
 _aten = torch.ops.aten
 _COPY = _aten.copy_.default
@@ -209,6 +210,24 @@ def _overlapping(plans: dict) -> set:
     return bad
 
 
+@dataclass
+class CompiledBucket:
+    """What replay() does for every entry of one bucket layout, as raw copies: the next bucket with that
+    layout is applied with one call into the core, without parsing its entries or making a view."""
+
+    ranges: torch.Tensor     # (n, 3) int64: destination address, offset in the bucket, bytes
+    fills: list              # (tensor, value), after the copies
+    params: set              # parameters written
+    tensors: int             # whole tensors the bucket completes (a split tensor counts at its last part)
+
+    def fill(self) -> None:
+        for t, value in self.fills:
+            t.fill_(value)
+
+
+MAX_COMPILED = 4096  # bucket layouts kept per plan (a trainer whose layouts never repeat must not grow it)
+
+
 class LoadPlan:
     """Per-name copy plans of one model, recorded from its load_weights and replayed without it."""
 
@@ -218,6 +237,7 @@ class LoadPlan:
         self.plans: dict = {}          # name -> NamePlan (replayable)
         self.refused: dict = {}        # name -> why it goes through load_weights every time
         self.recorded_calls = 0
+        self.compiled: dict = {}       # (buffer, layout digest) -> CompiledBucket
 
     def _storage_layout(self) -> dict:
         """{parameter or buffer name: storage data_ptr} of the model now."""
@@ -252,6 +272,32 @@ class LoadPlan:
             for t, value in plan.fills:
                 t.fill_(value)
         return plan.params
+
+    def compile(self, key, entries: Iterable[Entry], device: torch.device) -> Optional[CompiledBucket]:
+        """The raw copies replay() makes for these entries (a bucket's layout), kept under `key`; None when
+        an entry is not replayable or a copy converts dtypes or leaves `device` (torch must do those)."""
+        ranges, fills, params, tensors = [], [], set(), 0
+        for e in entries:
+            if not self.can_replay(e):
+                return None
+            plan = self.plans[e.name]
+            size = plan.dtype.itemsize
+            p0, p1 = (e.part[0], e.part[1]) if e.part is not None else (0, e.numel)
+            for c in plan.copies:
+                if c.dst.dtype != plan.dtype or c.dst.device != device:
+                    return None
+                lo, hi = max(c.src_offset, p0), min(c.src_offset + c.numel, p1)
+                if lo < hi:
+                    ranges.append((c.dst.data_ptr() + (lo - c.src_offset) * size, e.offset + (lo - p0) * size,
+                                   (hi - lo) * size))
+            if p0 == 0:
+                fills.extend(plan.fills)
+            params |= plan.params
+            tensors += e.part is None or e.part[1] == e.part[2]
+        if len(self.compiled) >= MAX_COMPILED:
+            self.compiled.clear()
+        out = self.compiled[key] = CompiledBucket(ranges_tensor(ranges), fills, params, tensors)
+        return out
 
     def record(self, load: Callable[[Iterable], Optional[Iterable]], named: Iterable) -> Optional[set]:
         """Runs load(named) (the model's load_weights) while recording; returns what load returned. Names

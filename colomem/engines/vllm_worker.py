@@ -352,9 +352,19 @@ class ColomemWorkerExtension:
             if st.plan is None or (msg.get("seq") == 0 and not st.plan.still_valid()):
                 st.plan = LoadPlan(model)  # first sync, or the model's parameters moved: record again
             plan = st.plan
+        key = (msg.get("buffer"), msg.get("layout"))
+        compiled = plan.compiled.get(key) if plan is not None and key[1] is not None else None
+        if compiled is not None:  # a layout seen before: one batched copy, no entry parsed, no view made
+            st.importer.copy_out(msg, compiled.ranges, verify=st.verify)
+            compiled.fill()
+            sync.loaded.update(compiled.params)
+            sync.replayed += compiled.tensors
+            return compiled.tensors
         count = 0
         ready: list = []
+        seen: list = []
         for e, view in st.importer.entries(msg, verify=st.verify):
+            seen.append(e)
             if plan is not None and plan.can_replay(e):
                 sync.loaded.update(plan.replay(e, view))
                 if e.part is None or e.part[1] == e.part[2]:
@@ -364,6 +374,8 @@ class ColomemWorkerExtension:
             out = st.importer.reassemble(e, view)
             if out is not None:
                 ready.append(out)
+        if plan is not None and key[1] is not None and not ready:
+            plan.compile(key, seen, self._colomem_device())  # every entry replayed: next time, raw copies
         if ready:
             count += len(ready)
             if plan is not None and any(n not in plan.refused for n, _ in ready):

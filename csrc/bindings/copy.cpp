@@ -50,4 +50,16 @@ void register_copy(py::module_& m) {
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("chunk_bytes", &CopyEngine::chunk_bytes)
       .def("stream", [](const CopyEngine& e, const std::string& d) { return e.stream(parse_direction(d)); });
+
+  m.def(
+      "copy_ranges",
+      [](uintptr_t ops, size_t count, uintptr_t dst_base, uintptr_t src_base, uintptr_t stream, int device) {
+        py::gil_scoped_release nogil;
+        copy_ranges(ops, count, dst_base, src_base, stream, device);
+      },
+      py::arg("ops"), py::arg("count"), py::arg("dst_base") = 0, py::arg("src_base") = 0, py::arg("stream") = 0,
+      py::arg("device") = -1,
+      "Copies `count` ranges, int64 triples (dst, src, nbytes) at host address `ops`, each address plus its "
+      "base; destinations must not overlap (the copies may run concurrently). device >= 0: enqueued on "
+      "`stream` (batched); device=-1: host memcpy now.");
 }

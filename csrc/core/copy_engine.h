@@ -65,3 +65,16 @@ std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes);
 std::shared_ptr<CopyEngine> make_cuda_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
 
 }  // namespace colomem
+
+namespace colomem {
+
+// Copies `count` ranges given as int64 triples (dst, src, nbytes) at host address `ops`, with dst_base and
+// src_base added to every dst and src, on `stream`: the weight bridge's pack and unpack, where one call
+// replaces a Python copy per tensor. The copies of one call may run concurrently, so no destination may
+// overlap another range. device >= 0: memory on that GPU (or pinned), enqueued (asynchronous) with as few
+// driver calls as the runtime allows; work later on `stream` sees them. device < 0: host memcpy now.
+void copy_ranges(uintptr_t ops, size_t count, uintptr_t dst_base, uintptr_t src_base, uintptr_t stream,
+                 int device);
+void cuda_copy_ranges(const std::vector<CopyOp>& ops, uintptr_t stream, int device);
+
+}  // namespace colomem

@@ -1,11 +1,12 @@
 // The CUDA backend of the copy engine: one non-blocking stream per direction, chunked cudaMemcpyAsync,
-// an event per chunk, small copies coalesced into cudaMemcpyBatchAsync calls.
+// an event per chunk, small copies coalesced into batched copies (cuda/batch_copy.h).
 #include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <thread>
 
 #include "core/copy_engine.h"
+#include "cuda/batch_copy.h"
 #include "cuda/cuda_check.h"
 
 namespace colomem {
@@ -249,19 +250,9 @@ class CudaCopyEngine : public CopyEngine {
  private:
   void enqueue_batch(std::vector<void*>& d, std::vector<void*>& s, std::vector<size_t>& n, cudaMemcpyKind kind,
                      cudaStream_t st) {
-    if (d.size() > 1 && s_->batch_supported) {
-      cudaMemcpyAttributes attr{};
-      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      size_t idx = 0;
-      cudaError_t e = cudaMemcpyBatchAsync(d.data(), const_cast<const void* const*>(s.data()), n.data(), d.size(),
-                                           &attr, &idx, 1, st);
-      if (e == cudaSuccess) return;
-      (void)cudaGetLastError();
-      if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) throw_cuda_error(e, "cudaMemcpyBatchAsync",
-                                                                                  __FILE__, __LINE__, __func__);
-      s_->batch_supported = false;  // older driver: plain copies from now on
-    }
-    for (size_t i = 0; i < d.size(); ++i) COLOMEM_CUDA_CHECK(cudaMemcpyAsync(d[i], s[i], n[i], kind, st));
+    bool ok = s_->batch_supported;
+    enqueue_copies(d.data(), const_cast<const void* const*>(s.data()), n.data(), d.size(), kind, st, ok);
+    s_->batch_supported = ok;  // older driver: plain copies from now on
   }
 
   std::shared_ptr<Streams> s_;
