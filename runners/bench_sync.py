@@ -165,19 +165,39 @@ def next_version_sync(r, items):
     return sync
 
 
+def check_new_bytes_arrive(r, items, sync) -> None:
+    """After the timed syncs (which sent the same bytes each time), flips every sign in the trainer's
+    tensors (exact in any float format), syncs once more and checks vLLM holds the new bytes; flips back."""
+    import torch
+
+    with torch.no_grad():
+        for _, t in items:
+            t.neg_()
+    try:
+        sync()
+        r.check(reference=items)
+    finally:
+        with torch.no_grad():
+            for _, t in items:
+                t.neg_()
+
+
 def bench_bridge(r, items, nbytes, a, d2d, res):
     from colomem.units import parse_bytes
 
     out = res.setdefault("bridge", {})
     for b in a.buckets.split(","):
-        r.set_bucket_bytes(parse_bytes(b))
+        size, _, nbuf = b.partition("x")              # "2GiB" (two buffers) or "2GiBx1"
+        r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
         sync = next_version_sync(r, items)
         sync()                                       # attach + first pass, then check before timing
         r.check(reference=items)
         r.check()
         seconds = timed_syncs(sync, a.warmup, a.reps)
         st, bs = r.last_sync, r._bridge.last_stats
-        out[b] = {**summary(seconds, nbytes, d2d), "buckets": st.nbuckets, "verified": True,
+        check_new_bytes_arrive(r, items, sync)
+        out[b] = {**summary(seconds, nbytes, d2d), "buckets": st.nbuckets, "buffers": r.bucket_buffers,
+                  "verified": True,
                   "worker_apply_ms": round(st.apply_seconds * 1e3, 2), "replayed_tensors": st.replayed_tensors,
                   "pack_wait_ms": round(bs.pack_wait_seconds * 1e3, 2) if bs else None}
         log(f"bridge {b}: {out[b]}")
@@ -187,7 +207,7 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
     if a.ablation:
         r.sync_transport, r.fast_load = "rpc", False
         try:
-            r.set_bucket_bytes(parse_bytes(best))
+            r.set_bucket_bytes(parse_bytes(best.partition("x")[0]), int(best.partition("x")[2] or 2))
             slow_sync = next_version_sync(r, items)
             slow_sync()
             r.check(reference=items)
@@ -198,7 +218,7 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
             log(f"bridge {best}, rpc per bucket + load_weights: {res['bridge_per_bucket_rpc_load_weights']}")
         finally:
             r.sync_transport, r.fast_load = "socket", True
-            r.set_bucket_bytes(parse_bytes(best))
+            r.set_bucket_bytes(parse_bytes(best.partition("x")[0]), int(best.partition("x")[2] or 2))
 
 
 def bench_torch_ipc(r, items, nbytes, a, d2d, res):
@@ -301,7 +321,7 @@ def run_size(size: str, a, path: str) -> dict:
         res.update(params=sum(t.numel() for _, t in items), nbytes=nbytes, tensors=len(items))
         t = time.perf_counter()
         r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
-                        enforce_eager=True, bucket_bytes=a.buckets.split(",")[0],
+                        enforce_eager=True, bucket_bytes=a.buckets.split(",")[0].partition("x")[0],
                         llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
         res["engine_start_s"] = round(time.perf_counter() - t, 1)
         log(f"{size}: engine up in {res['engine_start_s']} s; {nbytes / GiB:.2f} GiB of weights, {len(items)} tensors")
@@ -419,7 +439,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for bench_sync.json, sync_<size>.json")
     p.add_argument("--sizes", default="1.5b,7b")
-    p.add_argument("--buckets", default="256MiB,512MiB,1GiB", help="bridge bucket sizes to time (comma-separated)")
+    p.add_argument("--buckets", default="256MiB,512MiB,1GiB", help="bridge bucket sizes to time (comma-separated; '2GiBx1': one buffer, no double buffering)")
     p.add_argument("--reps", type=int, default=10, help="timed bridge syncs per bucket size")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slow-reps", type=int, default=5, help="timed torch IPC syncs")

@@ -9,6 +9,8 @@ consumer does a different part of the work, so the differences isolate each cost
   verify     + the sampled checksum of every bucket
   copy       + copying every entry out of the mapped buffer into its own tensors (no verify)
   full       verify + copy (what vLLM's worker does, minus load_weights)
+  ranges     verify + the same copies as raw ranges computed once per bucket layout (BridgeImporter.copy_out:
+             what vLLM's worker does from the third sync on)
   local      the copies alone, in the consumer, from a local buffer of the same size (no IPC, no producer)
 Writes DIR/diag_bridge.json and prints a table.
 """
@@ -26,7 +28,25 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-MODES = ("ack", "verify", "copy", "full")
+MODES = ("ack", "verify", "copy", "full", "ranges")
+
+
+def ranges_for(msg: dict, dst: dict, compiled: dict) -> torch.Tensor:
+    """Raw (destination, offset in the bucket, bytes) copies of a bucket's entries into `dst`'s tensors,
+    computed once per bucket layout."""
+    from colomem._bucket import BucketMessage, dtype_from_name
+    from colomem._torch import ranges_tensor
+
+    key = (msg["buffer"], msg["layout"])
+    if key not in compiled:
+        ops = []
+        for e in BucketMessage.from_dict(msg).entries:
+            d = dst.get((e.name, e.part))
+            if d is None:
+                d = dst[(e.name, e.part)] = torch.empty(e.numel, dtype=dtype_from_name(e.dtype), device="cuda")
+            ops.append((d.data_ptr(), e.offset, e.nbytes))
+        compiled[key] = ranges_tensor(ops)
+    return compiled[key]
 
 
 def consumer(address: str) -> None:
@@ -34,6 +54,7 @@ def consumer(address: str) -> None:
 
     imp = BridgeImporter.connect(address, timeout=60)
     dst: dict = {}
+    compiled: dict = {}
     out = sys.stdout
     while True:
         try:
@@ -46,6 +67,20 @@ def consumer(address: str) -> None:
         t = {"mode": mode, "verify_ms": 0.0, "copy_ms": 0.0, "wait_ms": 0.0, "gpu_copy_ms": 0.0, "buckets": 0}
         msg = first
         while True:
+            if mode == "ranges":
+                t0 = time.perf_counter()
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+                imp.copy_out(msg, ranges_for(msg, dst, compiled), verify="sampled")
+                ev1.record()
+                t["copy_ms"] += (time.perf_counter() - t0) * 1e3
+                t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
+                t["buckets"] += 1
+                imp.ack(msg)
+                if msg.get("last"):
+                    break
+                msg = imp.receive(timeout=120, tag=tag)
+                continue
             t0 = time.perf_counter()
             if mode in ("verify", "full"):
                 imp.verify(msg, "sampled")
