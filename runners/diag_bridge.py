@@ -73,6 +73,7 @@ def consumer(address: str) -> None:
                 ev0.record()
                 imp.copy_out(msg, ranges_for(msg, dst, compiled), verify="sampled")
                 ev1.record()
+                ev1.synchronize()
                 t["copy_ms"] += (time.perf_counter() - t0) * 1e3
                 t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
                 t["buckets"] += 1
@@ -110,11 +111,12 @@ def consumer(address: str) -> None:
         print(json.dumps(t), file=out, flush=True)
     # the copies alone, local buffer -> local tensors, same entries
     if dst:
-        buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        size = max(1 << 30, max(d.numel() * d.element_size() for d in dst.values()))
+        buf = torch.empty(size, dtype=torch.uint8, device="cuda")
         pairs = []
         for (name, part), d in dst.items():
             n = d.numel() * d.element_size()
-            off = (len(pairs) * 4096) % ((1 << 30) - n) if n < (1 << 30) else 0
+            off = (len(pairs) * 4096) % (size - n) if n < size else 0
             pairs.append((d, buf[off:off + n].view(d.dtype).view(d.shape)))
         ms = []
         for _ in range(4):

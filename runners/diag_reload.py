@@ -7,10 +7,12 @@ Each measurement starts from fresh memory and reports every repetition, so a war
   raw_torch_pinned   one 4 GiB H2D copy from a fresh torch pin_memory buffer, repeated
   raw_pool_block     the same from a fresh colomem pool block (mmap + pre-fault + cudaHostRegister)
   raw_fresh_device   pool block -> a device buffer allocated anew (after empty_cache) for every copy
+  raw_grown_device   the same into fresh device memory that nothing freed just before
   set_release        the 7B-shaped set: offload, reload, cycle after cycle (release=True, the default)
   set_keep           the same with release=False (the device memory stays with torch's allocator)
   set_after_pause    a fresh pool left idle 5 s before its first cycle (time-based warm-up?)
   set_warmed         a fresh pool whose pages the GPU read once at creation (warm_pool) before cycling
+  set_gap            release=True with 0.5 s between offload and reload (does the driver finish something?)
 Every set cycle also re-measures the raw H2D of a 4 GiB pinned buffer just before it (the ceiling then).
 Writes DIR/diag_reload.json and prints a table of ratios to that ceiling.
 """
@@ -57,6 +59,13 @@ def raw_series(reps: int) -> dict:
         fresh.append(h2d_ms(d, src))
         del d
     out["raw_fresh_device"] = fresh
+    kept, grown = [], []
+    for _ in range(3):  # fresh device memory that nothing freed just before (the allocator grows)
+        d = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
+        grown.append(h2d_ms(d, src))
+        kept.append(d)
+    out["raw_grown_device"] = grown
+    del kept
     del src
     blk.release()
     pool.close()
@@ -80,7 +89,7 @@ def warm_pool(pool: colomem.PinnedPool, chunk: int = 256 << 20) -> None:
 
 
 def set_series(tensors: dict, cycles: int, ceiling, *, release: bool = True, pause_s: float = 0.0,
-               warm: bool = False) -> dict:
+               warm: bool = False, gap_s: float = 0.0) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     t0 = time.perf_counter()
     pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
@@ -97,6 +106,8 @@ def set_series(tensors: dict, cycles: int, ceiling, *, release: bool = True, pau
     for _ in range(cycles):
         peak_ms = ceiling()
         off = s.offload(timing=True)
+        if gap_s:
+            time.sleep(gap_s)
         inn = s.reload(timing=True)
         rows.append({"offload_ms": off.device_ms, "reload_ms": inn.device_ms, "alloc_ms": inn.alloc_ms,
                      "ceiling_ms": peak_ms})
@@ -125,14 +136,14 @@ def main(argv=None) -> int:
         return h2d_ms(dev, host)
 
     for name, kw in (("set_release", {}), ("set_keep", {"release": False}), ("set_after_pause", {"pause_s": 5.0}),
-                     ("set_warmed", {"warm": True})):
+                     ("set_warmed", {"warm": True}), ("set_gap", {"gap_s": 0.5})):
         print(f"[diag_reload] {name}", flush=True)
         res[name] = set_series(tensors, a.cycles, ceiling, **kw)
     with open(os.path.join(a.out, "diag_reload.json"), "w") as f:
         json.dump(res, f, indent=1)
-    for k in ("raw_torch_pinned", "raw_pool_block", "raw_fresh_device"):
+    for k in ("raw_torch_pinned", "raw_pool_block", "raw_fresh_device", "raw_grown_device"):
         print(f"{k:18} ms per rep: " + " ".join(f"{v:6.1f}" for v in res[k]))
-    for k in ("set_release", "set_keep", "set_after_pause", "set_warmed"):
+    for k in ("set_release", "set_keep", "set_after_pause", "set_warmed", "set_gap"):
         r = res[k]
         extra = f" (warm {r['warm_s']:.2f} s)" if r["warm_s"] is not None else ""
         print(f"{k:18} reload/ceiling per cycle: " + " ".join(f"{v:.3f}" for v in r["reload_vs_ceiling"]) + extra)
