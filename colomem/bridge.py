@@ -232,6 +232,7 @@ class WeightBridge:
                                         name="colomem-bridge-accept", daemon=True)
         self._thread.start()
         self.last_stats: Optional[BridgeStats] = None
+        self.last_reports: list = []  # sync(send=None): each importer's report with its last ACK
 
     # -- properties ----------------------------------------------------------------------------------------
     @property
@@ -420,6 +421,7 @@ class WeightBridge:
         """
         timeout = self.timeout if timeout is None else float(timeout)
         conns: list = []
+        self.last_reports = []
         if send is None:
             self.wait_for_importers(1, timeout)
             with self._lock:
@@ -433,12 +435,16 @@ class WeightBridge:
                 payload = _encode("bucket", tag=tag, **d)
                 for c in conns:
                     self._guard(c, lambda: c.send(payload, [], timeout))
+                replies = []
                 for c in conns:
                     reply = self._reply(c, tag, timeout)
                     if reply.get("kind") != "ack":
                         raise PeerError(f"importer process {c.peer_pid} answered {reply.get('kind')!r} to bucket "
                                         f"{msg.seq}, expected an ack")
                     _check_ack(reply, msg, f"importer process {c.peer_pid}")
+                    replies.append(reply.get("report"))
+                if msg.last:
+                    self.last_reports = replies
         except BaseException as exc:
             # Importers waiting for the next bucket learn at once that this version will not come.
             self._abort(conns, version, tag, f"{type(exc).__name__}: {exc}")
@@ -788,9 +794,10 @@ class BridgeImporter:
         return d
 
     def ack(self, msg: Union[dict, BucketMessage], ok: bool = True, error: Optional[str] = None,
-            timeout: Optional[float] = None) -> None:
+            timeout: Optional[float] = None, report: Optional[dict] = None) -> None:
         """Tells the producer (socket transport) it may refill the message's buffer. Waits for the current
-        stream first, so copies still queued out of the buffer finish before the refill."""
+        stream first, so copies still queued out of the buffer finish before the refill. report: a small
+        JSON-able dict the producer finds in WeightBridge.last_reports (e.g. what the last bucket completed)."""
         self._check_open()
         timeout = self.timeout if timeout is None else float(timeout)
         if isinstance(msg, dict):   # the fields it needs, without parsing every entry again
@@ -798,18 +805,19 @@ class BridgeImporter:
         else:
             version, seq, tag = msg.version, msg.seq, None
         _wait_current_stream(self.device, timeout, f"copies out of bucket {seq}")
-        self._conn.send(_encode("ack", ok=bool(ok), version=version, seq=seq, error=error, tag=tag), [],
-                        timeout)
+        self._conn.send(_encode("ack", ok=bool(ok), version=version, seq=seq, error=error, tag=tag, report=report),
+                        [], timeout)
 
     def messages(self, timeout: Optional[float] = None, tag: Optional[str] = None) -> Iterator[dict]:
         """Receives the messages of one version over the socket, until its last. Each is ACKed when the loop
         body is done with it (the generator resumes); leaving the loop early (an exception, a break) refuses
         it instead. To send the producer your own error text, call ack(msg, ok=False, error=...) yourself.
+        A dict sent into the generator (gen.send(report)) travels with that message's ACK (see ack()).
         tag: as in receive()."""
         while True:
             msg = self.receive(timeout, tag)
             try:
-                yield msg
+                report = yield msg
             except BaseException as exc:
                 why = ("the consumer stopped inside its loop (an error in its body, or a break)"
                        if isinstance(exc, GeneratorExit) else f"{type(exc).__name__}: {exc}")
@@ -818,7 +826,7 @@ class BridgeImporter:
                 except ColomemError:
                     pass
                 raise
-            self.ack(msg, timeout=timeout)
+            self.ack(msg, timeout=timeout, report=report)
             if msg.get("last"):
                 return
 

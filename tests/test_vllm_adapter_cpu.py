@@ -76,11 +76,11 @@ class FakeImporter:
             if kind == "abort":
                 raise PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
             try:
-                yield d
+                report = yield d
             except BaseException as exc:
                 outbox.put({"ok": False, "error": repr(exc), "tag": tag, "seq": d["seq"]})
                 raise
-            outbox.put({"ok": True, "tag": tag, "seq": d["seq"], "version": d["version"]})
+            outbox.put({"ok": True, "tag": tag, "seq": d["seq"], "version": d["version"], "report": report})
             if d["last"]:
                 return
 
@@ -119,6 +119,7 @@ class FakeBridge:
         assert send is None
         outbox, inbox = CHANNELS[self.address]
         n = 0
+        self.last_reports = []
         try:
             for msg in self.publish(items, version):
                 outbox.put(("bucket", {**msg.to_dict(), "tag": tag}))
@@ -129,6 +130,8 @@ class FakeBridge:
                     raise TransferTimeoutError("no ack in time") from None
                 if not ack["ok"]:
                     raise PeerError(f"importer refused bucket {msg.seq}: {ack['error']}")
+                if msg.last:
+                    self.last_reports = [ack.get("report")]
         except BaseException as exc:
             outbox.put(("abort", {"version": version, "tag": tag, "error": repr(exc)}))
             raise
@@ -382,6 +385,28 @@ def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
     r.check(reference=w.items())
     with pytest.raises(WeightCheckError, match="differ"):
         r.check(reference=trainer_weights(2).items())
+    r.close()
+
+
+def test_socket_sync_returns_on_the_last_ack_and_the_next_call_collects_the_rpc():
+    r = make()
+    w = trainer_weights(1)
+    stats = r.load_weights(w.items(), version=1)
+    assert stats.complete is True and stats.replayed_tensors == 0 and r._receiving is not None
+    assert r.generate([[1, 2]], n=1, max_new_tokens=3) and r._receiving is None   # collected first
+
+    # the worker's RPC ends with an error after its last ACK: the next engine call raises it
+    original = r._worker.colomem_receive
+
+    def failing(*a, **k):
+        original(*a, **k)
+        return {"error": "PeerError", "message": "PeerError: failed after the last ACK"}
+
+    r._worker.colomem_receive = failing
+    r.load_weights(trainer_weights(2).items(), version=2)
+    with pytest.raises(PeerError, match="after the last ACK"):
+        r.generate([[1, 2]], n=1, max_new_tokens=3)
+    assert r._receiving is None
     r.close()
 
 

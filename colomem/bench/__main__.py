@@ -36,6 +36,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-reload-variants", dest="reload_variants", action="store_false",
                     help="skip timing the reload with other chunk and small-copy sizes")
     ap.add_argument("--skip-slow-baselines", action="store_true", help="skip .cpu() and per-tensor pinning")
+    ap.add_argument("--gap-s", type=float, default=0.5,
+                    help="also time cycles with this pause between offload and reload, in a fresh pool (0: skip)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke run)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
@@ -68,8 +70,12 @@ def run_gpu(a) -> dict:
         log(f"set {key}: {len(shape.tensors())} tensors, {shape.nbytes() / GB:.2f} GB")
         tensors = transfer.make_set(shape, "cuda")
         r = {"colomem": transfer.colomem_swaps(tensors, a.reps)}
-        if not (r["colomem"]["correct_after_first_cycle"] and r["colomem"]["correct_after_all_cycles"]):
-            raise SystemExit(f"set {key}: bytes changed across offload/reload; refusing to report timings")
+        if a.gap_s > 0:
+            log(f"  again with {a.gap_s:g} s between offload and reload (the other engine's phase)")
+            r["colomem_gap"] = transfer.colomem_swaps(tensors, a.reps, gap_s=a.gap_s)
+        for run in (r["colomem"], r.get("colomem_gap")):
+            if run and not (run["correct_after_first_cycle"] and run["correct_after_all_cycles"]):
+                raise SystemExit(f"set {key}: bytes changed across offload/reload; refusing to report timings")
         log(f"  colomem offload {r['colomem']['offload_gbps']:.1f} GB/s, reload {r['colomem']['reload_gbps']:.1f} GB/s")
         if a.reload_variants and not a.quick:
             log("  reload with other chunk / small-copy sizes")
@@ -94,13 +100,17 @@ def headline(res: dict) -> dict:
         return {}
     key = "7b" if "7b" in res["sets"] else next(iter(res["sets"]))
     s, p = res["sets"][key], res["peak"]
-    c = s["colomem"]
+    c, g = s["colomem"], s.get("colomem_gap")
     return {
         "headline_set": key,
         "offload_vs_peak": c["offload_gbps"] / p["d2h"]["gbps"],
         "reload_vs_peak": c["reload_gbps"] / p["h2d"]["gbps"],
         "offload_vs_peak_first_cycle": c["offload_gbps_first"] / p["d2h"]["gbps"],
         "reload_vs_peak_first_cycle": c["reload_gbps_first"] / p["h2d"]["gbps"],
+        **({"reload_vs_peak_gap": g["reload_gbps"] / p["h2d"]["gbps"],
+            "reload_vs_peak_first_cycle_gap": g["reload_gbps_first"] / p["h2d"]["gbps"],
+            "offload_vs_peak_first_cycle_gap": g["offload_gbps_first"] / p["d2h"]["gbps"], "gap_s": g["gap_s"]}
+           if g else {}),
         "offload_wall_vs_peak": c["offload_wall_gbps"] / p["d2h"]["gbps"],
         "reload_wall_vs_peak": c["reload_wall_gbps"] / p["h2d"]["gbps"],
         "bidir_vs_peak": s["bidir"]["gbps"] / p["bidir"]["gbps"],
@@ -128,6 +138,10 @@ def table(res: dict) -> str:
                  (f"{key} colomem reload", c["reload_gbps"], c["reload_gbps"] / p["h2d"]["gbps"]),
                  (f"{key} colomem reload (1st cycle)", c["reload_gbps_first"], c["reload_gbps_first"] / p["h2d"]["gbps"]),
                  (f"{key} colomem reload (wall)", c["reload_wall_gbps"], c["reload_wall_gbps"] / p["h2d"]["gbps"]),
+                 *([(f"{key} colomem reload, {g['gap_s']:g} s after offload", g["reload_gbps"],
+                     g["reload_gbps"] / p["h2d"]["gbps"]),
+                    (f"{key} colomem reload, {g['gap_s']:g} s after offload (1st cycle)", g["reload_gbps_first"],
+                     g["reload_gbps_first"] / p["h2d"]["gbps"])] if (g := s.get("colomem_gap")) else []),
                  (f"{key} colomem bidirectional", s["bidir"]["gbps"], s["bidir"]["gbps"] / p["bidir"]["gbps"])]
         if "wall_gbps" in s["bidir"]:
             rows.append((f"{key} colomem bidirectional (wall, incl. {s['bidir']['alloc_ms_median']:.0f} ms alloc)",

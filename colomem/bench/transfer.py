@@ -125,15 +125,20 @@ def torch_baselines(tensors: dict[str, torch.Tensor], slow_reps: int, fast_reps:
     return res
 
 
-def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int) -> dict:
-    """Offload/reload of the set through a pool made for it, the first cycle after pool creation reported."""
+def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.0) -> dict:
+    """Offload/reload of the set through a pool made for it, the first cycle after pool creation reported.
+
+    gap_s: seconds between each offload and its reload (in a colocated step the other engine's phase runs
+    there). Back to back (0), the reload lands in memory the driver took back milliseconds earlier, and
+    copies into it run up to ~10 % slower for a while (benchmarks/diag/diag_reload.json)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     before = fingerprint(tensors)
+    torch.cuda.empty_cache()  # what earlier code left cached must not count as freed by the offload
     t0 = time.perf_counter()
     pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
     pool_s = time.perf_counter() - t0
     s = colomem.SwapSet.from_tensors(tensors, pool, name="bench")
-    res = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "cycles": []}
+    res = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "gap_s": gap_s, "cycles": []}
     free_resident = torch.cuda.mem_get_info()[0]
     for i in range(reps + 1):
         torch.cuda.synchronize()
@@ -141,6 +146,8 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int) -> dict:
         out = s.offload(timing=True)
         off_wall = time.perf_counter() - t0
         freed = torch.cuda.mem_get_info()[0] - free_resident
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         inn = s.reload(timing=True)
         torch.cuda.synchronize()

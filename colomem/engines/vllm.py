@@ -50,7 +50,8 @@ import torch
 
 from colomem._bucket import dtype_name
 from colomem.engines import SyncStats
-from colomem.engines.vllm_worker import hashed_pick, raise_if_error, tensor_checksum
+from colomem.engines.vllm_worker import (checksum_parts, finish_checksums, hashed_pick, raise_if_error,
+                                         tensor_checksum)
 from colomem.errors import (
     ColomemError,
     CudaOutOfMemoryError,
@@ -218,6 +219,7 @@ class VLLMRollout:
         self.sync_transport = sync_transport
         self.fast_load = bool(fast_load)
         self._syncs = 0
+        self._receiving = None  # the colomem_receive RPC of a finished sync, collected by the next engine call
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.generate_timeout_s = float(generate_timeout_s)
         self.wake_timeout_s = float(wake_timeout_s)
@@ -334,12 +336,21 @@ class VLLMRollout:
         """Queues an engine call without waiting for it (collect it with _await)."""
         if self._phase == CLOSED:
             raise PoolClosedError(f"VLLMRollout is closed; cannot {what}")
+        self._collect_receive()
         if self._broken:
             raise PeerError(f"the vLLM engine is unusable ({self._broken}); close() it and start a new one")
         if self._engine_dead():
             self._broken = "engine process died"
             raise PeerError(f"vLLM's engine process died before {what}; close() and start a new VLLMRollout")
         return self._calls.submit(fn)
+
+    def _collect_receive(self) -> None:
+        """Waits for the RPC of the last socket sync (its report came with the last ACK, so load_weights did
+        not wait for it); an error it ended with is raised here, before the next engine call."""
+        fut, self._receiving = self._receiving, None
+        if fut is not None:
+            for r in self._await(fut, self.rpc_timeout_s, "colomem_receive"):
+                raise_if_error(r, "colomem_receive")
 
     def _await(self, fut: concurrent.futures.Future, timeout: float, what: str):
         try:
@@ -630,24 +641,26 @@ class VLLMRollout:
         info = self._direct_names()
         stats = SyncStats(version=version)
         k = self.check_sample
+        pending: dict = {}
 
         def watched() -> Iterator:
             for name, t in items:
                 if not isinstance(t, torch.Tensor):
                     raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a tensor")
-                if len(sampled) < k and hashed_pick(name) and _same_layout(t, info.get(name)):
-                    sampled[name] = tensor_checksum(t)
+                if len(pending) < k and hashed_pick(name) and _same_layout(t, info.get(name)):
+                    pending[name] = checksum_parts(t)  # queued: no wait inside the pack pipeline
                 stats.ntensors += 1
                 stats.nbytes += t.numel() * t.element_size()
                 yield name, t
 
         t0 = time.perf_counter()
         if self.sync_transport == "socket":
-            acks = self._sync_over_socket(bridge, watched(), version)
+            acks = self._sync_over_socket(bridge, watched(), version, stats)
             stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
             stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
         else:
             acks = self._sync_per_bucket_rpc(bridge, watched(), version, stats)
+        sampled.update(finish_checksums(pending))
         stats.seconds = time.perf_counter() - t0
         if acks:
             flags = [a.get("complete") for a in acks]
@@ -658,15 +671,17 @@ class VLLMRollout:
             stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
         return stats
 
-    def _sync_over_socket(self, bridge, items: Iterator, version: int) -> list:
+    def _sync_over_socket(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         """One collective_rpc for the whole version: every worker receives the buckets over the bridge socket
         and ACKs each there, while this thread packs (the RPC runs on the engine-call thread)."""
         self._syncs += 1
         tag = f"{os.getpid()}.{version}.{self._syncs}"
         t = self.rpc_timeout_s
         fut = self._start(lambda: self._llm.collective_rpc("colomem_receive", args=(tag, t)), "colomem_receive")
+        t0 = time.perf_counter()
         try:
             bridge.sync(items, version=version, send=None, timeout=t, tag=tag)
+            stats.bridge_seconds = time.perf_counter() - t0
         except BaseException as exc:
             # The workers were told (an abort on the socket) or refused themselves: their RPC ends at once.
             # A worker's own error says more than "refused", so it is the one raised.
@@ -679,7 +694,16 @@ class VLLMRollout:
                 for r in results:
                     raise_if_error(r, "colomem_receive")
             raise
-        return [raise_if_error(r, "colomem_receive") for r in self._await(fut, t, "colomem_receive")]
+        reports = bridge.last_reports
+        if reports and all(isinstance(r, dict) and "total_tensors" in r for r in reports):
+            # Every worker's last ACK carried its report and came after its copies finished: the weights are
+            # in place. The RPC's return is collected by the next engine call (_collect_receive).
+            self._receiving = fut
+            return reports
+        t1 = time.perf_counter()
+        acks = [raise_if_error(r, "colomem_receive") for r in self._await(fut, t, "colomem_receive")]
+        stats.rpc_wait_seconds = time.perf_counter() - t1
+        return acks
 
     def _sync_per_bucket_rpc(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         acks: list = []
@@ -805,6 +829,12 @@ class VLLMRollout:
             return
         timeout = self.shutdown_timeout_s if timeout is None else float(timeout)
         pids = _with_children(self._pids)
+        fut, self._receiving = self._receiving, None
+        if fut is not None and not self._broken:
+            try:
+                fut.result(timeout=min(10.0, timeout))
+            except Exception as exc:  # noqa: BLE001 - closing goes on
+                log.warning("the last colomem_receive ended with %s", exc)
         try:
             if self._bridge is not None and not self._broken:
                 try:

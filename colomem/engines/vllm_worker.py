@@ -48,17 +48,15 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
         return flat.clone().view(torch.uint8)
 
 
-def tensor_checksum(t: torch.Tensor, sample_words: int = CHECKSUM_SAMPLE_WORDS) -> int:
-    """A position-weighted sum of up to `sample_words` evenly spaced 32-bit words of the tensor's bytes.
-
-    Integer arithmetic only, so the trainer process and vLLM's worker get the same number for the same
-    bytes whatever the reduction order. It samples: equal checksums do not prove equal tensors, but weights
-    that were never restored, zeroed, or loaded into the wrong place differ.
-    """
+def checksum_parts(t: torch.Tensor, sample_words: int = CHECKSUM_SAMPLE_WORDS) -> tuple:
+    """tensor_checksum without waiting for the device: (an int64 tensor [acc, tail] on t's device, byte
+    count), queued on the current stream; finish_checksum turns it into the number. Many of them cost one
+    device-to-host copy (finish_checksums) instead of a wait each."""
     b = _byte_view(t)
     n = b.numel()
     nw = n // 4
-    acc = 0
+    zero = torch.zeros((), dtype=torch.int64, device=b.device)
+    acc = zero
     if nw:
         w = b[: nw * 4]
         try:
@@ -68,9 +66,33 @@ def tensor_checksum(t: torch.Tensor, sample_words: int = CHECKSUM_SAMPLE_WORDS) 
         step = max(1, -(-nw // max(1, sample_words)))
         s = w[::step].to(torch.int64)
         pos = torch.arange(1, s.numel() + 1, device=s.device, dtype=torch.int64)
-        acc = int((s * pos).sum().item())  # |s| < 2**31, pos <= 2**16 per default: no int64 overflow
-    tail = int(b[nw * 4:].to(torch.int64).sum().item()) if n % 4 else 0
+        acc = (s * pos).sum()  # |s| < 2**31, pos <= 2**16 per default: no int64 overflow
+    tail = b[nw * 4:].to(torch.int64).sum() if n % 4 else zero
+    return torch.stack([acc, tail]), n
+
+
+def finish_checksum(parts, n: int) -> int:
+    acc, tail = (int(v) for v in parts)
     return (acc * 1_000_003 + tail * 31 + n) & ((1 << 63) - 1)
+
+
+def finish_checksums(pending: dict) -> dict:
+    """{name: checksum} from {name: checksum_parts(...)}, with one copy to the host."""
+    if not pending:
+        return {}
+    values = torch.stack([p for p, _ in pending.values()]).cpu().tolist()
+    return {name: finish_checksum(v, n) for (name, (_, n)), v in zip(pending.items(), values)}
+
+
+def tensor_checksum(t: torch.Tensor, sample_words: int = CHECKSUM_SAMPLE_WORDS) -> int:
+    """A position-weighted sum of up to `sample_words` evenly spaced 32-bit words of the tensor's bytes.
+
+    Integer arithmetic only, so the trainer process and vLLM's worker get the same number for the same
+    bytes whatever the reduction order. It samples: equal checksums do not prove equal tensors, but weights
+    that were never restored, zeroed, or loaded into the wrong place differ.
+    """
+    parts, n = checksum_parts(t, sample_words)
+    return finish_checksum(parts.tolist(), n)
 
 
 def spread_sample(names: Iterable[str], k: int) -> list[str]:
@@ -295,12 +317,16 @@ class ColomemWorkerExtension:
             raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
         ack: dict = {}
         messages = st.importer.messages(float(timeout), tag)
-        for msg in messages:
+        msg = next(messages)
+        while True:
             try:
                 ack = self._colomem_apply(msg)
             except BaseException as exc:
                 messages.throw(exc)  # refuses the bucket with this error's text, then raises it here
-        return ack
+            try:  # the last bucket's ACK carries the version's report: the trainer need not wait for this RPC
+                msg = messages.send(ack if msg.get("last") else None)
+            except StopIteration:
+                return ack
 
     def _colomem_apply(self, msg: dict) -> dict:
         st = self._colomem()
@@ -334,7 +360,8 @@ class ColomemWorkerExtension:
                 self._colomem_layerwise_end()
             ack.update(self._colomem_coverage(sync))
             params = dict(model.named_parameters())
-            ack["snapshot"] = {n: tensor_checksum(params[n]) for n in spread_sample(params, st.snapshot_k)}
+            ack["snapshot"] = finish_checksums({n: checksum_parts(params[n])
+                                                for n in spread_sample(params, st.snapshot_k)})
             ack.update(total_tensors=sync.ntensors, total_bytes=sync.nbytes, total_apply_ms=sync.apply_s * 1e3,
                        replayed_tensors=sync.replayed)
             if st.plan is not None:
@@ -427,7 +454,7 @@ class ColomemWorkerExtension:
         unknown = [n for n in names if n not in params]
         if unknown:
             raise InvalidArgumentError(f"no parameter named {unknown[:4]} in the vLLM model")
-        return {"checksums": {n: tensor_checksum(params[n], sample_words) for n in names}}
+        return {"checksums": finish_checksums({n: checksum_parts(params[n], sample_words) for n in names})}
 
     # -- pool backup (weights_backup="pool") ---------------------------------------------------------------
     def _colomem_pool(self, need: int):
@@ -623,4 +650,5 @@ def _cudart():
     return libcudart
 
 
-__all__ = ["ColomemWorkerExtension", "raise_if_error", "spread_sample", "tensor_checksum", "hashed_pick"]
+__all__ = ["ColomemWorkerExtension", "checksum_parts", "finish_checksums", "hashed_pick", "raise_if_error",
+           "spread_sample", "tensor_checksum"]

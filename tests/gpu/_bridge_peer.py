@@ -68,7 +68,9 @@ def consumer(address: str, versions: int, hold_s: float) -> None:
     for v in range(versions):
         want = dict(named_tensors(v, imp.device))
         got, held, nmsg = {}, 0, 0
-        for msg in imp.messages(timeout=60):
+        messages = imp.messages(timeout=60)
+        msg = next(messages)
+        while True:
             nmsg += 1
             # A comprehension, not a for-loop: a loop variable would keep the last view of the buffer alive
             # after the loop (and count in live_views at close).
@@ -78,6 +80,10 @@ def consumer(address: str, versions: int, hold_s: float) -> None:
                 time.sleep(hold_s)  # the producer packs the next buckets meanwhile
                 imp.verify(msg, "full")
                 held += 1
+            try:  # the last ACK carries a report to the producer (WeightBridge.last_reports)
+                msg = messages.send({"version": v, "messages": nmsg} if msg["last"] else None)
+            except StopIteration:
+                break
         bad = sorted(n for n in want if n not in got or not same_bytes(got[n], want[n].contiguous()))
         emit(event="version", version=v, ok=not bad and set(got) == set(want), bad=bad, ntensors=len(got),
              messages=nmsg, held=held, applied=imp.version)

@@ -272,6 +272,7 @@ def test_two_processes_byte_exact_over_versions(peer):
             assert ev["event"] == "version" and ev["version"] == v
             assert ev["ok"], ev["bad"]
             assert ev["messages"] == stats.messages and ev["applied"] == v and ev["held"] >= 2
+            assert bridge.last_reports == [{"version": v, "messages": stats.messages}]
         assert next_event(child) == {"event": "closed", "live_views": 0}
         finish(child)
     finally:
