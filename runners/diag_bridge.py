@@ -49,6 +49,42 @@ def ranges_for(msg: dict, dst: dict, compiled: dict) -> torch.Tensor:
     return compiled[key]
 
 
+def apply_ranges(imp, msg: dict, dst: dict, compiled: dict, t: dict) -> None:
+    """verify + copies as raw ranges (BridgeImporter.copy_out), timed."""
+    t0 = time.perf_counter()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    imp.copy_out(msg, ranges_for(msg, dst, compiled), verify="sampled")
+    ev1.record()
+    ev1.synchronize()
+    t["copy_ms"] += (time.perf_counter() - t0) * 1e3
+    t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
+
+
+def apply_views(imp, msg: dict, mode: str, dst: dict, t: dict) -> None:
+    """The mode's share of the work through views of the bucket's entries, timed."""
+    t0 = time.perf_counter()
+    if mode in ("verify", "full"):
+        imp.verify(msg, "sampled")
+    t1 = time.perf_counter()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    for e, view in imp.entries(msg, verify="none"):
+        if mode in ("copy", "full"):
+            d = dst.get((e.name, e.part))
+            if d is None:
+                d = dst[(e.name, e.part)] = torch.empty_like(view)
+            d.copy_(view, non_blocking=True)
+    ev1.record()
+    t2 = time.perf_counter()
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    t["verify_ms"] += (t1 - t0) * 1e3
+    t["copy_ms"] += (t2 - t1) * 1e3
+    t["wait_ms"] += (t3 - t2) * 1e3
+    t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
+
+
 def consumer(address: str) -> None:
     from colomem.bridge import BridgeImporter
 
@@ -68,46 +104,14 @@ def consumer(address: str) -> None:
         msg = first
         while True:
             if mode == "ranges":
-                t0 = time.perf_counter()
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev0.record()
-                imp.copy_out(msg, ranges_for(msg, dst, compiled), verify="sampled")
-                ev1.record()
-                ev1.synchronize()
-                t["copy_ms"] += (time.perf_counter() - t0) * 1e3
-                t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
-                t["buckets"] += 1
-                imp.ack(msg)
-                if msg.get("last"):
-                    break
-                msg = imp.receive(timeout=120, tag=tag)
-                continue
-            t0 = time.perf_counter()
-            if mode in ("verify", "full"):
-                imp.verify(msg, "sampled")
-            t1 = time.perf_counter()
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            parts = imp.entries(msg, verify="none")
-            for e, view in parts:
-                if mode in ("copy", "full"):
-                    d = dst.get((e.name, e.part))
-                    if d is None:
-                        d = dst[(e.name, e.part)] = torch.empty_like(view)
-                    d.copy_(view, non_blocking=True)
-            ev1.record()
-            t2 = time.perf_counter()
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            t["verify_ms"] += (t1 - t0) * 1e3
-            t["copy_ms"] += (t2 - t1) * 1e3
-            t["wait_ms"] += (t3 - t2) * 1e3
-            t["gpu_copy_ms"] += ev0.elapsed_time(ev1)
+                apply_ranges(imp, msg, dst, compiled, t)
+            else:
+                apply_views(imp, msg, mode, dst, t)
             t["buckets"] += 1
             imp.ack(msg)
             if msg.get("last"):
                 break
-            msg = imp.receive(timeout=60, tag=tag)
+            msg = imp.receive(timeout=120, tag=tag)
         print(json.dumps(t), file=out, flush=True)
     # the copies alone, local buffer -> local tensors, same entries
     if dst:
