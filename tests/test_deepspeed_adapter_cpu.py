@@ -113,8 +113,11 @@ def test_bad_arguments_raise_naming_the_argument(change, words):
 
 
 def test_model_dir_checks(tmp_path):
-    with pytest.raises(InvalidArgumentError, match="not a directory"):
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
         dsa._check_model_dir(tmp_path / "missing")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(InvalidArgumentError, match="not a directory"):
+        dsa._check_model_dir(tmp_path / "weights.bin")
     with pytest.raises(InvalidArgumentError, match="no config.json"):
         dsa._check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("{}")

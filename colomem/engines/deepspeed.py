@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from colomem._bucket import dtype_name
+from colomem._checkpoint import checkpoint_problem
 from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
                             PhaseOrderError)
 
@@ -1254,13 +1255,9 @@ def _weakref_or_none(obj):
 
 
 def _check_model_dir(model_path) -> None:
-    p = Path(str(model_path)).expanduser()
-    if not p.is_dir():
-        raise InvalidArgumentError(f"model path {str(p)!r} is not a directory; pass a local checkpoint directory "
-                                   "(save_pretrained output; nothing is downloaded)")
-    if not (p / "config.json").is_file():
-        raise InvalidArgumentError(f"model path {str(p)!r} has no config.json; pass the directory that "
-                                   "save_pretrained wrote")
+    problem = checkpoint_problem(model_path)
+    if problem:
+        raise InvalidArgumentError(problem)
 
 
 def _lora_layer_class():

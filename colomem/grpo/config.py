@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from colomem._checkpoint import checkpoint_problem
 from colomem.errors import InvalidArgumentError
 from colomem.units import parse_bytes
 
@@ -126,14 +127,10 @@ class RunConfig(_Strict):
     def _model_exists(cls, v):
         if v is None:
             return v
-        p = Path(v).expanduser()
-        if not p.exists():
-            raise ValueError(f"model path {str(p)!r} does not exist; pass a local checkpoint directory "
-                             "(nothing is downloaded) or leave --model unset for the config-built model")
-        if not (p / "config.json").is_file():
-            raise ValueError(f"model path {str(p)!r} has no config.json; pass the directory that "
-                             "save_pretrained wrote")
-        return str(p.resolve())
+        problem = checkpoint_problem(v)
+        if problem:
+            raise ValueError(problem + " (or leave --model unset for the config-built model)")
+        return str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
     def _cross(self):
