@@ -182,6 +182,14 @@ def check_new_bytes_arrive(r, items, sync) -> None:
                 t.neg_()
 
 
+def bench_rpc(r, res) -> None:
+    """One collective_rpc round trip that does nothing: the floor under every sync through vLLM."""
+    seconds = timed_syncs(lambda: r.rpc("colomem_ping"), 2, 10)
+    res["rpc_roundtrip_ms"] = {"ms_median": round(statistics.median(seconds) * 1e3, 3),
+                               "ms_min": round(min(seconds) * 1e3, 3), "reps": len(seconds)}
+    log(f"rpc round trip: {res['rpc_roundtrip_ms']}")
+
+
 def bench_bridge(r, items, nbytes, a, d2d, res):
     from colomem.units import parse_bytes
 
@@ -330,7 +338,8 @@ def run_size(size: str, a, path: str) -> dict:
                         llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
         res["engine_start_s"] = round(time.perf_counter() - t, 1)
         log(f"{size}: engine up in {res['engine_start_s']} s; {nbytes / GiB:.2f} GiB of weights, {len(items)} tensors")
-        sections = [("bridge", lambda: bench_bridge(r, items, nbytes, a, d2d, res)),
+        sections = [("rpc", lambda: bench_rpc(r, res)),
+                    ("bridge", lambda: bench_bridge(r, items, nbytes, a, d2d, res)),
                     ("torch_ipc", lambda: bench_torch_ipc(r, items, nbytes, a, d2d, res)),
                     ("sleep_wake", lambda: bench_sleep_wake(r, items, nbytes, a, res)),
                     ("reload", lambda: bench_reload(r, items, nbytes, d, a, d2d, res))]

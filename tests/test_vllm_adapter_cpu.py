@@ -709,3 +709,9 @@ def test_worker_maps_the_bridge_on_its_own_gpu_by_uuid():
         assert w.colomem_attach({})["error"] == "InvalidArgumentError"
     finally:
         bridge.close()
+
+
+def test_ping_is_a_round_trip_that_does_nothing():
+    r = make()
+    assert r.rpc("colomem_ping") == [{"pid": os.getpid()}]
+    r.close()

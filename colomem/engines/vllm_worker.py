@@ -293,6 +293,11 @@ class ColomemWorkerExtension:
                 st.importer = None
 
     @_rpc
+    def colomem_ping(self) -> dict:
+        """Does nothing: what one collective_rpc round trip costs (runners/bench_sync.py times it)."""
+        return {"pid": os.getpid()}
+
+    @_rpc
     def colomem_detach(self) -> dict:
         st = self._colomem()
         self._colomem_drop_importer(st)
