@@ -785,10 +785,14 @@ class BridgeImporter:
             log.debug("weight bridge: skipping a %s message of an earlier sync", d.get("kind"))
         kind = d.pop("kind")
         if kind == "closed":
-            raise PeerError(f"exporter process {self.producer_pid} closed the weight bridge")
+            exc = PeerError(f"exporter process {self.producer_pid} closed the weight bridge")
+            exc.kind = "closed"
+            raise exc
         if kind == "abort":
-            raise PeerError(f"exporter process {self.producer_pid} abandoned version {d.get('version')}: "
+            exc = PeerError(f"exporter process {self.producer_pid} abandoned version {d.get('version')}: "
                             f"{d.get('error', 'no reason given')}")
+            exc.kind = "abort"  # this version only: the connection stays usable
+            raise exc
         if kind != "bucket":
             raise PeerError(f"exporter process {self.producer_pid} sent an unexpected {kind!r} message")
         return d
@@ -808,14 +812,15 @@ class BridgeImporter:
         self._conn.send(_encode("ack", ok=bool(ok), version=version, seq=seq, error=error, tag=tag, report=report),
                         [], timeout)
 
-    def messages(self, timeout: Optional[float] = None, tag: Optional[str] = None) -> Iterator[dict]:
+    def messages(self, timeout: Optional[float] = None, tag: Optional[str] = None,
+                 first: Optional[dict] = None) -> Iterator[dict]:
         """Receives the messages of one version over the socket, until its last. Each is ACKed when the loop
         body is done with it (the generator resumes); leaving the loop early (an exception, a break) refuses
         it instead. To send the producer your own error text, call ack(msg, ok=False, error=...) yourself.
         A dict sent into the generator (gen.send(report)) travels with that message's ACK (see ack()).
-        tag: as in receive()."""
+        tag: as in receive(). first: a message already received (it is yielded first)."""
         while True:
-            msg = self.receive(timeout, tag)
+            msg, first = (first, None) if first is not None else (self.receive(timeout, tag), None)
             try:
                 report = yield msg
             except BaseException as exc:

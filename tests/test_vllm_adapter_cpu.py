@@ -64,17 +64,29 @@ class FakeImporter:
             if out is not None:
                 yield out
 
-    def messages(self, timeout=None, tag=None):
-        inbox, outbox = CHANNELS[self.address]
+    def receive(self, timeout=None, tag=None):
+        inbox, _ = CHANNELS[self.address]
         while True:
             try:
                 kind, d = inbox.get(timeout=timeout)
             except queue.Empty:
                 raise TransferTimeoutError("no bucket in time") from None
+            if kind == "closed":
+                exc = PeerError("exporter closed the weight bridge")
+                exc.kind = "closed"
+                raise exc
             if tag is not None and d.get("tag") != tag:
                 continue
             if kind == "abort":
-                raise PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
+                exc = PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
+                exc.kind = "abort"
+                raise exc
+            return d
+
+    def messages(self, timeout=None, tag=None, first=None):
+        _, outbox = CHANNELS[self.address]
+        while True:
+            d, first = (first, None) if first is not None else (self.receive(timeout, tag), None)
             try:
                 report = yield d
             except BaseException as exc:
@@ -140,6 +152,8 @@ class FakeBridge:
 
     def close(self):
         self.closed = True
+        if self.address in CHANNELS:
+            CHANNELS[self.address][0].put(("closed", {}))
         BUFFERS.pop(self.address, None)
         CHANNELS.pop(self.address, None)
 
@@ -714,4 +728,54 @@ def test_worker_maps_the_bridge_on_its_own_gpu_by_uuid():
 def test_ping_is_a_round_trip_that_does_nothing():
     r = make()
     assert r.rpc("colomem_ping") == [{"pid": os.getpid()}]
+    r.close()
+
+
+
+def test_listener_transport_syncs_without_an_rpc_per_version():
+    r = make(sync_transport="listener")
+    m = model_of(r)
+    for version in (1, 2, 3):
+        w = trainer_weights(version)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(-1.0)
+        stats = r.load_weights(w.items(), version=version)
+        assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+        assert torch.equal(m.embed.detach(), w["embed"]) and torch.equal(m.norm.detach(), w["norm"])
+        assert stats.complete is True and stats.ntensors == 6 and stats.nbuckets >= 7
+        assert stats.replayed_tensors == (0 if version == 1 else 6)
+    assert r.llm.calls.count("colomem_listen") == 1 and "colomem_receive" not in r.llm.calls
+    st = r._worker._colomem()
+    assert st.listener.alive and st.listener.versions == 3
+    with pytest.raises(InvalidArgumentError, match="listener"):
+        r.rpc("colomem_receive", "tag", 1.0)
+    r.check(reference=w.items())
+    listener = st.listener
+    r.close()
+    assert not listener.alive and st.listener is None
+
+
+def test_listener_refusal_fails_the_sync_and_keeps_serving():
+    r = make(sync_transport="listener")
+    r.load_weights(trainer_weights(1).items(), version=1)
+    worker = r._worker
+    original = worker._colomem_apply
+
+    def broken(msg):
+        raise WeightCheckError("bucket looked wrong")
+
+    worker._colomem_apply = broken
+    with pytest.raises(PeerError, match="bucket looked wrong"):
+        r.load_weights(trainer_weights(2).items(), version=2)
+    worker._colomem_apply = original
+    w = trainer_weights(3)
+    r.load_weights(w.items(), version=3)
+    assert torch.equal(model_of(r).o_proj.detach(), w["o_proj"]) and worker._colomem().listener.alive
+    old = worker._colomem().listener
+    r.set_bucket_bytes(512)                  # a new bridge: the old listener stops, a new one starts
+    assert not old.alive
+    w = trainer_weights(4)
+    r.load_weights(w.items(), version=4)
+    assert torch.equal(model_of(r).norm.detach(), w["norm"]) and worker._colomem().listener is not old
     r.close()

@@ -189,9 +189,10 @@ class VLLMRollout:
             raise InvalidArgumentError(f"logprobs_mode must be 'processed_logprobs' (log-softmax of logits / "
                                        f"temperature, as the GRPO loss computes them) or 'raw_logprobs', "
                                        f"got {logprobs_mode!r}")
-        if sync_transport not in ("socket", "rpc"):
+        if sync_transport not in ("socket", "rpc", "listener"):
             raise InvalidArgumentError(f"sync_transport must be 'socket' (one RPC per sync, buckets announced "
-                                       f"over the bridge socket) or 'rpc' (one collective_rpc per bucket), "
+                                       f"over the bridge socket), 'listener' (a thread in vLLM's worker serves "
+                                       f"the socket: no RPC per sync) or 'rpc' (one collective_rpc per bucket), "
                                        f"got {sync_transport!r}")
         if int(bucket_buffers) < 1:
             raise InvalidArgumentError(f"bucket_buffers must be >= 1, got {bucket_buffers}")
@@ -607,6 +608,8 @@ class VLLMRollout:
             try:
                 self.rpc("colomem_attach", bridge.address, 30.0, self.verify, self.check_sample, self.fast_load,
                          timeout=max(60.0, self.rpc_timeout_s))
+                if self.sync_transport == "listener":
+                    self.rpc("colomem_listen", self.rpc_timeout_s)
             except BaseException:
                 bridge.close()
                 raise
@@ -654,7 +657,11 @@ class VLLMRollout:
                 yield name, t
 
         t0 = time.perf_counter()
-        if self.sync_transport == "socket":
+        if self.sync_transport == "listener":
+            acks = self._sync_to_listener(bridge, watched(), version, stats)
+            stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
+            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
+        elif self.sync_transport == "socket":
             acks = self._sync_over_socket(bridge, watched(), version, stats)
             stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
             stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
@@ -670,6 +677,21 @@ class VLLMRollout:
             snapshots.extend(dict(a.get("snapshot", {})) for a in acks)
             stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
         return stats
+
+    def _sync_to_listener(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
+        """No RPC: the worker's listener thread takes the buckets from the socket; its report comes with the
+        last ACK. A worker that refuses a bucket fails the sync with its error text (PeerError)."""
+        self._collect_receive()
+        self._syncs += 1
+        tag = f"{os.getpid()}.{version}.{self._syncs}"
+        t0 = time.perf_counter()
+        bridge.sync(items, version=version, send=None, timeout=self.rpc_timeout_s, tag=tag)
+        stats.bridge_seconds = time.perf_counter() - t0
+        reports = bridge.last_reports
+        if not reports or not all(isinstance(r, dict) and "total_tensors" in r for r in reports):
+            raise PeerError("the worker's bridge listener acknowledged the last bucket without its report; "
+                            "producer and worker colomem versions differ?")
+        return reports
 
     def _sync_over_socket(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         """One collective_rpc for the whole version: every worker receives the buckets over the bridge socket

@@ -15,7 +15,9 @@ Importing this module does not import vLLM; only the methods that need vLLM's in
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -29,8 +31,11 @@ from colomem.errors import (
     ColomemError,
     InvalidArgumentError,
     PeerError,
+    TransferTimeoutError,
     WeightCheckError,
 )
+
+log = logging.getLogger(__name__)
 
 # Words (4 bytes) read per tensor by tensor_checksum: enough to catch garbage, cheap on a 7B model.
 CHECKSUM_SAMPLE_WORDS = 1 << 16
@@ -180,6 +185,64 @@ class _WorkerState:
     sync: _SyncState = field(default_factory=_SyncState)
     backup: _PoolBackup = field(default_factory=_PoolBackup)
     last_ack: dict = field(default_factory=dict)
+    listener: Any = None                                 # _Listener while the bridge is served by a thread
+
+
+class _Listener:
+    """A daemon thread in vLLM's worker process that waits on the bridge socket and applies each version as
+    it arrives (sync_transport='listener'): the trainer's sync needs no collective_rpc, so it does not wait
+    for vLLM's engine process to deliver one. It polls a stop flag between versions; it ends when the
+    trainer closes the bridge or dies (the error is kept in `error`)."""
+
+    POLL_S = 0.2
+
+    def __init__(self, worker, st: "_WorkerState", bucket_timeout: float):
+        self._worker, self._st, self._timeout = worker, st, bucket_timeout
+        self._stop = threading.Event()
+        self.error: Optional[str] = None
+        self.versions = 0
+        self._thread = threading.Thread(target=self._run, name="colomem-bridge-listener", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the bridge listener did not stop within %.0f s (a version in flight?)", timeout)
+
+    def _run(self) -> None:
+        device = self._worker._colomem_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's copies go to the worker's GPU
+        imp = self._st.importer
+        while not self._stop.is_set():
+            try:
+                first = imp.receive(self.POLL_S)
+            except TransferTimeoutError:
+                continue
+            except PeerError as exc:
+                if getattr(exc, "kind", None) == "abort":
+                    continue  # a version abandoned before its first bucket came
+                if getattr(exc, "kind", None) != "closed":
+                    self.error = f"{type(exc).__name__}: {exc}"
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. the importer closed under us: stop, remember why
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
+            try:
+                self._worker._colomem_serve(imp.messages(self._timeout, first.get("tag"), first=first))
+                self.versions += 1
+            except Exception as exc:  # noqa: BLE001 - the trainer got the refusal; keep serving
+                log.warning("bridge listener: version %s failed: %s", first.get("version"), exc)
+                if getattr(exc, "kind", None) == "closed":
+                    return
 
 
 def _torch_device(worker) -> torch.device:
@@ -285,6 +348,9 @@ class ColomemWorkerExtension:
 
     @staticmethod
     def _colomem_drop_importer(st) -> None:
+        if st.listener is not None:
+            listener, st.listener = st.listener, None
+            listener.stop()
         st.plan = None
         if st.importer is not None:
             try:
@@ -309,6 +375,7 @@ class ColomemWorkerExtension:
         """Loads one bucket (the callable transport: one RPC per bucket). Returns the ACK only after the
         copies out of the buffer finished, so the trainer may refill it. The last bucket of a version also
         reports which parameters the version did not touch."""
+        self._colomem_no_listener(self._colomem(), "colomem_apply")
         return self._colomem_apply(msg)
 
     @_rpc
@@ -320,18 +387,42 @@ class ColomemWorkerExtension:
         st = self._colomem()
         if st.importer is None:
             raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        self._colomem_no_listener(st, "colomem_receive")
+        return self._colomem_serve(st.importer.messages(float(timeout), tag))
+
+    def _colomem_serve(self, messages) -> dict:
+        """Applies one version from a BridgeImporter.messages() generator; the last bucket's ACK carries the
+        version's report, which is also returned."""
         ack: dict = {}
-        messages = st.importer.messages(float(timeout), tag)
         msg = next(messages)
         while True:
             try:
                 ack = self._colomem_apply(msg)
             except BaseException as exc:
                 messages.throw(exc)  # refuses the bucket with this error's text, then raises it here
-            try:  # the last bucket's ACK carries the version's report: the trainer need not wait for this RPC
+            try:  # the last bucket's ACK carries the version's report: the trainer need not wait for an RPC
                 msg = messages.send(ack if msg.get("last") else None)
             except StopIteration:
                 return ack
+
+    @staticmethod
+    def _colomem_no_listener(st, what: str) -> None:
+        if st.listener is not None and st.listener.alive:
+            raise InvalidArgumentError(f"{what}: a listener thread serves this bridge (sync_transport="
+                                       f"'listener'); the trainer's syncs need no RPC")
+
+    @_rpc
+    def colomem_listen(self, bucket_timeout: float = 60.0) -> dict:
+        """Serves the attached bridge from a thread of this process: every version the trainer sends over the
+        socket is applied as it comes, with no RPC per sync. Stopped by colomem_detach / colomem_close (or a
+        new colomem_attach); idempotent."""
+        st = self._colomem()
+        if st.importer is None:
+            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        if st.listener is None or not st.listener.alive:
+            st.listener = _Listener(self, st, float(bucket_timeout))
+            st.listener.start()
+        return {"listening": True, "pid": os.getpid()}
 
     def _colomem_apply(self, msg: dict) -> dict:
         st = self._colomem()

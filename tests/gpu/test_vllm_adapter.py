@@ -179,6 +179,23 @@ def test_greedy_after_a_sync_equals_transformers_with_the_new_weights(r, tiny):
     assert all(lp <= 0.0 for c in out for lp in c.logprobs)
 
 
+def test_listener_transport_syncs_the_same_weights(r, tiny):
+    """sync_transport='listener': a thread in vLLM's worker takes the versions from the socket, no RPC."""
+    _, cfg, prompts = tiny
+    r.sync_transport = "listener"
+    try:
+        r.set_bucket_bytes(256 << 10)            # re-attach: the listener starts with the new bridge
+        for seed in (2, 3, 4):                   # recorded, replayed, then applied as raw ranges
+            model = new_model(cfg, seed=seed)
+            stats = cycle(r, named(model), version=r.weight_version + 1)
+            assert stats.complete is True and stats.nbuckets > 1
+            assert_greedy_matches(model, prompts, greedy(r, prompts))
+        assert stats.replayed_tensors == stats.ntensors
+    finally:
+        r.sync_transport = "socket"
+        r.set_bucket_bytes(256 << 10)            # the listener stops with the old bridge
+
+
 @pytest.mark.parametrize("backup", ["vllm", "pool"])
 def test_sleep_frees_at_least_90_percent_of_vllms_memory(r, backup):
     r.weights_backup = backup
