@@ -40,7 +40,10 @@ stage() {  # the stages run in the order given on the command line
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 runners/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
           --bucket "${cfg%%:*}" --buffers "${cfg##*:}"; done ;;
-    diagreload) run diag_reload 150 python3 runners/diag_reload.py --out "$OUT/diag" ;;
+    diagreload) run diag_reload 150 python3 runners/diag_reload.py --out "$OUT/diag"
+      # the same with torch's expandable segments (cuMemMap'd physical chunks instead of cudaMalloc segments)
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run diag_reload_expandable 150 \
+        python3 runners/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
     syncbench) run bench_sync 260 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;

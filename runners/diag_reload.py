@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     res: dict = {"command": "python runners/diag_reload.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                 "device": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                 "device": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     res.update(raw_series(a.reps))
     tensors = transfer.make_set(SHAPES["7b"], "cuda")
     dev = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
