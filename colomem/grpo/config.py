@@ -103,6 +103,9 @@ class RunConfig(_Strict):
     pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
     pool_max_bytes: Optional[str] = Field(None, description="pinned pool cap; unset = no cap")
     bucket_bytes: str = Field("512MiB", description="weight-bridge bucket size")
+    sync_transport: Literal["socket", "listener", "rpc"] = Field(
+        "socket", description="weight sync into vLLM: socket (one RPC per sync), listener (a thread in vLLM's "
+                              "worker, no RPC), rpc (one RPC per bucket)")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
     barrier_timeout_s: float = Field(300.0, gt=0, description="longest a rank waits for the others")
     # output

@@ -117,7 +117,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                        tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
                        enforce_eager=cfg.enforce_eager, lora=cfg.lora, sleep_level=cfg.effective_sleep_level,
                        weights_backup=cfg.effective_weights_backup, trust_remote_code=cfg.trust_remote_code,
-                       bucket_bytes=cfg.bucket_bytes, dtype=cfg.dtype, device=ranks.local_rank)
+                       bucket_bytes=cfg.bucket_bytes, sync_transport=cfg.sync_transport, dtype=cfg.dtype,
+                       device=ranks.local_rank)
             rollout = VLLMRollout(model_path, **accepted_kwargs(VLLMRollout, rkw, "VLLMRollout"))
             rollout.sleep()                      # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer
