@@ -2,8 +2,15 @@
 
 The LLM lives in this (trainer) process; vLLM runs the model in its EngineCore process, so new weights cross
 processes through colomem's WeightBridge: the producer here packs the trainer's tensors into exportable GPU
-buckets, and `ColomemWorkerExtension.colomem_apply` in vLLM's worker feeds views of the mapped buckets to the
-model's `load_weights` (one `collective_rpc` per bucket, ACK after the copies finished).
+buckets, and `ColomemWorkerExtension` in vLLM's worker applies them from the mapped buckets (the first sync
+through the model's `load_weights`, recorded; later ones as the recorded copies, then as one batched copy per
+bucket layout). ACKs come after the copies finished.
+
+Weight sync transports (`sync_transport`):
+  "socket"    (default) one collective_rpc("colomem_receive") per sync; buckets and ACKs travel over the
+              bridge socket, the worker's report with the last ACK, the RPC's return is collected later.
+  "listener"  no RPC per sync: a thread in the worker (colomem_listen) serves the bridge socket.
+  "rpc"       one collective_rpc("colomem_apply") per bucket (the slowest; kept as the reference).
 
 One step: sleep() -> [trainer works] -> wake_weights() -> load_weights(...) -> check() -> wake_kv() ->
 generate(...). Every call into vLLM runs with a timeout on a helper thread: a hung or dead engine raises
