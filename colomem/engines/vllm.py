@@ -664,12 +664,9 @@ class VLLMRollout:
                 yield name, t
 
         t0 = time.perf_counter()
-        if self.sync_transport == "listener":
-            acks = self._sync_to_listener(bridge, watched(), version, stats)
-            stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
-            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
-        elif self.sync_transport == "socket":
-            acks = self._sync_over_socket(bridge, watched(), version, stats)
+        if self.sync_transport in ("listener", "socket"):
+            over = self._sync_to_listener if self.sync_transport == "listener" else self._sync_over_socket
+            acks = over(bridge, watched(), version, stats)
             stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
             stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
         else:
@@ -685,12 +682,16 @@ class VLLMRollout:
             stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
         return stats
 
+    def _next_tag(self, version: int) -> str:
+        """A name for this sync that no earlier one had (each side skips leftovers of failed syncs by it)."""
+        self._syncs += 1
+        return f"{os.getpid()}.{version}.{self._syncs}"
+
     def _sync_to_listener(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         """No RPC: the worker's listener thread takes the buckets from the socket; its report comes with the
         last ACK. A worker that refuses a bucket fails the sync with its error text (PeerError)."""
         self._collect_receive()
-        self._syncs += 1
-        tag = f"{os.getpid()}.{version}.{self._syncs}"
+        tag = self._next_tag(version)
         t0 = time.perf_counter()
         bridge.sync(items, version=version, send=None, timeout=self.rpc_timeout_s, tag=tag)
         stats.bridge_seconds = time.perf_counter() - t0
@@ -703,8 +704,7 @@ class VLLMRollout:
     def _sync_over_socket(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         """One collective_rpc for the whole version: every worker receives the buckets over the bridge socket
         and ACKs each there, while this thread packs (the RPC runs on the engine-call thread)."""
-        self._syncs += 1
-        tag = f"{os.getpid()}.{version}.{self._syncs}"
+        tag = self._next_tag(version)
         t = self.rpc_timeout_s
         fut = self._start(lambda: self._llm.collective_rpc("colomem_receive", args=(tag, t)), "colomem_receive")
         t0 = time.perf_counter()
