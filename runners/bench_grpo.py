@@ -120,7 +120,9 @@ def analyse(out_dir: Path) -> dict:
         "gpu_used_in_rollout_gib": _gib(max((mem(r, "rollout", "driver_used") or 0) for r in steps)),
         "gpu_used_in_train_gib": _gib(max((mem(r, "train", "driver_used") or 0) for r in steps)),
         "pinned_host_gib": _gib(max((mem(r, "train", "pinned_host") or 0) for r in steps)),
-        "offload_bytes": _median([r.get("trainer_offload/nbytes") for r in warm]),
+        "offload_bytes": _median([r.get("trainer_offload/moved_bytes") for r in warm]),
+        "offload_gbps": _median([r.get("trainer_offload/gbps") for r in warm]),
+        "reload_gbps": _median([r.get("trainer_reload/gbps") for r in warm]),  # right after vLLM's sleep
         "sync_bytes": _median([r.get("sync/nbytes") for r in warm]),
         "rollout_logprob_gap_max": max([g for g in gaps if g is not None], default=None),
         "samples_per_step": steps[-1].get("samples_total"),
