@@ -253,6 +253,31 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
             r.set_bucket_bytes(parse_bytes(best.partition("x")[0]), int(best.partition("x")[2] or 2))
 
 
+def bench_direct(d, items, nbytes, a, d2d, res) -> None:
+    """vLLM's engine in this process (engine_in_process=True) and sync_transport='direct': the worker's
+    recorded copies read the trainer's tensors themselves, no bucket and no second process."""
+    from colomem.engines.vllm import VLLMRollout
+
+    t = time.perf_counter()
+    r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
+                    enforce_eager=True, engine_in_process=True, sync_transport="direct",
+                    llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
+    try:
+        start_s = round(time.perf_counter() - t, 1)
+        sync = next_version_sync(r, items)
+        sync()                                   # records load_weights
+        r.check(reference=items)
+        seconds = timed_syncs(sync, a.warmup, a.reps)
+        st = r.last_sync
+        check_new_bytes_arrive(r, items, sync)
+        res["direct_in_process"] = {**summary(seconds, nbytes, d2d), "engine_start_s": start_s, "verified": True,
+                                    "worker_apply_ms": round(st.apply_seconds * 1e3, 2),
+                                    "replayed_tensors": st.replayed_tensors}
+        log(f"direct, engine in process: {res['direct_in_process']}")
+    finally:
+        r.close()
+
+
 def bench_torch_ipc(r, items, nbytes, a, d2d, res):
     import torch
 
@@ -376,6 +401,15 @@ def run_size(size: str, a, path: str) -> dict:
                         r.wake()
                     except Exception:  # noqa: BLE001
                         pass
+        if "direct" not in a.skip.split(","):
+            r.close()          # its GPU memory goes back before the in-process engine starts
+            r = None
+            try:
+                bench_direct(d, items, nbytes, a, d2d, res)
+            except Exception as exc:  # noqa: BLE001
+                res["errors"].append(f"direct: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            save()
     except Exception as exc:  # noqa: BLE001
         res["errors"].append(f"setup: {type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -405,6 +439,8 @@ def headline(sizes: dict) -> dict:
             top[f"sync_{k}_transport"] = transport
         if listener:
             top[f"sync_{k}_listener_ms"] = listener["ms_median"]
+        if "direct_in_process" in r:  # another deployment (vLLM inside the trainer's process): beside, not instead
+            top[f"sync_{k}_direct_in_process_ms"] = r["direct_in_process"]["ms_median"]
         if "rpc_roundtrip_ms" in r:
             top[f"rpc_roundtrip_{k}_ms"] = r["rpc_roundtrip_ms"]["ms_median"]
         old = r.get("bridge_per_bucket_rpc_load_weights")
@@ -438,6 +474,10 @@ def table(sizes: dict) -> str:
         if x:
             lines.append(f"{size:5} {'bridge ' + x['bucket'] + ', listener (no RPC)':34} {x['ms_median']:10.2f} "
                          f"{x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
+        x = r.get("direct_in_process")
+        if x:
+            lines.append(f"{size:5} {'direct, vLLM in this process':34} {x['ms_median']:10.2f} {x['gbps']:8.1f} "
+                         f"{x['ratio_to_d2d']:6.3f}")
         x = r.get("bridge_per_bucket_rpc_load_weights")
         if x:
             lines.append(f"{size:5} {'bridge ' + x['bucket'] + ', RPC/bucket + load_weights':34} {x['ms_median']:10.2f} "
@@ -496,7 +536,8 @@ def parse_args(argv=None):
     p.add_argument("--gpu-util", type=float, default=0.3, help="vLLM gpu_memory_utilization")
     p.add_argument("--no-ablation", dest="ablation", action="store_false",
                    help="skip timing the bridge with one RPC per bucket and load_weights every sync")
-    p.add_argument("--skip", default="", help="sections to skip: bridge,torch_ipc,sleep_wake,reload")
+    p.add_argument("--skip", default="", help="sections to skip: rpc,bridge,torch_ipc,sleep_wake,reload,direct "
+                                              "(the last starts a second engine, inside this process)")
     p.add_argument("--scratch", default=None, help="where the safetensors baseline is written (default: $TMPDIR)")
     p.add_argument("--size-timeout", type=float, default=None,
                    help="seconds per size before its process group is killed (default 140 for 1.5b, 210 for 7b)")

@@ -732,17 +732,24 @@ def test_ping_is_a_round_trip_that_does_nothing():
 
 
 
+def sync_over_trash(r, w: dict, version: int):
+    """Overwrites vLLM's parameters (as a level-2 sleep leaves them), syncs `w`, checks every byte arrived."""
+    m = model_of(r)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(-1.0)
+    stats = r.load_weights(w.items(), version=version)
+    assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+    assert torch.equal(m.o_proj.detach(), w["o_proj"]) and torch.equal(m.norm.detach(), w["norm"])
+    assert torch.equal(m.embed.detach(), w["embed"])
+    return stats
+
+
 def test_listener_transport_syncs_without_an_rpc_per_version():
     r = make(sync_transport="listener")
-    m = model_of(r)
     for version in (1, 2, 3):
         w = trainer_weights(version)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.fill_(-1.0)
-        stats = r.load_weights(w.items(), version=version)
-        assert torch.equal(m.qkv_proj.detach(), torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
-        assert torch.equal(m.embed.detach(), w["embed"]) and torch.equal(m.norm.detach(), w["norm"])
+        stats = sync_over_trash(r, w, version)
         assert stats.complete is True and stats.ntensors == 6 and stats.nbuckets >= 7
         assert stats.replayed_tensors == (0 if version == 1 else 6)
     assert r.llm.calls.count("colomem_listen") == 1 and "colomem_receive" not in r.llm.calls
@@ -778,4 +785,21 @@ def test_listener_refusal_fails_the_sync_and_keeps_serving():
     w = trainer_weights(4)
     r.load_weights(w.items(), version=4)
     assert torch.equal(model_of(r).norm.detach(), w["norm"]) and worker._colomem().listener is not old
+    r.close()
+
+
+
+def test_direct_transport_loads_the_trainers_tensors_in_process():
+    with pytest.raises(InvalidArgumentError, match="engine_in_process"):
+        make(sync_transport="direct")
+    r = make(sync_transport="direct", engine_in_process=True)
+    for version in (1, 2, 3):
+        w = trainer_weights(version)
+        if version == 3:
+            w["o_proj"] = w["o_proj"].t().contiguous().t()     # non-contiguous: through load_weights
+        stats = sync_over_trash(r, w, version)
+        assert stats.complete is True and stats.ntensors == 6 and stats.nbuckets == 0
+        assert stats.replayed_tensors == {1: 0, 2: 6, 3: 5}[version]
+    assert r._bridge is None and r.llm.calls.count("colomem_load_direct") == 3
+    r.check(reference=w.items())
     r.close()

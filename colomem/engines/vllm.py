@@ -11,6 +11,8 @@ Weight sync transports (`sync_transport`):
               bridge socket, the worker's report with the last ACK, the RPC's return is collected later.
   "listener"  no RPC per sync: a thread in the worker (colomem_listen) serves the bridge socket.
   "rpc"       one collective_rpc("colomem_apply") per bucket (the slowest; kept as the reference).
+  "direct"    with engine_in_process=True (vLLM's EngineCore and worker in this process, as verl runs it):
+              the worker's recorded copies read the trainer's tensors themselves; no bridge, no bucket.
 
 One step: sleep() -> [trainer works] -> wake_weights() -> load_weights(...) -> check() -> wake_kv() ->
 generate(...). Every call into vLLM runs with a timeout on a helper thread: a hung or dead engine raises
@@ -87,12 +89,18 @@ class _EngineThread:
     a daemon thread stuck in such a call does not keep the interpreter from exiting.
     """
 
-    def __init__(self):
+    def __init__(self, init: Optional[Callable[[], None]] = None):
         self._q: "queue.Queue" = queue.Queue()
+        self._init = init
         self._t = threading.Thread(target=self._loop, name="colomem-vllm-calls", daemon=True)
         self._t.start()
 
     def _loop(self):
+        if self._init is not None:
+            try:
+                self._init()
+            except Exception as exc:  # noqa: BLE001 - every call then reports it
+                log.warning("engine-call thread set-up failed: %s", exc)
         while True:
             item = self._q.get()
             if item is None:
@@ -175,6 +183,7 @@ class VLLMRollout:
         verify: str = "sampled",
         check_sample: int = 8,
         sync_transport: str = "socket",
+        engine_in_process: bool = False,
         fast_load: bool = True,
         rpc_timeout_s: float = 120.0,
         generate_timeout_s: float = 1800.0,
@@ -196,11 +205,16 @@ class VLLMRollout:
             raise InvalidArgumentError(f"logprobs_mode must be 'processed_logprobs' (log-softmax of logits / "
                                        f"temperature, as the GRPO loss computes them) or 'raw_logprobs', "
                                        f"got {logprobs_mode!r}")
-        if sync_transport not in ("socket", "rpc", "listener"):
+        if sync_transport not in ("socket", "rpc", "listener", "direct"):
             raise InvalidArgumentError(f"sync_transport must be 'socket' (one RPC per sync, buckets announced "
                                        f"over the bridge socket), 'listener' (a thread in vLLM's worker serves "
-                                       f"the socket: no RPC per sync) or 'rpc' (one collective_rpc per bucket), "
-                                       f"got {sync_transport!r}")
+                                       f"the socket: no RPC per sync), 'rpc' (one collective_rpc per bucket) or "
+                                       f"'direct' (engine_in_process=True: the trainer's tensors straight into "
+                                       f"the model), got {sync_transport!r}")
+        if sync_transport == "direct" and not engine_in_process:
+            raise InvalidArgumentError("sync_transport='direct' hands the trainer's tensors to vLLM's worker as "
+                                       "Python objects, which needs the worker in this process: pass "
+                                       "engine_in_process=True (or use 'socket')")
         if int(bucket_buffers) < 1:
             raise InvalidArgumentError(f"bucket_buffers must be >= 1, got {bucket_buffers}")
         for name, v in (("rpc_timeout_s", rpc_timeout_s), ("generate_timeout_s", generate_timeout_s),
@@ -225,6 +239,7 @@ class VLLMRollout:
         self.verify = verify
         self.check_sample = int(check_sample)
         self.sync_transport = sync_transport
+        self.engine_in_process = bool(engine_in_process)
         self.fast_load = bool(fast_load)
         self._syncs = 0
         self._receiving = None  # the colomem_receive RPC of a finished sync, collected by the next engine call
@@ -266,7 +281,8 @@ class VLLMRollout:
         self.last_sync: Optional[SyncStats] = None
         self.timings: dict = {}
 
-        self._calls = _EngineThread()
+        # An in-process engine runs its CUDA work on the engine-call thread: that thread must use its GPU.
+        self._calls = _EngineThread(self._set_device if self.engine_in_process else None)
         t0 = time.perf_counter()
         self._llm = self._build_llm(self.llm_kwargs)
         self.timings["start_s"] = time.perf_counter() - t0
@@ -274,6 +290,10 @@ class VLLMRollout:
         self._refresh_tag_bytes()
 
     # ------------------------------------------------------------------------------------ construction
+    def _set_device(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
+
     def _build_llm(self, kwargs: dict):
         """Creates vllm.LLM (overridden by the CPU tests with a fake engine)."""
         from vllm import LLM
@@ -281,7 +301,26 @@ class VLLMRollout:
         # The runner touches CUDA (pool, trainer) before vLLM starts its engine process; a forked engine
         # then cannot initialise CUDA, so spawn unless the user chose otherwise.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        return LLM(**kwargs)
+        if not self.engine_in_process:
+            return LLM(**kwargs)
+        from vllm import envs as vllm_envs
+
+        # vLLM reads this when it builds the engine: 0 keeps EngineCore and its worker in this process. An
+        # in-process EngineCore also freezes vLLM's environment reads (enable_envs_cache): undone after, so
+        # a later engine of this process is not built in-process too.
+        old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        was_cached = getattr(vllm_envs, "_is_envs_cache_enabled", lambda: False)()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self._set_device()
+            return LLM(**kwargs)
+        finally:
+            if old is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+            if not was_cached and hasattr(vllm_envs, "disable_envs_cache"):
+                vllm_envs.disable_envs_cache()
 
     def _make_bridge(self):
         from colomem.bridge import WeightBridge
@@ -647,7 +686,7 @@ class VLLMRollout:
         return self._param_info
 
     def _sync_base(self, items: Iterable, version: int, sampled: dict, snapshots: list) -> SyncStats:
-        bridge = self._ensure_bridge()
+        bridge = self._ensure_bridge() if self.sync_transport != "direct" else None
         info = self._direct_names()
         stats = SyncStats(version=version)
         k = self.check_sample
@@ -664,7 +703,10 @@ class VLLMRollout:
                 yield name, t
 
         t0 = time.perf_counter()
-        if self.sync_transport in ("listener", "socket"):
+        if self.sync_transport == "direct":
+            acks = self.rpc("colomem_load_direct", list(watched()), version)
+            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
+        elif self.sync_transport in ("listener", "socket"):
             over = self._sync_to_listener if self.sync_transport == "listener" else self._sync_over_socket
             acks = over(bridge, watched(), version, stats)
             stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0

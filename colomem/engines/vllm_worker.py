@@ -454,27 +454,26 @@ class ColomemWorkerExtension:
         if msg.get("last"):
             if sync.layerwise:
                 self._colomem_layerwise_end()
-            ack.update(self._colomem_coverage(sync))
-            params = dict(model.named_parameters())
-            ack["snapshot"] = finish_checksums({n: checksum_parts(params[n])
-                                                for n in spread_sample(params, st.snapshot_k)})
-            ack.update(total_tensors=sync.ntensors, total_bytes=sync.nbytes, total_apply_ms=sync.apply_s * 1e3,
-                       replayed_tensors=sync.replayed)
-            if st.plan is not None:
-                ack["load_plan"] = st.plan.summary()
+            ack.update(self._colomem_report(st, sync, model))
         st.last_ack = ack
         return ack
+
+    def _colomem_report(self, st: _WorkerState, sync: _SyncState, model) -> dict:
+        """What a finished version reports: coverage, snapshot checksums, totals, the load plan."""
+        out = self._colomem_coverage(sync)
+        params = dict(model.named_parameters())
+        sample = spread_sample(params, st.snapshot_k)
+        out["snapshot"] = finish_checksums({n: checksum_parts(params[n]) for n in sample})
+        out.update(total_tensors=sync.ntensors, total_bytes=sync.nbytes, total_apply_ms=sync.apply_s * 1e3,
+                   replayed_tensors=sync.replayed)
+        if st.plan is not None:
+            out["load_plan"] = st.plan.summary()
+        return out
 
     def _colomem_load(self, st: _WorkerState, sync: _SyncState, model, msg: dict) -> int:
         """Puts one bucket's tensors into the model: recorded copies for names the plan knows, the model's
         load_weights (recording it) for the rest. Returns the tensors completed by this bucket."""
-        plan = None
-        if st.fast_load and not sync.layerwise:
-            from colomem.engines.load_plan import LoadPlan
-
-            if st.plan is None or (msg.get("seq") == 0 and not st.plan.still_valid()):
-                st.plan = LoadPlan(model)  # first sync, or the model's parameters moved: record again
-            plan = st.plan
+        plan = self._colomem_plan(st, sync, model, msg.get("seq") == 0)
         key = (msg.get("buffer"), msg.get("layout"))
         compiled = plan.compiled.get(key) if plan is not None and key[1] is not None else None
         if compiled is not None:  # a layout seen before: one batched copy, no entry parsed, no view made
@@ -499,15 +498,65 @@ class ColomemWorkerExtension:
                 ready.append(out)
         if plan is not None and key[1] is not None and not ready:
             plan.compile(key, seen, self._colomem_device())  # every entry replayed: next time, raw copies
-        if ready:
-            count += len(ready)
-            if plan is not None and any(n not in plan.refused for n, _ in ready):
-                loaded = plan.record(model.load_weights, ready)
+        return count + self._colomem_load_rest(plan, sync, model, ready)
+
+    @staticmethod
+    def _colomem_plan(st: _WorkerState, sync: _SyncState, model, new_version: bool):
+        """The model's LoadPlan (None without fast_load); re-made at a version's start if parameters moved."""
+        if not st.fast_load or sync.layerwise:
+            return None
+        from colomem.engines.load_plan import LoadPlan
+
+        if st.plan is None or (new_version and not st.plan.still_valid()):
+            st.plan = LoadPlan(model)  # first sync, or the model's parameters moved: record again
+        return st.plan
+
+    @staticmethod
+    def _colomem_load_rest(plan, sync: _SyncState, model, ready: list) -> int:
+        """Whole tensors the plan cannot replay go through the model's load_weights (recorded when useful)."""
+        if not ready:
+            return 0
+        if plan is not None and any(n not in plan.refused for n, _ in ready):
+            loaded = plan.record(model.load_weights, ready)
+        else:
+            loaded = model.load_weights(iter(ready))
+        if loaded:
+            sync.loaded.update(loaded)
+        return len(ready)
+
+    @_rpc
+    def colomem_load_direct(self, named: list, version: int) -> dict:
+        """sync_transport='direct' (vLLM's engine in the trainer's process): (name, tensor) pairs of the
+        trainer go straight into the model: the recorded copies read the trainer's own memory, no bucket in
+        between. Returns the same report as a bridge sync's last bucket."""
+        from colomem._bucket import Entry
+
+        st = self._colomem()
+        model, device = self._colomem_model(), self._colomem_device()
+        sync = st.sync = _SyncState(version=int(version))
+        sync.layerwise = self._colomem_layerwise()
+        if sync.layerwise:
+            self._colomem_layerwise_begin()
+        plan = self._colomem_plan(st, sync, model, True)
+        t0 = time.perf_counter()
+        ready: list = []
+        for name, t in named:
+            n = t.numel() * t.element_size()
+            sync.nbytes += n
+            e = Entry(name, dtype_name(t.dtype), tuple(t.shape), 0, n)
+            if plan is not None and t.device == device and t.is_contiguous() and plan.can_replay(e):
+                sync.loaded.update(plan.replay(e, t.detach()))
+                sync.replayed += 1
+                sync.ntensors += 1
             else:
-                loaded = model.load_weights(iter(ready))
-            if loaded:
-                sync.loaded.update(loaded)
-        return count
+                ready.append((name, t))
+        sync.ntensors += self._colomem_load_rest(plan, sync, model, ready)
+        _synchronize(device)  # the trainer may change its tensors as soon as this returns
+        sync.apply_s = time.perf_counter() - t0
+        if sync.layerwise:
+            self._colomem_layerwise_end()
+        st.last_ack = {"version": int(version), **self._colomem_report(st, sync, model)}
+        return st.last_ack
 
     def _colomem_coverage(self, sync: _SyncState) -> dict:
         if not sync.loaded:  # the model's load_weights returned nothing we can use: coverage unknown

@@ -179,23 +179,6 @@ def test_greedy_after_a_sync_equals_transformers_with_the_new_weights(r, tiny):
     assert all(lp <= 0.0 for c in out for lp in c.logprobs)
 
 
-def test_listener_transport_syncs_the_same_weights(r, tiny):
-    """sync_transport='listener': a thread in vLLM's worker takes the versions from the socket, no RPC."""
-    _, cfg, prompts = tiny
-    r.sync_transport = "listener"
-    try:
-        r.set_bucket_bytes(256 << 10)            # re-attach: the listener starts with the new bridge
-        for seed in (2, 3, 4):                   # recorded, replayed, then applied as raw ranges
-            model = new_model(cfg, seed=seed)
-            stats = cycle(r, named(model), version=r.weight_version + 1)
-            assert stats.complete is True and stats.nbuckets > 1
-            assert_greedy_matches(model, prompts, greedy(r, prompts))
-        assert stats.replayed_tensors == stats.ntensors
-    finally:
-        r.sync_transport = "socket"
-        r.set_bucket_bytes(256 << 10)            # the listener stops with the old bridge
-
-
 @pytest.mark.parametrize("backup", ["vllm", "pool"])
 def test_sleep_frees_at_least_90_percent_of_vllms_memory(r, backup):
     r.weights_backup = backup
@@ -337,3 +320,42 @@ def test_lora_adapter_updates_match_peft_and_survive_a_level2_sleep(lora_rollout
     m2 = peft_model(d, spec, seed=2)
     cycle(r, adapter_tensors(m2), version=2)
     assert_greedy_matches(m2, prompts, greedy(r, prompts))
+
+
+def test_in_process_engine_direct_sync_matches_transformers(r, tiny):
+    """engine_in_process=True + sync_transport='direct': vLLM's worker in this process copies the trainer's
+    own tensors into its parameters (no bucket). Level-2 sleeps: every version must write every weight."""
+    from colomem.engines.vllm import VLLMRollout
+
+    d, cfg, prompts = tiny
+    r.sleep()                                   # the module's engine lends its memory meanwhile
+    e = VLLMRollout(d, gpu_memory_utilization=GPU_UTIL, max_model_len=256, max_num_seqs=16, seed=0,
+                    sleep_level=2, engine_in_process=True, sync_transport="direct")
+    try:
+        for seed in (5, 6, 7):                  # recorded, then replayed from the trainer's memory
+            model = new_model(cfg, seed=seed)
+            stats = cycle(e, named(model), version=e.weight_version + 1)
+            assert stats.complete is True and stats.nbuckets == 0
+            assert_greedy_matches(model, prompts, greedy(e, prompts))
+        assert stats.replayed_tensors == stats.ntensors and e._bridge is None
+    finally:
+        e.close()
+    import vllm.envs as vllm_envs                # a later engine of this process is not built in-process
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" and vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+def test_listener_transport_syncs_the_same_weights(r, tiny):
+    """sync_transport='listener': a thread in vLLM's worker takes the versions from the socket, no RPC."""
+    _, cfg, prompts = tiny
+    r.sync_transport = "listener"
+    try:
+        r.set_bucket_bytes(256 << 10)            # re-attach: the listener starts with the new bridge
+        for seed in (2, 3, 4):                   # recorded, replayed, then applied as raw ranges
+            model = new_model(cfg, seed=seed)
+            stats = cycle(r, named(model), version=r.weight_version + 1)
+            assert stats.complete is True and stats.nbuckets > 1
+            assert_greedy_matches(model, prompts, greedy(r, prompts))
+        assert stats.replayed_tensors == stats.ntensors
+    finally:
+        r.sync_transport = "socket"
+        r.set_bucket_bytes(256 << 10)            # the listener stops with the old bridge
