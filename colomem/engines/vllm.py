@@ -703,16 +703,16 @@ class VLLMRollout:
                 yield name, t
 
         t0 = time.perf_counter()
-        if self.sync_transport == "direct":
-            acks = self.rpc("colomem_load_direct", list(watched()), version)
-            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
-        elif self.sync_transport in ("listener", "socket"):
-            over = self._sync_to_listener if self.sync_transport == "listener" else self._sync_over_socket
-            acks = over(bridge, watched(), version, stats)
-            stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
-            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
+        if self.sync_transport == "rpc":
+            acks = self._sync_per_bucket_rpc(bridge, watched(), version, stats)  # sums apply time per bucket
         else:
-            acks = self._sync_per_bucket_rpc(bridge, watched(), version, stats)
+            if self.sync_transport == "direct":
+                acks = self.rpc("colomem_load_direct", list(watched()), version)
+            else:
+                over = self._sync_to_listener if self.sync_transport == "listener" else self._sync_over_socket
+                acks = over(bridge, watched(), version, stats)
+                stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
+            stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
         sampled.update(finish_checksums(pending))
         stats.seconds = time.perf_counter() - t0
         if acks:
