@@ -35,7 +35,7 @@ stage() {  # the stages run in the order given on the command line
     core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests ;;
     transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
-    vllm) run vllm_tests 200 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
+    vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 runners/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
@@ -45,7 +45,7 @@ stage() {  # the stages run in the order given on the command line
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run diag_reload_expandable 150 \
         python3 runners/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
-    syncbench) run bench_sync 260 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+    syncbench) run bench_sync 380 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     dsbench) run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
