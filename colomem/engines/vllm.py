@@ -907,7 +907,9 @@ class VLLMRollout:
             except Exception as exc:  # noqa: BLE001 - closing goes on
                 log.warning("the last colomem_receive ended with %s", exc)
         try:
-            if self._bridge is not None and not self._broken:
+            # The worker's bridge mapping and pool backup go now; an in-process worker outlives the engine.
+            if (self._bridge is not None or self.engine_in_process or self.weights_backup == "pool") \
+                    and not self._broken:
                 try:
                     self.rpc("colomem_close", timeout=min(10.0, timeout))
                 except ColomemError as exc:
