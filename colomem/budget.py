@@ -123,10 +123,12 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
              micro_batch: int = 4, seq_len: int = 1024, grad_ckpt: bool = True, hidden: Optional[int] = None,
              layers: Optional[int] = None, vocab: Optional[int] = None, vllm_overhead_gib: float = 2.0,
              vllm_asleep_gib: float = 1.5, context_gib: float = 0.6, host_gib: Optional[float] = None,
-             reduce_bucket: float = 5e8) -> Budget:
-    """The budget of one GPU. gpus: data-parallel ranks (ZeRO shards over them); tp: vLLM tensor parallel."""
-    if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0:
-        raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0")
+             reduce_bucket: float = 5e8, bridge_gib: float = 1.0) -> Budget:
+    """The budget of one GPU. gpus: data-parallel ranks (ZeRO shards over them); tp: vLLM tensor parallel.
+    bridge_gib: the weight bridge's buffers (bucket size x buffers; 512 MiB x 2 by default), which stay
+    allocated in the trainer process through both phases (0 with sync_transport='direct')."""
+    if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0 or bridge_gib < 0:
+        raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0, bridge_gib >= 0")
     if tp > gpus:
         raise ValueError(f"tp ({tp}) cannot exceed the number of GPUs ({gpus})")
     shape = shape_for(params, hidden, layers, vocab)
@@ -165,7 +167,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     b.train = list(b.trainer_state) + [grads, buckets, Item("activations", act), Item("logits", logits)]
     if gathered:
         b.train.append(Item("ZeRO-3 gathered layers", gathered))
-    b.train += [Item("trainer CUDA context", context_gib * GiB, False),
+    bridge = Item("weight bridge buffers", bridge_gib * GiB, False)
+    b.train += [Item("trainer CUDA context", context_gib * GiB, False), bridge,
                 Item("vLLM asleep (context + leftovers)", vllm_asleep_gib * GiB, False)]
 
     # ---- rollout
@@ -180,7 +183,7 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     b.suggested_gpu_memory_utilization = round(min(1.0, (weights + kv_bytes + vllm_overhead_gib * GiB) /
                                                    b.gpu_bytes + 0.01), 3)
     # the smallest set of trainer state to offload so the rollout fits (largest first)
-    base = vllm + [Item("trainer CUDA context", context_gib * GiB, False)]
+    base = vllm + [Item("trainer CUDA context", context_gib * GiB, False), bridge]
     room = b.gpu_bytes - Budget.total(base)
     resident = sorted(b.trainer_state, key=lambda i: -i.bytes)
     kept = Budget.total(resident)
@@ -266,13 +269,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--vllm-overhead-gib", type=float, default=2.0)
     p.add_argument("--vllm-asleep-gib", type=float, default=1.5)
     p.add_argument("--host-gib", type=float, help="host RAM for the pinned pool (checked when given)")
+    p.add_argument("--bridge-gib", type=float, default=1.0,
+                   help="weight-bridge buffers on the GPU: bucket size x buffers (runner default 512 MiB x 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     a = p.parse_args(argv)
     try:
         b = estimate(a.params, lora=a.lora, lora_r=a.lora_r, zero=a.zero, gpus=a.gpus, tp=a.tp, kv_gib=a.kv_gib,
                      kv_tokens=a.kv_tokens, gpu_gib=a.gpu_gib, micro_batch=a.micro_batch, seq_len=a.seq_len,
                      grad_ckpt=a.grad_ckpt, hidden=a.hidden, layers=a.layers, vocab=a.vocab,
-                     vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib)
+                     vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib,
+                     bridge_gib=a.bridge_gib)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(b.to_dict(), indent=1) if a.json else format_budget(b))

@@ -99,3 +99,13 @@ def test_cli(capsys):
     with pytest.raises(SystemExit):
         main(["--params", "1e9", "--tp", "4"])
     assert Budget.total([]) == 0
+
+
+def test_bridge_buffers_count_in_both_phases():
+    b = estimate(7e9, kv_gib=40)
+    assert _items(b.rollout)["weight bridge buffers"] == GiB and _items(b.train)["weight bridge buffers"] == GiB
+    big = estimate(7e9, kv_gib=40, bridge_gib=8)   # 4 GiB buckets x 2
+    assert Budget.total(big.rollout) - Budget.total(b.rollout) == pytest.approx(7 * GiB)
+    assert _items(estimate(7e9, kv_gib=40, bridge_gib=0).rollout)["weight bridge buffers"] == 0
+    with pytest.raises(ValueError):
+        estimate(7e9, bridge_gib=-1)
