@@ -232,6 +232,9 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
                                       "worker_apply_ms": round(st.apply_seconds * 1e3, 2),
                                       "replayed_tensors": st.replayed_tensors}
             log(f"bridge {best}, listener transport: {res['bridge_listener']}")
+        except Exception as exc:  # noqa: BLE001 - an opt-in transport must not cost the other figures
+            res["errors"].append(f"listener: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
         finally:
             r.sync_transport = "socket"
             r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
