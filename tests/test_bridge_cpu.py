@@ -377,6 +377,40 @@ def test_producer_gone_is_a_peer_error_on_receive(monkeypatch):
     server.close()
 
 
+def test_the_last_ack_carries_the_consumers_report(monkeypatch):
+    bridge, imp, server = socket_pair(monkeypatch, nbuffers=2)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("s", bridge.sync(named(6), version=0, tag="r")))
+    t.start()
+    first = imp.receive(timeout=10, tag="r")            # e.g. a listener's idle wait, then the version
+    gen = imp.messages(timeout=10, tag="r", first=first)
+    msg = next(gen)
+    assert msg is first
+    while True:
+        list(imp.tensors(msg, verify="full"))
+        try:
+            msg = gen.send({"total_tensors": 10, "version": 0} if msg["last"] else None)
+        except StopIteration:
+            break
+    t.join(10)
+    assert result["s"].messages > 2 and bridge.last_reports == [{"total_tensors": 10, "version": 0}]
+    server.close()
+
+
+def test_abort_and_close_say_which_they_are(monkeypatch):
+    bridge, imp, server = socket_pair(monkeypatch)
+    conn = bridge._importers[0]
+    conn.send(br._encode("abort", tag=None, version=1, error="trainer failed"), [], 5.0)
+    with pytest.raises(PeerError, match="abandoned version 1: trainer failed") as exc:
+        imp.receive(timeout=10)
+    assert exc.value.kind == "abort"             # this version only: the connection stays usable
+    conn.send(br._encode("closed", pid=1), [], 5.0)
+    with pytest.raises(PeerError, match="closed the weight bridge") as exc:
+        imp.receive(timeout=10)
+    assert exc.value.kind == "closed"
+    server.close()
+
+
 def test_a_failed_publish_aborts_the_waiting_importer_at_once(monkeypatch):
     bridge, imp, server = socket_pair(monkeypatch)
 
