@@ -468,27 +468,22 @@ def headline(sizes: dict) -> dict:
 
 def table(sizes: dict) -> str:
     lines = [f"{'size':5} {'sync method':34} {'ms median':>10} {'GB/s':>8} {'x d2d':>6}"]
+
+    def row(size: str, label: str, x: dict) -> None:
+        lines.append(f"{size:5} {label:34} {x['ms_median']:10.2f} {x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
+
     for size, r in sizes.items():
         d2d = r.get("d2d", {})
         for b, x in r.get("bridge", {}).items():
-            lines.append(f"{size:5} {'colomem bridge, ' + b + ' buckets':34} {x['ms_median']:10.2f} {x['gbps']:8.1f} "
-                         f"{x['ratio_to_d2d']:6.3f}")
-        x = r.get("bridge_listener")
-        if x:
-            lines.append(f"{size:5} {'bridge ' + x['bucket'] + ', listener (no RPC)':34} {x['ms_median']:10.2f} "
-                         f"{x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
-        x = r.get("direct_in_process")
-        if x:
-            lines.append(f"{size:5} {'direct, vLLM in this process':34} {x['ms_median']:10.2f} {x['gbps']:8.1f} "
-                         f"{x['ratio_to_d2d']:6.3f}")
-        x = r.get("bridge_per_bucket_rpc_load_weights")
-        if x:
-            lines.append(f"{size:5} {'bridge ' + x['bucket'] + ', RPC/bucket + load_weights':34} {x['ms_median']:10.2f} "
-                         f"{x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
-        for n, label in (("torch_ipc", "torch per-tensor CUDA IPC"), ("reload", "vLLM reload_weights (safetensors)")):
-            x = r.get(n, {})
+            row(size, f"colomem bridge, {b} buckets", x)
+        for key, label in (("bridge_listener", "bridge {bucket}, listener (no RPC)"),
+                           ("direct_in_process", "direct, vLLM in this process"),
+                           ("bridge_per_bucket_rpc_load_weights", "bridge {bucket}, RPC/bucket + load_weights"),
+                           ("torch_ipc", "torch per-tensor CUDA IPC"),
+                           ("reload", "vLLM reload_weights (safetensors)")):
+            x = r.get(key) or {}
             if "ms_median" in x:
-                lines.append(f"{size:5} {label:34} {x['ms_median']:10.2f} {x['gbps']:8.1f} {x['ratio_to_d2d']:6.3f}")
+                row(size, label.format(bucket=x.get("bucket", "")), x)
         if d2d:
             one_copy_ms = d2d["ms_median"] * r.get("nbytes", 0) / d2d["nbytes"]   # the model's bytes, copied once
             lines.append(f"{size:5} {'d2d copy (ceiling, one copy)':34} {one_copy_ms:10.2f} {d2d['gbps']:8.1f} "
