@@ -644,12 +644,15 @@ class BridgeImporter:
         """(Entry, view) for each entry of the bucket, parts of split tensors as they are (1-D views of
         their element range): for consumers that place parts themselves. Feed the parts you do not place
         to reassemble(). Ordering, verification and the final stream wait are as in tensors()."""
-        self._check_open()
-        if verify not in CHECKSUM_STRIDES:
-            raise InvalidArgumentError(f"verify must be one of {sorted(CHECKSUM_STRIDES)}, got {verify!r}")
+        self._check_bucket_call(verify)
         m = BucketMessage.from_dict(msg)
         self._check_order(m)
         return self._entries(m, verify)
+
+    def _check_bucket_call(self, verify: str) -> None:
+        self._check_open()
+        if verify not in CHECKSUM_STRIDES:
+            raise InvalidArgumentError(f"verify must be one of {sorted(CHECKSUM_STRIDES)}, got {verify!r}")
 
     def reassemble(self, e, view: torch.Tensor) -> Optional[tuple]:
         """(name, tensor) once a tensor is complete: the view itself for a whole entry, a scratch tensor
@@ -711,9 +714,7 @@ class BridgeImporter:
         by the caller from an earlier message with the same `layout` (see colomem.engines.load_plan). One
         call into the core on the current stream; ordering checks, verification and the final wait are as in
         entries(), so the caller may ACK when this returns."""
-        self._check_open()
-        if verify not in CHECKSUM_STRIDES:
-            raise InvalidArgumentError(f"verify must be one of {sorted(CHECKSUM_STRIDES)}, got {verify!r}")
+        self._check_bucket_call(verify)
         m = BucketMessage.from_dict(msg, entries=False)
         self._check_order(m)
         buf = self._buffers[m.buffer]

@@ -190,13 +190,18 @@ def bench_rpc(r, res) -> None:
     log(f"rpc round trip: {res['rpc_roundtrip_ms']}")
 
 
-def bench_bridge(r, items, nbytes, a, d2d, res):
+def use_buckets(r, spec: str) -> None:
+    """Re-creates the rollout's bridge for a bucket spec: "2GiB" (two buffers) or "2GiBx1"."""
     from colomem.units import parse_bytes
 
+    size, _, nbuf = spec.partition("x")
+    r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
+
+
+def bench_bridge(r, items, nbytes, a, d2d, res):
     out = res.setdefault("bridge", {})
     for b in a.buckets.split(","):
-        size, _, nbuf = b.partition("x")              # "2GiB" (two buffers) or "2GiBx1"
-        r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
+        use_buckets(r, b)
         sync = next_version_sync(r, items)
         sync()                                       # attach + first pass, then check before timing
         r.check(reference=items)
@@ -217,10 +222,9 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
     best = min(out, key=lambda k: out[k]["ms_median"])
     res["bridge_best"] = {"bucket": best, **out[best]}
     if a.listener:  # the same bucket size, served by a thread in vLLM's worker: no RPC per sync
-        size, _, nbuf = best.partition("x")
         r.sync_transport = "listener"
         try:
-            r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
+            use_buckets(r, best)
             sync = next_version_sync(r, items)
             sync()
             r.check(reference=items)
@@ -237,12 +241,12 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
             traceback.print_exc()
         finally:
             r.sync_transport = "socket"
-            r.set_bucket_bytes(parse_bytes(size), int(nbuf) if nbuf else 2)
+            use_buckets(r, best)
     # What the two speed-ups are worth: the same bucket size with one RPC per bucket and load_weights each time
     if a.ablation:
         r.sync_transport, r.fast_load = "rpc", False
         try:
-            r.set_bucket_bytes(parse_bytes(best.partition("x")[0]), int(best.partition("x")[2] or 2))
+            use_buckets(r, best)
             slow_sync = next_version_sync(r, items)
             slow_sync()
             r.check(reference=items)
@@ -253,7 +257,7 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
             log(f"bridge {best}, rpc per bucket + load_weights: {res['bridge_per_bucket_rpc_load_weights']}")
         finally:
             r.sync_transport, r.fast_load = "socket", True
-            r.set_bucket_bytes(parse_bytes(best.partition("x")[0]), int(best.partition("x")[2] or 2))
+            use_buckets(r, best)
 
 
 def bench_direct(d, items, nbytes, a, d2d, res) -> None:

@@ -20,7 +20,7 @@ class SyncStats:
     nbuckets: int = 0             # bridge messages
     seconds: float = 0.0          # wall time from the first byte packed to the last ACK
     apply_seconds: float = 0.0    # time vLLM's worker spent applying buckets (sum over buckets)
-    bridge_seconds: float = 0.0   # socket transport: from the first pack to the last bucket's ACK
+    bridge_seconds: float = 0.0   # socket/listener transports: from the first pack to the last ACK
     rpc_wait_seconds: float = 0.0  # socket transport: after the last ACK, until the worker's RPC returned
     replayed_tensors: int = 0     # tensors placed by replaying recorded load_weights copies (load_plan)
     adapter_tensors: int = 0      # LoRA tensors handed to vLLM's LoRA manager (adapter mode)

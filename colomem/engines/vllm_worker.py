@@ -384,9 +384,7 @@ class ColomemWorkerExtension:
         RPC per sync instead of one per bucket. Each bucket is ACKed over the socket once applied; returns
         the last bucket's ACK (coverage, snapshot, totals). Waits at most `timeout` s for each bucket; a
         trainer that died or abandoned the version is a PeerError, not a hang."""
-        st = self._colomem()
-        if st.importer is None:
-            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        st = self._colomem_attached()
         self._colomem_no_listener(st, "colomem_receive")
         return self._colomem_serve(st.importer.messages(float(timeout), tag))
 
@@ -405,6 +403,21 @@ class ColomemWorkerExtension:
             except StopIteration:
                 return ack
 
+    def _colomem_attached(self) -> _WorkerState:
+        """The worker's state, with a bridge attached (PeerError if none is)."""
+        st = self._colomem()
+        if st.importer is None:
+            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        return st
+
+    def _colomem_start_version(self, st: _WorkerState, version: int) -> _SyncState:
+        """A new version's sync state (vLLM's layerwise reload begun when the model needs it)."""
+        sync = st.sync = _SyncState(version=int(version))
+        sync.layerwise = self._colomem_layerwise()
+        if sync.layerwise:
+            self._colomem_layerwise_begin()
+        return sync
+
     @staticmethod
     def _colomem_no_listener(st, what: str) -> None:
         if st.listener is not None and st.listener.alive:
@@ -416,25 +429,18 @@ class ColomemWorkerExtension:
         """Serves the attached bridge from a thread of this process: every version the trainer sends over the
         socket is applied as it comes, with no RPC per sync. Stopped by colomem_detach / colomem_close (or a
         new colomem_attach); idempotent."""
-        st = self._colomem()
-        if st.importer is None:
-            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        st = self._colomem_attached()
         if st.listener is None or not st.listener.alive:
             st.listener = _Listener(self, st, float(bucket_timeout))
             st.listener.start()
         return {"listening": True, "pid": os.getpid()}
 
     def _colomem_apply(self, msg: dict) -> dict:
-        st = self._colomem()
-        if st.importer is None:
-            raise PeerError("no bridge attached in this worker; the adapter must call colomem_attach first")
+        st = self._colomem_attached()
         version, seq = int(msg["version"]), int(msg["seq"])
         sync = st.sync
         if seq == 0:
-            sync = st.sync = _SyncState(version=version)
-            sync.layerwise = self._colomem_layerwise()
-            if sync.layerwise:
-                self._colomem_layerwise_begin()
+            sync = self._colomem_start_version(st, version)
         elif version != sync.version or seq != sync.next_seq:
             raise PeerError(f"bucket out of order: got version {version} seq {seq}, expected version "
                             f"{sync.version} seq {sync.next_seq}; the trainer restarted a sync midway: start "
@@ -533,10 +539,7 @@ class ColomemWorkerExtension:
 
         st = self._colomem()
         model, device = self._colomem_model(), self._colomem_device()
-        sync = st.sync = _SyncState(version=int(version))
-        sync.layerwise = self._colomem_layerwise()
-        if sync.layerwise:
-            self._colomem_layerwise_begin()
+        sync = self._colomem_start_version(st, version)
         plan = self._colomem_plan(st, sync, model, True)
         t0 = time.perf_counter()
         ready: list = []
