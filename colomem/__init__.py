@@ -9,7 +9,7 @@ from colomem._version import __version__
 from colomem import _C
 from colomem.errors import *  # noqa: F401,F403
 from colomem.pool import Block, PinnedPool, default_pool
-from colomem.swap import SwapHandle, SwapSet, SwapStats, offloaded, swap
+from colomem.swap import PendingReloads, SwapHandle, SwapSet, SwapStats, offloaded, swap
 from colomem.units import format_bytes, parse_bytes
 
 
@@ -19,6 +19,6 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "Block", "PinnedPool", "SwapHandle", "SwapSet", "SwapStats", "__version__", "build_info", "default_pool",
+    "Block", "PendingReloads", "PinnedPool", "SwapHandle", "SwapSet", "SwapStats", "__version__", "build_info", "default_pool",
     "format_bytes", "offloaded", "parse_bytes", "swap",
 ]

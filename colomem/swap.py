@@ -352,8 +352,12 @@ class SwapSet:
         self._regrow()
         return (time.perf_counter() - t0) * 1e3
 
-    def reload_async(self, *, timing: bool = False, _grown_ms: Optional[float] = None) -> SwapHandle:
-        """Re-grows the storages and starts copying the bytes back; later work on the current stream waits."""
+    def reload_async(self, *, timing: bool = False, ordered: bool = True,
+                     _grown_ms: Optional[float] = None) -> SwapHandle:
+        """Re-grows the storages and starts copying the bytes back; later work on the current stream waits.
+
+        ordered=False: later work does not wait (a prefetch behind other kernels): nothing may read the set
+        before the handle's wait() returned (see PendingReloads)."""
         if _grown_ms is None:  # (swap() grows them itself, before either direction starts)
             self._check_reloadable()
             alloc_ms = self._timed_regrow()
@@ -366,8 +370,8 @@ class SwapSet:
         try:
             # Wait for the current stream first (the allocator may hand out memory it still reads), and make
             # it wait for the copies, so kernels queued after reload() see the restored bytes.
-            transfer = _torch.engine_for(device).submit("h2d", copies, wait_stream=stream, signal_stream=stream,
-                                                        timing=timing)
+            transfer = _torch.engine_for(device).submit("h2d", copies, wait_stream=stream,
+                                                        signal_stream=stream if ordered else 0, timing=timing)
         except BaseException:
             self._shrink()
             raise
@@ -416,6 +420,36 @@ class SwapSet:
                                   "data is lost by accident")
         self._drop_kept()
         self._entries = []
+
+
+class PendingReloads:
+    """Reloads started with ordered=False (state that is read late, e.g. an optimizer's, copied back while
+    the forward and backward run). wait() before anything reads those tensors; a timeout keeps the handle,
+    so waiting again loses nothing."""
+
+    def __init__(self):
+        self._handles: list[SwapHandle] = []
+        self.waited_s = 0.0                 # how long the last wait() blocked
+
+    def __bool__(self) -> bool:
+        return bool(self._handles)
+
+    def add(self, handle: SwapHandle) -> None:
+        self._handles.append(handle)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes still pending."""
+        return sum(h._set.nbytes for h in self._handles)
+
+    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> float:
+        """Blocks until every pending reload finished; returns the seconds it blocked (0.0 when none)."""
+        t0 = time.perf_counter()
+        while self._handles:
+            self._handles[0].wait(timeout)
+            self._handles.pop(0)
+        self.waited_s = time.perf_counter() - t0
+        return self.waited_s
 
 
 def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *,

@@ -43,6 +43,7 @@ from colomem._bucket import dtype_name
 from colomem._checkpoint import checkpoint_problem
 from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
                             PhaseOrderError)
+from colomem.swap import PendingReloads
 
 SUPPORTED_DEEPSPEED = ((0, 19),)          # major.minor series whose ZeRO internals this adapter knows
 TESTED_DEEPSPEED = "0.19.8"
@@ -50,6 +51,7 @@ ALLOW_UNTESTED_ENV = "COLOMEM_ALLOW_UNTESTED_DEEPSPEED"
 OFFLOAD_METHODS = ("colomem", "deepspeed", "to")
 ZERO_STAGES = (2, 3)
 CATEGORIES = ("params", "master", "optim", "grads", "other")
+LATE_CATEGORIES = ("master", "optim")   # read by the optimizer step only, not by forward or backward
 DIST_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -284,8 +286,8 @@ class EngineState:
     sizes: dict[str, int] = field(default_factory=dict)            # bytes by category when collected
     seconds: float = 0.0                                            # time the collection took
 
-    def swap_items(self) -> list[tuple[str, Tensor]]:
-        return [item for c in CATEGORIES for item in self.groups.get(c, ())]
+    def swap_items(self, categories: Sequence[str] = CATEGORIES) -> list[tuple[str, Tensor]]:
+        return [item for c in categories for item in self.groups.get(c, ())]
 
     def nbytes(self, category: Optional[str] = None) -> int:
         if category == "scratch":
@@ -502,7 +504,9 @@ class _ScratchBuffers:
 
 
 class _ColomemOffload:
-    """One SwapSet over everything the engine holds (re-collected at each offload) + dropped scratch."""
+    """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
+    forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
+    which reload(defer=True) copies back while the forward and backward run."""
     method = "colomem"
 
     def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
@@ -512,34 +516,55 @@ class _ColomemOffload:
         self._state: Optional[EngineState] = None
         self._scratch = _ScratchBuffers()
         self._timeout = timeout_s
+        early = tuple(c for c in CATEGORIES if c not in LATE_CATEGORIES)
+
+        def items(cats):
+            return lambda: self._state.swap_items(cats) if self._state else []
         # release=True: the memory goes back to the driver inside the timed move, as with the baselines
-        self.swapset = SwapSet.from_tensors(lambda: self._state.swap_items() if self._state else [], pool,
-                                            name="deepspeed-trainer", device=device,
+        self.swapset = SwapSet.from_tensors(items(early), pool, name="deepspeed-trainer", device=device,
                                             release=device.type == "cuda")
+        self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
+                                         device=device, release=False)   # offloaded first; the early set's
+        #                                                                     offload returns the memory
 
     def offload(self) -> _Move:
         t0 = time.perf_counter()
         state = self._state = self._collect()
         self._scratch.release(state.scratch)
+        nbytes = 0
         try:
-            stats = self.swapset.offload(self._timeout)
+            nbytes += self.late.offload(self._timeout).nbytes
+            nbytes += self.swapset.offload(self._timeout).nbytes
         except BaseException:
+            if self.late.state == "offloaded":    # all or nothing: the engine stays trainable
+                self.late.reload(self._timeout)
             self._scratch.regrow()
             self._scratch.forget()
             raise
-        return _Move(stats.nbytes, time.perf_counter() - t0, state)
+        return _Move(nbytes, time.perf_counter() - t0, state)
 
-    def reload(self) -> _Move:
+    def reload(self, pending=None) -> _Move:
+        """pending: a colomem.swap.PendingReloads to start the LATE part in (its wait() must come before
+        the optimizer step); None: everything is back when this returns."""
         t0 = time.perf_counter()
         self._scratch.regrow()
         try:
-            stats = self.swapset.reload(self._timeout)
+            nbytes = self.swapset.reload(self._timeout).nbytes
         except BaseException:
             self._scratch.shrink_again()      # all or nothing: the set rolled its storages back too
             raise
+        try:
+            if pending is None:
+                nbytes += self.late.reload(self._timeout).nbytes
+            else:
+                pending.add(self.late.reload_async(ordered=False))
+        except BaseException:
+            self.swapset.offload(self._timeout)   # e.g. no GPU memory for the late part: offloaded again
+            self._scratch.shrink_again()
+            raise
         self._scratch.forget()
         self._state = None
-        return _Move(stats.nbytes, time.perf_counter() - t0)
+        return _Move(nbytes, time.perf_counter() - t0)
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:
         """A CPU tensor over the pool copy of t (same dtype, shape, strides), valid while offloaded."""
@@ -554,16 +579,10 @@ class _ColomemOffload:
         return None
 
     def close(self) -> None:
-        if self.swapset.state == "offloaded":
-            discard = getattr(self.swapset, "discard", None)
-            if discard is not None:
-                discard()
-            else:                                                # until SwapSet has a public discard()
-                for e in self.swapset._entries:
-                    e.block = None
-                self.swapset._entries = []
-                self.swapset.state = "resident"
-        self.swapset.close()
+        for s in (self.swapset, self.late):
+            if s.state == "offloaded":
+                s.discard()
+            s.close()
 
 
 class _ToOffload:
@@ -678,6 +697,7 @@ class SwitchReport:
     collect_seconds: float = 0.0  # finding the storages (part of move_seconds for colomem and to)
     sync_seconds: float = 0.0    # offload: preparing the weights for the sync (views or staging)
     staged_bytes: int = 0        # offload: weights copied to host for the sync (merged LoRA, ZeRO-3 ranks)
+    deferred_bytes: int = 0      # reload: bytes still in flight on return (overlap_reload; train_step waits)
     left_behind: str = ""        # offload: the largest CUDA tensors still alive when much stayed allocated
     #                              (the first such offload of a trainer)
 
@@ -765,6 +785,9 @@ class DeepSpeedTrainer:
         by hand at its last micro-batch; None = 1). pool: the colomem.PinnedPool for offload="colomem" (default: one
         owned by the trainer). offload: "colomem" | "deepspeed" (engine.offload_states) | "to" (.to loop).
     torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (skips its ~30 s JIT build).
+    overlap_reload: with offload="colomem", reload() brings back what forward and backward read and starts
+        the fp32 masters and Adam moments (most of a full fine-tune's state) behind them; train_step waits
+        for those just before the optimizer step, so their copy hides behind the forward and backward.
     grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
     ds_config: extra DeepSpeed config merged over the one built here. timeout_s: bound on each swap and on
         close(). seed: torch seed before the model and the LoRA adapter are built.
@@ -780,7 +803,7 @@ class DeepSpeedTrainer:
                  max_grad_norm: Optional[float] = 1.0, grad_accum_dtype: Optional[str] = None,
                  reduce_bucket_size: Optional[int] = None, seed: int = 0,
                  attn_implementation: Optional[str] = None, ds_config: Optional[dict] = None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, overlap_reload: bool = True):
         validate_trainer_args(zero_stage=zero_stage, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr,
                               offload=offload, torch_adam=torch_adam, lora=lora, betas=betas, eps=eps,
                               weight_decay=weight_decay, max_grad_norm=max_grad_norm,
@@ -802,6 +825,8 @@ class DeepSpeedTrainer:
         self.grad_accum = grad_accum
         self.offload_method = offload
         self.timeout_s = float(timeout_s)
+        self.overlap_reload = bool(overlap_reload)
+        self._pending = PendingReloads()
         self.deepspeed_version = deepspeed.__version__
         self.last_offload: Optional[SwitchReport] = None
         self.last_reload: Optional[SwitchReport] = None
@@ -878,7 +903,8 @@ class DeepSpeedTrainer:
 
     @property
     def optimizer(self):
-        """DeepSpeed's ZeRO optimizer (its .optimizer is the inner AdamW)."""
+        """DeepSpeed's ZeRO optimizer (its .optimizer is the inner AdamW), its state fully reloaded."""
+        self.wait_reload()
         return self.engine.optimizer
 
     def state(self) -> EngineState:
@@ -928,12 +954,14 @@ class DeepSpeedTrainer:
                 engine.backward(loss, scale_wrt_gas=False)    # the loss already carries mb.loss_weight
                 total_loss += metrics.pop("loss")             # weighted: the sum is the batch loss
                 acc.add(metrics, mb.loss_weight / batch.loss_weight)
+            out_wait = self.wait_reload()                     # the step reads the masters and moments
             engine.step()
         finally:
             _trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
         self.steps += 1
         out = acc.result()
         out["loss"] = total_loss
+        out["reload_wait_s"] = out_wait
         norm = engine.get_global_grad_norm()
         if norm is not None:
             out["grad_norm"] = float(norm)
@@ -970,6 +998,7 @@ class DeepSpeedTrainer:
         of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
         method: another offload method for this cycle (benchmarks). The report is in `last_offload`."""
         self._check_resident("offload()")
+        self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
         if method not in OFFLOAD_METHODS:
             raise InvalidArgumentError(f"method={method!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
@@ -1013,14 +1042,25 @@ class DeepSpeedTrainer:
         dev = self.device
         free0 = torch.cuda.mem_get_info(dev)[0]
         t0 = time.perf_counter()
-        move = self._strategies[self._offloaded_by].reload()
+        strategy = self._strategies[self._offloaded_by]
+        if self.overlap_reload and isinstance(strategy, _ColomemOffload):
+            move = strategy.reload(self._pending)
+        else:
+            move = strategy.reload()
         self._sync = None                 # host views die with the offload
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(dev)       # (not the deferred copies: they run on colomem's H2D stream)
         free1 = torch.cuda.mem_get_info(dev)[0]
         self.last_reload = SwitchReport(self._offloaded_by, "reload", time.perf_counter() - t0, move.nbytes,
                                         free0 - free1, free1, torch.cuda.memory_allocated(dev),
-                                        torch.cuda.memory_reserved(dev), move_seconds=move.seconds)
+                                        torch.cuda.memory_reserved(dev), move_seconds=move.seconds,
+                                        deferred_bytes=self._pending.nbytes)
         self._offloaded, self._offloaded_by = False, None
+
+    def wait_reload(self, timeout: Optional[float] = None) -> float:
+        """Waits for the part of the last reload that overlap_reload left in flight (train_step calls this
+        before the optimizer step; call it before reading the optimizer's state yourself). Returns the
+        seconds it blocked: 0.0 when nothing was pending."""
+        return self._pending.wait(self.timeout_s if timeout is None else timeout)
 
     # -- weights for the sync -----------------------------------------------------------------------------
     def named_weights(self, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
@@ -1206,6 +1246,10 @@ class DeepSpeedTrainer:
         self._closed = True
         self._sync = None
         self._lora_cache = None
+        try:
+            self.wait_reload()
+        except Exception as e:           # noqa: BLE001 - closing goes on
+            warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
         for s in self._strategies.values():
             try:
                 s.close()

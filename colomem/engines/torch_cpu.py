@@ -6,7 +6,8 @@ HFRollout    transformers `generate` with sampling; returns Completions with the
              and they record their timings. load_weights copies named tensors into its own model copy.
 TorchTrainer plain torch AdamW on compute_loss (fp32). offload/reload move parameters and optimizer state
              into a colomem PinnedPool through SwapSet (host path), so a trainer that was not reloaded
-             really has no weights; named_weights merges a LoRA adapter into the base.
+             really has no weights; named_weights merges a LoRA adapter into the base. With overlap_reload
+             the optimizer state comes back while forward and backward run; the step waits for it.
 
 They let the colocated runner run the same loop on a machine without a GPU. Nothing here is fast.
 """
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from colomem.engines import SyncStats
+from colomem.swap import PendingReloads
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
                             StaleWeightsError, WeightCheckError)
 
@@ -238,7 +240,7 @@ class TorchTrainer:
                  grpo=None, lora=None, pool=None, weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0,
                  seed: int = 0, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
-                 world_size: int = 1, swap_timeout_s: float = 300.0):
+                 world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -251,6 +253,7 @@ class TorchTrainer:
         self.world_size = int(world_size)
         self.process_group = process_group
         self.swap_timeout_s = float(swap_timeout_s)
+        self.overlap_reload = bool(overlap_reload)
         self.steps = 0
         torch.manual_seed(seed)
         model = _load_model(model_path, dtype, trust_remote_code).to(self.device)
@@ -281,6 +284,7 @@ class TorchTrainer:
         self._closed = False
         self._swaps = []
         self._sync_source: Optional[list] = None
+        self._pending = PendingReloads()       # optimizer state still coming back (overlap_reload)
         self.pool = pool
         self.offload_mode = "none"
         if pool is not None:
@@ -327,6 +331,7 @@ class TorchTrainer:
         if self.max_grad_norm:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
             metrics["grad_norm"] = float(norm)
+        metrics["reload_wait_s"] = self.wait_reload()     # the step reads the optimizer state
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -338,6 +343,7 @@ class TorchTrainer:
         """Parameters (+ grads) and optimizer state into the pool. The weights stay readable for the sync:
         host views of the pool copy (full fine-tune) or staged merged copies (LoRA)."""
         self._check("offload()")
+        self.wait_reload()                  # reloaded but never trained on: finish the copies first
         t0 = time.perf_counter()
         staged = None
         if self.lora is not None or not self._swaps:
@@ -372,11 +378,21 @@ class TorchTrainer:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
         t0 = time.perf_counter()
         self._sync_source = None            # host views die with the offload
-        nbytes = 0
+        nbytes = deferred = 0
         for s in self._swaps:
-            nbytes += s.reload(timeout=self.swap_timeout_s).nbytes
+            if s.name == "trainer.optim" and self.overlap_reload:   # read only by optimizer.step()
+                self._pending.add(s.reload_async(ordered=False))
+                deferred += s.nbytes
+            else:
+                nbytes += s.reload(timeout=self.swap_timeout_s).nbytes
         self._offloaded = False
-        self.last_reload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "method": self.offload_mode}
+        self.last_reload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "deferred_bytes": deferred,
+                            "method": self.offload_mode}
+
+    def wait_reload(self, timeout: Optional[float] = None) -> float:
+        """Waits for optimizer state that overlap_reload left in flight (train_step does before the step);
+        returns the seconds it blocked."""
+        return self._pending.wait(self.swap_timeout_s if timeout is None else timeout)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, tensor) for the rollout sync, LoRA merged. Offloaded: the pool copies prepared by offload()."""
@@ -398,6 +414,10 @@ class TorchTrainer:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.wait_reload()
+        except ColomemError as e:
+            log.warning("TorchTrainer.close: a deferred reload did not finish: %s", e)
         for s in self._swaps:
             try:
                 if self._offloaded:

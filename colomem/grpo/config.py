@@ -106,6 +106,8 @@ class RunConfig(_Strict):
     sync_transport: Literal["socket", "listener", "rpc"] = Field(
         "socket", description="weight sync into vLLM: socket (one RPC per sync), listener (a thread in vLLM's "
                               "worker, no RPC), rpc (one RPC per bucket)")
+    overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
+                                                   "masters, Adam moments) reloads behind forward/backward")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
     barrier_timeout_s: float = Field(300.0, gt=0, description="longest a rank waits for the others")
     # output

@@ -127,7 +127,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                        grad_accum=grad_accum, pool=pool, gradient_checkpointing=cfg.gradient_checkpointing,
                        trust_remote_code=cfg.trust_remote_code, grpo=cfg.grpo, offload=cfg.trainer_offload,
                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
-                       timeout_s=cfg.phase_timeout_s)
+                       timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload)
             trainer = DeepSpeedTrainer(model_path, **accepted_kwargs(DeepSpeedTrainer, tkw, "DeepSpeedTrainer"))
         else:
             pool = _pool(cfg, cpu=True)
@@ -141,7 +141,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                                    max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
                                    gradient_checkpointing=cfg.gradient_checkpointing,
                                    trust_remote_code=cfg.trust_remote_code, process_group=ranks.group,
-                                   world_size=ranks.world_size, swap_timeout_s=cfg.phase_timeout_s)
+                                   world_size=ranks.world_size, swap_timeout_s=cfg.phase_timeout_s,
+                                   overlap_reload=cfg.overlap_reload)
         return Engines(rollout, trainer, pool, backend, tokenizer)
     except BaseException:
         close_engines(Engines(rollout, trainer, pool, backend))

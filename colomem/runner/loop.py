@@ -238,6 +238,10 @@ class ColocatedRunner:
                 self.trainer.reload()
             with self.phase(rec, "train"):
                 train = self.trainer.train_step(batch)
+            wait = float(train.get("reload_wait_s") or 0.0)
+            if wait > 0:    # train waited for state still reloading: a switch cost, not training
+                rec.phase_s["train"] -= wait
+                rec.phase_s["reload_wait"] = wait
         except BaseException as e:
             if _is_oom(e):
                 raise self._oom_error(self.machine.failed or "train", k, e, None) from e

@@ -20,8 +20,11 @@ from colomem.errors import PhaseOrderError, TransferTimeoutError
 
 CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "rollout", "sleep",
          "barrier_train", "reload", "train")
+# reload_wait: the part of train that waited for trainer state still reloading behind the forward and
+# backward (overlap_reload); a switch cost, so it is taken out of train and counted here.
 SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "sleep",
-                 "barrier_train", "reload")
+                 "barrier_train", "reload", "reload_wait")
+REPORT_ORDER = CYCLE[:7] + ("score",) + CYCLE[7:10] + ("reload_wait",) + CYCLE[10:]   # tables and plots
 WORK_PHASES = ("rollout", "score", "train")
 
 WHY = {

@@ -4,12 +4,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .phases import CYCLE, SWITCH_PHASES
+from .phases import REPORT_ORDER as ORDER
+from .phases import SWITCH_PHASES
 
-ORDER = CYCLE[:7] + ("score",) + CYCLE[7:]
 COLORS = {"offload": "#d62728", "barrier_wake": "#7f7f7f", "wake_weights": "#ff7f0e", "sync": "#bcbd22",
           "check": "#e377c2", "wake_kv": "#ffbb78", "rollout": "#1f77b4", "sleep": "#9467bd", "score": "#aec7e8",
-          "barrier_train": "#c7c7c7", "reload": "#8c564b", "train": "#2ca02c"}
+          "barrier_train": "#c7c7c7", "reload": "#8c564b", "reload_wait": "#c49c94", "train": "#2ca02c"}
 
 
 def _plt():

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from colomem.units import format_bytes
 
-from .phases import CYCLE, SWITCH_PHASES, WORK_PHASES
+from .phases import CYCLE, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
 
 MEMORY_KEYS = ("allocated", "reserved", "driver_used", "pinned_host")
 
@@ -185,7 +185,7 @@ def phase_table(records: list[StepRecord], skip_first: bool = True) -> str:
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
     step = med([r.step_s for r in recs])
     lines = ["| phase | median s | share of step |", "| --- | --- | --- |"]
-    for phase in CYCLE[:7] + ("score",) + CYCLE[7:]:
+    for phase in REPORT_ORDER:
         xs = [r.phase_s[phase] for r in recs if phase in r.phase_s]
         if xs:
             lines.append(f"| {phase} | {med(xs):.4f} | {100 * med(xs) / step if step else 0:.2f} % |")

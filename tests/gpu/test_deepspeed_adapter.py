@@ -196,6 +196,14 @@ def test_offload_frees_reload_restores_training_matches(model_dir, ready, stage,
             with pytest.raises(colomem.errors.PhaseOrderError):
                 t.train_step(make_batch(step))
             t.reload()
+            # overlap_reload: the masters and moments are still coming back behind what forward reads
+            assert t.last_reload.deferred_bytes >= rep.by_category["master"] + rep.by_category["optim"] > 0
+            if step % 2:   # straight into training: train_step waits for them before the optimizer step
+                out = t.train_step(make_batch(step))
+                assert out["reload_wait_s"] >= 0.0
+                losses.append(out["loss"])
+                continue
+            t.wait_reload()
             after = checksums(t)
             assert after == before, sorted(k for k in before if after.get(k) != before[k])[:10]
             losses.append(t.train_step(make_batch(step))["loss"])
