@@ -4,8 +4,9 @@
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, syncbench,
 # dsbench, grpo (default job), grpobench, diag (where a bridge sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"),
-# diagreload (per-cycle reload rates after a pool's creation) (GRPOBENCH_ARGS adds arguments, SYNC_BUCKETS
-# the bucket sizes of syncbench). Each stage is bounded by its own timeout.
+# diagreload (per-cycle reload rates after a pool's creation) (GRPOBENCH_ARGS adds arguments and
+# GRPOBENCH_TIMEOUT_S bounds that stage, SYNC_BUCKETS the bucket sizes of syncbench). Each stage is bounded
+# by its own timeout.
 set -uo pipefail
 # Everything goes to a work folder, packed into $OUT/results.tgz after every stage (the device tool
 # returns at most 8 files, and a stage cut by the call's time limit must not lose the earlier ones).
@@ -49,7 +50,7 @@ stage() {  # the stages run in the order given on the command line
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     dsbench) run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
-    grpobench) run bench_grpo 400 python3 runners/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
+    grpobench) run bench_grpo "${GRPOBENCH_TIMEOUT_S:-400}" python3 runners/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -15,6 +15,7 @@ import torch
 import colomem
 from colomem.engines import deepspeed as dsa
 from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError
+from colomem.swap import PendingReloads
 from colomem.grpo.config import LoraSpec
 
 CPU = torch.device("cpu")
@@ -321,7 +322,7 @@ def bare_trainer(model, lora, pool=None):
     t = dsa.DeepSpeedTrainer.__new__(dsa.DeepSpeedTrainer)
     t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
                       _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _stage_block=None,
-                      _stage_host=None)
+                      _stage_host=None, _pending=PendingReloads(), timeout_s=30.0)
     return t
 
 

@@ -106,7 +106,10 @@ def test_cpu_loop_end_to_end(cache_env, tmp_path):
     steps = [r for r in recs if "step" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
     for r in steps:
-        assert [p for p in r["phase_s"] if p != "score"] == list(CYCLE)
+        # (+ reload_wait: the part of train that waited for the optimizer state, counted as switch time)
+        assert [p for p in r["phase_s"] if p not in ("score", "reload_wait")] == list(CYCLE)
+        assert r["switch_s"] == pytest.approx(sum(v for p, v in r["phase_s"].items()
+                                                  if p not in ("rollout", "score", "train")))
         assert set(r["memory"]) == set(CYCLE)
         assert all(v >= 0 for v in r["phase_s"].values())
         assert 0 <= r["reward_mean"] <= 1 and math.isfinite(r["train/loss"])

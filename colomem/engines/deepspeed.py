@@ -1246,8 +1246,10 @@ class DeepSpeedTrainer:
         self._closed = True
         self._sync = None
         self._lora_cache = None
+        pending = getattr(self, "_pending", None)       # (absent when __init__ failed before it)
         try:
-            self.wait_reload()
+            if pending:
+                pending.wait(self.timeout_s)
         except Exception as e:           # noqa: BLE001 - closing goes on
             warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
         for s in self._strategies.values():
