@@ -7,7 +7,8 @@ For Qwen2-1.5B- and Qwen2-7B-shaped bf16 models (config only; vLLM loads load_fo
 "trainer" holds random weights on the same GPU and sends them to vLLM with:
   bridge      colomem WeightBridge -> ColomemWorkerExtension.colomem_receive: one collective_rpc per sync, buckets
               announced and ACKed over the bridge socket, recorded load_weights copies replayed (load_plan);
-              also timed once the old way (one collective_rpc per bucket, load_weights every time)
+              the best bucket size again with the listener transport (the default: no RPC per sync), and
+              once the old way (one collective_rpc per bucket, load_weights every time)
   torch_ipc   per-tensor CUDA IPC: torch's reduce_tensor in the trainer, rebuild_cuda_tensor in the worker,
               one collective_rpc carrying every handle (vLLM's non-packed IPC weight transfer, the fast case)
   reload      vLLM's collective_rpc("reload_weights") from a safetensors directory written once (page cache warm)
@@ -386,6 +387,7 @@ def run_size(size: str, a, path: str) -> dict:
         t = time.perf_counter()
         r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
                         enforce_eager=True, bucket_bytes=a.buckets.split(",")[0].partition("x")[0],
+                        sync_transport="socket",     # the listener (the default) is timed beside it
                         llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
         res["engine_start_s"] = round(time.perf_counter() - t, 1)
         log(f"{size}: engine up in {res['engine_start_s']} s; {nbytes / GiB:.2f} GiB of weights, {len(items)} tensors")

@@ -4,6 +4,7 @@ here. The real thing on a GPU: tests/gpu/test_bridge_ipc.py."""
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -374,6 +375,19 @@ def test_producer_gone_is_a_peer_error_on_receive(monkeypatch):
     bridge._importers[0].close()  # and then hangs up
     with pytest.raises(PeerError, match="closed the connection"):
         imp.receive(timeout=10)
+    server.close()
+
+
+def test_an_importer_that_hung_up_fails_the_next_sync_at_once(monkeypatch):
+    """A consumer that closed its end (e.g. vLLM's bridge listener after an error) is a PeerError on the
+    producer's next sync within moments, not a wait for ACKs that never come."""
+    bridge, imp, server = socket_pair(monkeypatch)
+    imp.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError):
+        bridge.sync(named(3), version=0, timeout=60)
+    assert time.monotonic() - t0 < 5
+    assert bridge.importers == 0                 # detached: a new importer may attach for the next sync
     server.close()
 
 

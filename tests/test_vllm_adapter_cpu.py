@@ -98,6 +98,8 @@ class FakeImporter:
 
     def close(self):
         self.closed = True
+        if self.address in CHANNELS:            # the producer's next read sees the hang-up, as on a socket
+            CHANNELS[self.address][1].put({"ok": False, "hung_up": True})
 
 
 class FakeBridge:
@@ -140,6 +142,8 @@ class FakeBridge:
                     ack = inbox.get(timeout=timeout)
                 except queue.Empty:
                     raise TransferTimeoutError("no ack in time") from None
+                if ack.get("hung_up"):
+                    raise PeerError("importer process closed the connection")
                 if not ack["ok"]:
                     raise PeerError(f"importer refused bucket {msg.seq}: {ack['error']}")
                 if msg.last:
@@ -403,7 +407,7 @@ def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
 
 
 def test_socket_sync_returns_on_the_last_ack_and_the_next_call_collects_the_rpc():
-    r = make()
+    r = make(sync_transport="socket")
     w = trainer_weights(1)
     stats = r.load_weights(w.items(), version=1)
     assert stats.complete is True and stats.replayed_tensors == 0 and r._receiving is not None
@@ -562,7 +566,7 @@ def test_worker_errors_come_back_as_their_colomem_class():
 
 
 def test_buckets_out_of_order_are_refused():
-    r = make()
+    r = make(sync_transport="rpc")
     r.load_weights(trainer_weights(1).items(), version=1)
     w = r._worker
     msg = {"buffer": 0, "version": 2, "seq": 3, "last": False, "nbytes": 0, "entries": []}
@@ -787,6 +791,32 @@ def test_listener_refusal_fails_the_sync_and_keeps_serving():
     assert torch.equal(model_of(r).norm.detach(), w["norm"]) and worker._colomem().listener is not old
     r.close()
 
+
+def test_a_stopped_listener_fails_the_next_sync_at_once_with_its_reason_and_the_one_after_works():
+    r = make(rpc_timeout_s=60.0)
+    assert r.sync_transport == "listener"                       # the default
+    r.load_weights(trainer_weights(1).items(), version=1)
+    st = r._worker._colomem()
+    listener = st.listener
+
+    def broken(*a, **k):
+        raise RuntimeError("the bucket mapping went away")
+
+    st.importer.receive = broken
+    deadline = time.monotonic() + 10
+    while listener.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not listener.alive and "mapping went away" in listener.error
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="listener in vLLM's worker stopped.*mapping went away"):
+        r.load_weights(trainer_weights(2).items(), version=2)
+    assert time.monotonic() - t0 < 10                           # not the 60 s timeout
+    assert r.weight_version == 1
+    w = trainer_weights(3)
+    r.load_weights(w.items(), version=3)                        # attached again, a new listener
+    assert st.listener is not listener and st.listener.alive
+    assert torch.equal(model_of(r).o_proj.detach(), w["o_proj"])
+    r.close()
 
 
 def test_direct_transport_loads_the_trainers_tensors_in_process():

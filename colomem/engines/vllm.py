@@ -7,9 +7,11 @@ through the model's `load_weights`, recorded; later ones as the recorded copies,
 bucket layout). ACKs come after the copies finished.
 
 Weight sync transports (`sync_transport`):
-  "socket"    (default) one collective_rpc("colomem_receive") per sync; buckets and ACKs travel over the
-              bridge socket, the worker's report with the last ACK, the RPC's return is collected later.
-  "listener"  no RPC per sync: a thread in the worker (colomem_listen) serves the bridge socket.
+  "listener"  (default) no RPC per sync: a thread in the worker (colomem_listen, started at attach) serves
+              the bridge socket and applies each version as it comes; its report comes with the last ACK. If
+              that thread stops, it closes its end and the next sync fails at once with its reason.
+  "socket"    one collective_rpc("colomem_receive") per sync; buckets and ACKs travel over the bridge
+              socket, the worker's report with the last ACK, the RPC's return is collected later.
   "rpc"       one collective_rpc("colomem_apply") per bucket (the slowest; kept as the reference).
   "direct"    with engine_in_process=True (vLLM's EngineCore and worker in this process, as verl runs it):
               the worker's recorded copies read the trainer's tensors themselves; no bridge, no bucket.
@@ -182,7 +184,7 @@ class VLLMRollout:
         logprobs_mode: str = "processed_logprobs",
         verify: str = "sampled",
         check_sample: int = 8,
-        sync_transport: str = "socket",
+        sync_transport: str = "listener",
         engine_in_process: bool = False,
         fast_load: bool = True,
         rpc_timeout_s: float = 120.0,
@@ -214,7 +216,7 @@ class VLLMRollout:
         if sync_transport == "direct" and not engine_in_process:
             raise InvalidArgumentError("sync_transport='direct' hands the trainer's tensors to vLLM's worker as "
                                        "Python objects, which needs the worker in this process: pass "
-                                       "engine_in_process=True (or use 'socket')")
+                                       "engine_in_process=True (or use 'listener')")
         if int(bucket_buffers) < 1:
             raise InvalidArgumentError(f"bucket_buffers must be >= 1, got {bucket_buffers}")
         for name, v in (("rpc_timeout_s", rpc_timeout_s), ("generate_timeout_s", generate_timeout_s),
@@ -735,13 +737,32 @@ class VLLMRollout:
         self._collect_receive()
         tag = self._next_tag(version)
         t0 = time.perf_counter()
-        bridge.sync(items, version=version, send=None, timeout=self.rpc_timeout_s, tag=tag)
+        try:
+            bridge.sync(items, version=version, send=None, timeout=self.rpc_timeout_s, tag=tag)
+        except (PeerError, TransferTimeoutError) as exc:
+            self._raise_if_listener_stopped(exc)
+            raise
         stats.bridge_seconds = time.perf_counter() - t0
         reports = bridge.last_reports
         if not reports or not all(isinstance(r, dict) and "total_tensors" in r for r in reports):
             raise PeerError("the worker's bridge listener acknowledged the last bucket without its report; "
                             "producer and worker colomem versions differ?")
         return reports
+
+    def _raise_if_listener_stopped(self, exc: BaseException) -> None:
+        """After a failed listener sync: when a worker's listener has stopped, raise its reason (the next
+        sync attaches again and starts a new listener); otherwise return (the sync's own error stands)."""
+        try:
+            states = self.rpc("colomem_listener_state", timeout=min(30.0, self.rpc_timeout_s))
+        except Exception as ask:  # noqa: BLE001 - the sync's own error is the one to report
+            log.debug("asking vLLM's worker about its bridge listener failed: %s", ask)
+            return
+        stopped = [s for s in states if isinstance(s, dict) and not s.get("listening")]
+        if stopped:
+            self._close_bridge()
+            why = "; ".join(str(s.get("error") or "no error recorded") for s in stopped)
+            raise PeerError(f"the bridge listener in vLLM's worker stopped ({why}); this sync failed, the next "
+                            f"one attaches again and starts a new listener") from exc
 
     def _sync_over_socket(self, bridge, items: Iterator, version: int, stats: SyncStats) -> list:
         """One collective_rpc for the whole version: every worker receives the buckets over the bridge socket

@@ -217,6 +217,19 @@ class _Listener:
             if self._thread.is_alive():
                 log.warning("the bridge listener did not stop within %.0f s (a version in flight?)", timeout)
 
+    def _fail(self, exc: BaseException) -> None:
+        """Stops serving for good: keeps why, and closes the bridge connection so the trainer's next sync
+        fails at once (PeerError) instead of waiting out its timeout for ACKs nobody will send."""
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.error("bridge listener stopped: %s", self.error)
+        try:
+            self._st.importer.close()
+        except Exception as close_exc:  # noqa: BLE001 - already failing; the error above is the one kept
+            log.warning("bridge listener: closing the importer failed: %s", close_exc)
+
+    def state(self) -> dict:
+        return {"listening": self.alive, "versions": self.versions, "error": self.error}
+
     def _run(self) -> None:
         device = self._worker._colomem_device()
         if device.type == "cuda":
@@ -231,10 +244,10 @@ class _Listener:
                 if getattr(exc, "kind", None) == "abort":
                     continue  # a version abandoned before its first bucket came
                 if getattr(exc, "kind", None) != "closed":
-                    self.error = f"{type(exc).__name__}: {exc}"
+                    self._fail(exc)
                 return
             except Exception as exc:  # noqa: BLE001 - e.g. the importer closed under us: stop, remember why
-                self.error = f"{type(exc).__name__}: {exc}"
+                self._fail(exc)
                 return
             try:
                 self._worker._colomem_serve(imp.messages(self._timeout, first.get("tag"), first=first))
@@ -434,6 +447,15 @@ class ColomemWorkerExtension:
             st.listener = _Listener(self, st, float(bucket_timeout))
             st.listener.start()
         return {"listening": True, "pid": os.getpid()}
+
+    @_rpc
+    def colomem_listener_state(self) -> dict:
+        """{"listening", "versions", "error"} of this worker's bridge listener (the adapter asks after a
+        listener sync failed, to say why)."""
+        listener = self._colomem().listener
+        if listener is None:
+            return {"listening": False, "versions": 0, "error": None}
+        return listener.state()
 
     def _colomem_apply(self, msg: dict) -> dict:
         st = self._colomem_attached()

@@ -103,9 +103,9 @@ class RunConfig(_Strict):
     pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
     pool_max_bytes: Optional[str] = Field(None, description="pinned pool cap; unset = no cap")
     bucket_bytes: str = Field("512MiB", description="weight-bridge bucket size")
-    sync_transport: Literal["socket", "listener", "rpc"] = Field(
-        "socket", description="weight sync into vLLM: socket (one RPC per sync), listener (a thread in vLLM's "
-                              "worker, no RPC), rpc (one RPC per bucket)")
+    sync_transport: Literal["listener", "socket", "rpc"] = Field(
+        "listener", description="weight sync into vLLM: listener (a thread in vLLM's worker, no RPC), socket "
+                                "(one RPC per sync), rpc (one RPC per bucket)")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
