@@ -19,6 +19,6 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "Block", "PendingReloads", "PinnedPool", "SwapHandle", "SwapSet", "SwapStats", "__version__", "build_info", "default_pool",
-    "format_bytes", "offloaded", "parse_bytes", "swap",
+    "Block", "PendingReloads", "PinnedPool", "SwapHandle", "SwapSet", "SwapStats", "__version__", "build_info",
+    "default_pool", "format_bytes", "offloaded", "parse_bytes", "swap",
 ]

@@ -506,7 +506,7 @@ class _ScratchBuffers:
 class _ColomemOffload:
     """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
     forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
-    which reload(defer=True) copies back while the forward and backward run."""
+    which reload(pending) copies back while the forward and backward run."""
     method = "colomem"
 
     def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
@@ -954,14 +954,14 @@ class DeepSpeedTrainer:
                 engine.backward(loss, scale_wrt_gas=False)    # the loss already carries mb.loss_weight
                 total_loss += metrics.pop("loss")             # weighted: the sum is the batch loss
                 acc.add(metrics, mb.loss_weight / batch.loss_weight)
-            out_wait = self.wait_reload()                     # the step reads the masters and moments
+            waited = self.wait_reload()                       # the step reads the masters and moments
             engine.step()
         finally:
             _trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
         self.steps += 1
         out = acc.result()
         out["loss"] = total_loss
-        out["reload_wait_s"] = out_wait
+        out["reload_wait_s"] = waited
         norm = engine.get_global_grad_norm()
         if norm is not None:
             out["grad_norm"] = float(norm)
