@@ -429,7 +429,6 @@ class PendingReloads:
 
     def __init__(self):
         self._handles: list[SwapHandle] = []
-        self.waited_s = 0.0                 # how long the last wait() blocked
 
     def __bool__(self) -> bool:
         return bool(self._handles)
@@ -448,8 +447,7 @@ class PendingReloads:
         while self._handles:
             self._handles[0].wait(timeout)
             self._handles.pop(0)
-        self.waited_s = time.perf_counter() - t0
-        return self.waited_s
+        return time.perf_counter() - t0
 
 
 def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *,

@@ -29,6 +29,7 @@ from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError,
 log = logging.getLogger(__name__)
 
 AWAKE, WEIGHTS_ONLY, ASLEEP, CLOSED = "awake", "weights", "asleep", "closed"
+OPTIM_SET = "trainer.optim"             # the SwapSet of the optimizer state: reloaded behind forward/backward
 
 
 def _load_model(model_path, dtype, trust_remote_code: bool):
@@ -293,7 +294,7 @@ class TorchTrainer:
 
                 self._swaps = [SwapSet.from_module(model, pool, grads=True, device=self.device, name="trainer.params"),
                                SwapSet.from_optimizer(self.optimizer, pool, device=self.device,
-                                                      name="trainer.optim")]
+                                                      name=OPTIM_SET)]
                 self.offload_mode = "colomem"
             except ColomemError as e:      # e.g. a device the host path does not serve
                 log.warning("TorchTrainer: offload through the pool unavailable (%s); offload is a no-op", e)
@@ -380,7 +381,7 @@ class TorchTrainer:
         self._sync_source = None            # host views die with the offload
         nbytes = deferred = 0
         for s in self._swaps:
-            if s.name == "trainer.optim" and self.overlap_reload:   # read only by optimizer.step()
+            if s.name == OPTIM_SET and self.overlap_reload:   # read only by optimizer.step()
                 self._pending.add(s.reload_async(ordered=False))
                 deferred += s.nbytes
             else:
