@@ -37,7 +37,7 @@ def snapshot(t):
 
 
 def train(tiny, mode: str, steps: int = 4):
-    from colomem.engines.torch_cpu import TorchTrainer
+    from colomem.engines.stand_ins import TorchTrainer
     from colomem.grpo.config import GRPOConfig
 
     pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB") if mode != "resident" else None
@@ -70,7 +70,7 @@ def test_overlapped_reload_trains_bit_identically(tiny):
 
 
 def test_wait_reload_restores_the_optimizer_state_and_offload_right_after_is_safe(tiny):
-    from colomem.engines.torch_cpu import TorchTrainer
+    from colomem.engines.stand_ins import TorchTrainer
 
     pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
     t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool)

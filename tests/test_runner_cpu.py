@@ -135,7 +135,7 @@ def test_lora_run_syncs_merged_weights(cache_env, tmp_path):
 
 def test_sync_moves_trained_weights_into_the_rollout(cache_env):
     """Train one step, sync: the rollout's sampled logprobs equal the trained policy's, not the old ones."""
-    from colomem.engines.torch_cpu import HFRollout, TorchTrainer
+    from colomem.engines.stand_ins import HFRollout, TorchTrainer
     from colomem.grpo.batch import build_batch
     from colomem.grpo.config import GRPOConfig
     from colomem.grpo.step import policy_logprobs
@@ -191,7 +191,7 @@ def test_phase_machine_order():
 
 
 def test_rollout_and_trainer_refuse_out_of_order_calls(cache_env):
-    from colomem.engines.torch_cpu import HFRollout, TorchTrainer
+    from colomem.engines.stand_ins import HFRollout, TorchTrainer
     from colomem.grpo.tasks import make_task
     from colomem.grpo.tiny_model import model_dir
     from colomem.pool import PinnedPool

@@ -131,7 +131,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             trainer = DeepSpeedTrainer(model_path, **accepted_kwargs(DeepSpeedTrainer, tkw, "DeepSpeedTrainer"))
         else:
             pool = _pool(cfg, cpu=True)
-            from colomem.engines.torch_cpu import HFRollout, TorchTrainer
+            from colomem.engines.stand_ins import HFRollout, TorchTrainer
 
             rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code)

@@ -1,0 +1,120 @@
+"""The two sides of a phase switch, as the runner sees them: `Rollout` and `Trainer`.
+
+The runner calls only what these protocols declare (no `getattr` probing), and a type checker run in CI
+checks every engine against them: vLLM + DeepSpeed on a GPU (`engines.vllm`, `engines.deepspeed`) and the
+CPU stand-ins (`engines.stand_ins`). A new engine implements one of them and nothing else.
+
+The rollout's phases are named here once; the runner's step phases live in `colomem.runner.phases`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:      # the protocols import nothing heavy at run time
+    from torch import Tensor
+
+    from colomem.grpo.batch import Completion, GRPOBatch
+
+    from .reports import SwitchReport, SyncStats
+
+# What a rollout engine holds on the GPU (Rollout.phase).
+AWAKE = "awake"            # weights and KV cache: it can generate
+WEIGHTS_ONLY = "weights"   # weights woken, KV cache still asleep: the sync and the check run here
+ASLEEP = "asleep"          # neither: the trainer has the GPU
+CLOSED = "closed"
+ROLLOUT_PHASES = (AWAKE, WEIGHTS_ONLY, ASLEEP, CLOSED)
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """Generates completions; sleeps while the trainer trains and takes the trainer's weights on waking.
+
+    Order within a step: sleep -> wake_weights -> load_weights -> check -> wake_kv -> generate -> sleep.
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine holds (the trainer's optimizer steps when they were sent)."""
+        ...
+
+    @property
+    def phase(self) -> str:
+        """One of ROLLOUT_PHASES."""
+        ...
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds of the engine's last sleep / wake calls (reported as rollout/* metrics)."""
+        ...
+
+    def expect_version(self, version: int) -> None:
+        """The trainer moved to `version`: generating with older weights raises StaleWeightsError."""
+        ...
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
+                 top_p: float, seed: int) -> list[list["Completion"]]:
+        ...
+
+    def sleep(self) -> None:
+        """Frees the GPU: KV cache dropped, weights dropped or kept in host memory."""
+        ...
+
+    def wake_weights(self) -> None:
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "Tensor"]], version: int) -> "SyncStats":
+        ...
+
+    def check(self) -> None:
+        """Cheap check of the weights after the sync; raises WeightCheckError."""
+        ...
+
+    def wake_kv(self) -> None:
+        ...
+
+    def memory(self) -> dict:
+        """What the engine holds (bytes by kind); for the memory table."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Trains on a batch; leaves the GPU (offload) while the rollout runs and comes back (reload)."""
+
+    @property
+    def last_offload(self) -> Optional["SwitchReport"]:
+        """The last offload's report (None before the first, or for a trainer that does not move)."""
+        ...
+
+    @property
+    def last_reload(self) -> Optional["SwitchReport"]:
+        ...
+
+    def train_step(self, batch: "GRPOBatch") -> dict[str, float]:
+        """One optimizer step; `reload_wait_s` in the result is time spent waiting for state still
+        reloading (a switch cost the runner takes out of the train phase)."""
+        ...
+
+    def offload(self) -> None:
+        """All trainer GPU state into host memory; the memory goes back to the driver."""
+        ...
+
+    def reload(self) -> None:
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, "Tensor"]]:
+        """(HF name, tensor) of the policy's weights for the sync, LoRA merged; host views while offloaded."""
+        ...
+
+    def memory(self) -> dict:
+        """What the trainer holds (bytes by kind, `pinned_pool` when it owns its pool)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+__all__ = ["ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]
