@@ -1,0 +1,1 @@
+"""Fakes of the outside engines (vLLM, DeepSpeed) that several test files share; real torch underneath."""
