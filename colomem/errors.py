@@ -47,6 +47,11 @@ class PhaseOrderError(ColomemError):
     """A colocated-runner transition was asked for out of order (for example wake before offload)."""
 
 
+class ConfigError(InvalidArgumentError):
+    """A config value is missing, of the wrong type or out of range; the message names the field and, where
+    known, where the value came from (a flag or a YAML file)."""
+
+
 class PeerClosedError(PeerError):
     """The other end of a bridge closed it (or its process ended): nothing more will come."""
 
@@ -111,7 +116,7 @@ def _class_named(name: str) -> Optional[type]:
 
 
 __all__ = [
-    "ColomemError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError", "DoubleReleaseError",
+    "ColomemError", "ConfigError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError", "DoubleReleaseError",
     "ForeignTensorError", "InvalidArgumentError", "NotAvailableError", "PeerAbortedError", "PeerClosedError",
     "PeerError", "PhaseOrderError", "PoolBusyError", "PoolClosedError", "PoolExhaustedError",
     "StaleWeightsError", "TransferTimeoutError", "WeightCheckError", "error_payload", "is_error_payload",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union, cast
 
 import torch
 
@@ -41,6 +41,11 @@ class _Entry:
     storage: torch.UntypedStorage
     nbytes: int
     block: Optional[Block] = None
+
+
+def _block(e: _Entry) -> Block:
+    """The entry's pool block; only called where _take_blocks gave every entry one."""
+    return cast(Block, e.block)
 
 
 @dataclass
@@ -287,9 +292,9 @@ class SwapSet:
         entries = self._plan()
         self._take_blocks(entries)
         self._entries = entries
-        device = self._device
+        device = cast(torch.device, self._device)       # _plan() found the set's device
         eng = _torch.engine_for(device)
-        copies = [(e.block.address, e.storage.data_ptr(), e.nbytes) for e in entries]
+        copies = [(_block(e).address, e.storage.data_ptr(), e.nbytes) for e in entries]
         t0 = time.perf_counter()
         try:
             transfer = eng.submit("d2h", copies, wait_stream=_torch.stream_handle(device), timing=timing)
@@ -329,7 +334,7 @@ class SwapSet:
             for e in grown:
                 e.storage.resize_(0)  # roll back: the set stays fully offloaded, bytes safe in the pool
             need = sum(e.nbytes for e in self._entries)
-            free, total = _torch.mem_get_info(self._device)
+            free, total = _torch.mem_get_info(cast(torch.device, self._device))
             raise CudaOutOfMemoryError(
                 f"{self.name}: reload needs {format_bytes(need)} on {self._device} but only {format_bytes(free)} "
                 f"of {format_bytes(total)} is free. Free GPU memory first (put the rollout engine to sleep, "
@@ -363,9 +368,9 @@ class SwapSet:
             alloc_ms = self._timed_regrow()
         else:
             alloc_ms = _grown_ms
-        device = self._device
+        device = cast(torch.device, self._device)       # an offloaded set knows its device
         stream = _torch.stream_handle(device)
-        copies = [(e.storage.data_ptr(), e.block.address, e.nbytes) for e in self._entries]
+        copies = [(e.storage.data_ptr(), _block(e).address, e.nbytes) for e in self._entries]
         t0 = time.perf_counter()
         try:
             # Wait for the current stream first (the allocator may hand out memory it still reads), and make

@@ -3,7 +3,9 @@ import pytest
 import yaml
 
 from colomem.errors import InvalidArgumentError
-from colomem.grpo.config import ConfigError, GRPOConfig, LoraSpec, RunConfig, config_from_dict, load_run_config
+from colomem.errors import ConfigError
+from colomem.grpo.config import GRPOConfig, LoraSpec
+from colomem.runner.config import RunConfig, config_from_dict, load_run_config
 
 
 def _yaml(tmp_path, data, name="job.yaml"):
@@ -135,7 +137,7 @@ def test_models_can_be_built_in_code():
 def test_every_flag_is_documented():
     from pathlib import Path
 
-    from colomem.grpo.config import _flag_table
+    from colomem.runner.config import _flag_table
     doc = (Path(__file__).resolve().parents[1] / "docs" / "colocated-training.md").read_text()
     missing = [f for f in _flag_table() if f"`{f}" not in doc and f"{f}`" not in doc and f"{f}," not in doc]
     assert not missing, f"flags missing from docs/colocated-training.md: {missing}"

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from colomem.errors import CudaOutOfMemoryError, PhaseOrderError, StaleWeightsError
-from colomem.grpo.config import RunConfig, config_from_dict
+from colomem.runner.config import RunConfig, config_from_dict
 from colomem.grpo.rewards import RewardFunctionError
 from colomem.runner import CYCLE, PhaseMachine, run_job
 from colomem.runner.backends import build_engines

@@ -55,7 +55,7 @@ WORKER = textwrap.dedent(r'''
             sys.exit(3)
     elif mode == "run":
         import torch
-        from colomem.grpo.config import config_from_dict
+        from colomem.runner.config import config_from_dict
         from colomem.runner import run_job
         from colomem.runner.backends import build_engines
         seen = {}

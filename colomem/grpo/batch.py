@@ -12,7 +12,7 @@ loss instead (their advantage still counts in their group's statistics).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ class GRPOBatch:
         return int(self.completion_mask.sum().item())
 
     def _map(self, fn) -> "GRPOBatch":
-        kw = {}
+        kw: dict[str, Any] = {}
         for name in ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logprobs",
                      "ref_logprobs", "rewards"):
             t = getattr(self, name)

@@ -1,28 +1,14 @@
-"""Run configuration: pydantic models loaded from a YAML file and CLI flags (flags win).
-
-Every field of `RunConfig`, `GRPOConfig` and `LoraSpec` is a flag: `--steps 40`, `--clip-eps 0.2`,
-`--lora` (enable with defaults), `--lora-r 16`, `--no-lora`. Validation errors name the field and where its
-value came from, e.g. ``grpo.clip_eps = -1 (from --clip-eps): Input should be greater than 0``.
+"""The GRPO algorithm's options (`GRPOConfig`) and a LoRA adapter's shape (`LoraSpec`): what the loss, the
+rollout sampling and both trainers read. The whole run's configuration is `colomem.runner.config.RunConfig`.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import types
-import typing
-from pathlib import Path
+import warnings
 from typing import Any, Literal, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from colomem._checkpoint import checkpoint_problem
-from colomem.errors import InvalidArgumentError
-from colomem.units import parse_bytes
-
-
-class ConfigError(InvalidArgumentError):
-    """A config value is missing, of the wrong type or out of range; the message names the field."""
+from colomem.errors import ConfigError  # noqa: F401  (re-exported: where it was before)
 
 
 class _Strict(BaseModel):
@@ -63,281 +49,19 @@ class GRPOConfig(_Strict):
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
-class RunConfig(_Strict):
-    """One colocated GRPO run. configs/default.yaml is the embedded tiny job."""
-    # what to train
-    model: Optional[str] = Field(None, description="local checkpoint directory; unset = config-built model")
-    model_shape: str = Field("tiny", description="shape of the config-built model when --model is unset")
-    task: str = Field("successor", description="built-in task (colomem.grpo.tasks)")
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    rewards: Optional[list[str]] = Field(None, description="reward fns: built-in names or module:function; "
-                                                           "unset = the task's reward")
-    trust_remote_code: bool = False
-    # schedule
-    steps: int = Field(40, gt=0)
-    cpu_steps: int = Field(20, gt=0, description="steps when the CPU backend runs and --steps is not given")
-    prompts_per_step: int = Field(32, gt=0, description="prompts per step over all ranks")
-    seed: int = 0
-    # trainer
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
-    micro_batch: int = Field(64, gt=0, description="sequences per forward/backward")
-    grad_accum: Optional[int] = Field(None, gt=0, description="unset = rows per rank / micro_batch")
-    zero_stage: int = Field(2, ge=0, le=3)
-    lora: Optional[LoraSpec] = None
-    gradient_checkpointing: bool = False
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    # rollout
-    gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
-    max_model_len: int = Field(256, gt=0)
-    tensor_parallel_size: int = Field(1, gt=0)
-    enforce_eager: bool = True
-    # phase switch
-    backend: Literal["auto", "gpu", "cpu"] = "auto"
-    switch: Literal["colomem", "timesplit"] = Field(
-        "colomem", description="colomem: pool swaps + weight bridge; timesplit: vLLM level-1 sleep + "
-                               "DeepSpeed offload_states (the baseline)")
-    sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")
-    weights_backup: Optional[Literal["vllm", "pool"]] = Field(None, description="unset: vllm")
-    pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
-    pool_max_bytes: Optional[str] = Field(None, description="pinned pool cap; unset = no cap")
-    bucket_bytes: str = Field("512MiB", description="weight-bridge bucket size")
-    sync_transport: Literal["listener", "socket", "rpc"] = Field(
-        "listener", description="weight sync into vLLM: listener (a thread in vLLM's worker, no RPC), socket "
-                                "(one RPC per sync), rpc (one RPC per bucket)")
-    overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
-                                                   "masters, Adam moments) reloads behind forward/backward")
-    phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
-    barrier_timeout_s: float = Field(300.0, gt=0, description="longest a rank waits for the others")
-    # output
-    out: Optional[str] = Field(None, description="output directory; unset = runs/<timestamp>")
-    plots: bool = True
-    progress: bool = True
-    memory_alarm_mib: float = Field(256.0, ge=0, description="alarm when memory left after sleep grows more")
-    log_samples: int = Field(2, ge=0, description="completions printed per step by rank 0 (verbose)")
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-
-    _explicit: set[str] = PrivateAttr(default_factory=set)   # fields set on the command line
-
-    @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes")
-    @classmethod
-    def _size(cls, v):
-        if v is not None:
-            parse_bytes(v)
-        return v
-
-    @field_validator("model")
-    @classmethod
-    def _model_exists(cls, v):
-        if v is None:
-            return v
-        problem = checkpoint_problem(v)
-        if problem:
-            raise ValueError(problem + " (or leave --model unset for the config-built model)")
-        return str(Path(v).expanduser().resolve())
-
-    @model_validator(mode="after")
-    def _cross(self):
-        if self.tensor_parallel_size > 1 and self.backend == "cpu":
-            raise ValueError("tensor_parallel_size > 1 needs the gpu backend")
-        return self
-
-    # derived settings -------------------------------------------------------------------------------------
-    @property
-    def effective_sleep_level(self) -> int:
-        if self.sleep_level is not None:
-            return self.sleep_level
-        return 2 if self.switch == "colomem" else 1   # colomem refills weights through the bridge anyway
-
-    @property
-    def effective_weights_backup(self) -> str:
-        return self.weights_backup or "vllm"
-
-    @property
-    def trainer_offload(self) -> str:
-        return "colomem" if self.switch == "colomem" else "deepspeed"
-
-    def explicitly_set(self, name: str) -> bool:
-        """True when the field came from the command line (not the YAML file or a default)."""
-        return name in self._explicit
-
-    def steps_for(self, backend: str) -> int:
-        if backend == "cpu" and not self.explicitly_set("steps"):
-            return min(self.steps, self.cpu_steps)
-        return self.steps
+# One release of the old home of the run configuration: `colomem.grpo.config.RunConfig` and its loaders now
+# live in `colomem.runner.config` (imported lazily: that module imports this one).
+_MOVED = ("RunConfig", "load_run_config", "config_from_dict", "build_arg_parser", "load_yaml")
 
 
-# ------------------------------------------------------------------------------------------------ loading
-_SUBMODELS = {"grpo": GRPOConfig, "lora": LoraSpec}
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(f"colomem.grpo.config.{name} moved to colomem.runner.config.{name}", DeprecationWarning,
+                      stacklevel=2)
+        from colomem.runner import config as _run_config
+
+        return getattr(_run_config, name)
+    raise AttributeError(f"module 'colomem.grpo.config' has no attribute {name!r}")
 
 
-def _flag(name: str, prefix: str = "") -> str:
-    return "--" + (prefix + name).replace("_", "-")
-
-
-def _flag_table() -> dict[str, tuple[str, ...]]:
-    """flag -> path of the field it sets, e.g. '--clip-eps' -> ('grpo', 'clip_eps')."""
-    table: dict[str, tuple[str, ...]] = {}
-    for name in RunConfig.model_fields:
-        if name not in _SUBMODELS:
-            table[_flag(name)] = (name,)
-    for name in GRPOConfig.model_fields:
-        assert _flag(name) not in table, f"flag clash: {name}"
-        table[_flag(name)] = ("grpo", name)
-    for name in LoraSpec.model_fields:
-        table[_flag(name, "lora_")] = ("lora", name)
-    return table
-
-
-def _annotation(path: tuple[str, ...]):
-    model = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
-    return model.model_fields[path[-1]].annotation
-
-
-_UNION_TYPES = (typing.Union, getattr(types, "UnionType", typing.Union))
-
-
-def _unwrap(ann):
-    """Optional[X] -> (X, True); X -> (X, False)."""
-    args = [a for a in typing.get_args(ann) if a is not type(None)]
-    if typing.get_origin(ann) in _UNION_TYPES and len(args) == 1:
-        return args[0], True
-    return ann, False
-
-
-def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
-    """CLI strings -> Python values; pydantic does the type coercion and the checks."""
-    ann, optional = _unwrap(_annotation(path))
-    if optional and raw.strip().lower() in ("none", "null", ""):
-        return None
-    origin = typing.get_origin(ann)
-    if origin is list:
-        return [s.strip() for s in raw.split(",") if s.strip()]
-    if origin is dict or ann is dict:
-        val = yaml.safe_load(raw)
-        return val if val is not None else {}
-    if ann is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-    return raw
-
-
-def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="YAML file with RunConfig fields (flags override it)")
-    p.add_argument("--lora", dest="lora_on", action="store_const", const=True, default=None,
-                   help="train a LoRA adapter (--lora-r/--lora-alpha/... set it up)")
-    p.add_argument("--no-lora", dest="lora_on", action="store_const", const=False, help="full fine-tuning")
-    for flag, path in _flag_table().items():
-        ann, _ = _unwrap(_annotation(path))
-        model = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
-        help_ = model.model_fields[path[-1]].description or ""
-        dest = "f__" + "__".join(path)
-        if ann is bool:
-            p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_,
-                           metavar="true|false")
-            p.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="false",
-                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        else:
-            p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_, metavar=path[-1].upper())
-    return p
-
-
-def _format_validation(err: ValidationError, sources: dict[tuple[str, ...], str], data: dict) -> str:
-    lines = []
-    for e in err.errors():
-        loc = tuple(str(x) for x in e["loc"])
-        name = ".".join(loc) or "config"
-        src = sources.get(loc) or sources.get(loc[:2]) or sources.get(loc[:1])
-        val = data
-        for part in loc:
-            val = val.get(part) if isinstance(val, dict) else None
-        got = "" if e["type"] == "missing" else f" = {val!r}"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; `--help` lists every field)"
-        lines.append(f"  {name}{got}{f' (from {src})' if src else ''}: {msg}")
-    return "invalid run config:\n" + "\n".join(lines)
-
-
-def _set_path(data: dict, path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
-        cur = data.get(part)
-        if not isinstance(cur, dict):
-            cur = {}
-            data[part] = cur
-        data = cur
-    data[path[-1]] = value
-
-
-def load_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a mapping of RunConfig fields, "
-                          f"got {type(data).__name__}")
-    return data
-
-
-def config_from_dict(data: dict, sources: Optional[dict] = None, explicit: Optional[set] = None) -> RunConfig:
-    data = dict(data)
-    if data.get("lora") is True:            # `lora: true` in YAML = LoRA with defaults
-        data["lora"] = {}
-    if data.get("lora") is False:
-        data["lora"] = None
-    try:
-        cfg = RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_validation(e, sources or {}, data)) from None
-    cfg._explicit = set(explicit or ())
-    return cfg
-
-
-def load_run_config(argv: Optional[list[str]] = None, *, defaults_yaml: Optional[str] = None,
-                    parser: Optional[argparse.ArgumentParser] = None) -> RunConfig:
-    """Defaults < `defaults_yaml` < `--config FILE` < flags."""
-    parser = parser or build_arg_parser()
-    ns = parser.parse_args(argv)
-    data: dict[str, Any] = {}
-    sources: dict[tuple[str, ...], str] = {}
-    for yml in (defaults_yaml, ns.config):
-        if yml:
-            loaded = load_yaml(yml)
-            for k, v in loaded.items():
-                data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
-                sources[(k,)] = str(yml)
-                if isinstance(v, dict):
-                    for kk in v:
-                        sources[(k, kk)] = str(yml)
-    explicit: set[str] = set()
-    if ns.lora_on is True and not isinstance(data.get("lora"), dict):
-        data["lora"] = {}
-        sources[("lora",)] = "--lora"
-    elif ns.lora_on is False:
-        data["lora"] = None
-        sources[("lora",)] = "--no-lora"
-    flags = {v: k for k, v in _flag_table().items()}
-    for dest, raw in vars(ns).items():
-        if not dest.startswith("f__"):
-            continue
-        path = tuple(dest[3:].split("__"))
-        if path[0] == "lora" and data.get("lora") is None:
-            if ns.lora_on is False:
-                raise ConfigError(f"{flags[path]} given together with --no-lora")
-            data["lora"] = {}                 # a --lora-* flag implies --lora
-        _set_path(data, path, _parse_flag_value(path, raw))
-        sources[path] = flags[path]
-        explicit.add(".".join(path))
-    if ns.lora_on is not None:
-        explicit.add("lora")
-    return config_from_dict(data, sources, explicit)
+__all__ = ["ConfigError", "GRPOConfig", "LoraSpec"]

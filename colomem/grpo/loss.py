@@ -113,7 +113,7 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
     elif kl_coef > 0:
         raise InvalidArgumentError("kl_coef > 0 needs batch.ref_logprobs (the reference model's logprobs)")
     pg_loss = masked_mean(pg, mask, loss_norm)
-    unweighted = pg_loss + kl_coef * masked_mean(kl, mask, loss_norm) if kl_coef > 0 else pg_loss
+    unweighted = pg_loss + kl_coef * masked_mean(kl, mask, loss_norm) if kl is not None and kl_coef > 0 else pg_loss
     loss = unweighted * batch.loss_weight
 
     with torch.no_grad():

@@ -33,7 +33,7 @@ class RewardFunctionError(ColomemError):
 
 def batched(fn: RewardFn) -> RewardFn:
     """Mark `fn` as taking lists (prompts, completions, **meta lists) and returning one value per sample."""
-    fn.colomem_batched = True
+    setattr(fn, "colomem_batched", True)   # read by score(); a marker attribute, as functools.wraps keeps it
     return fn
 
 

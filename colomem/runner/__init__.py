@@ -1,7 +1,7 @@
 """The colocated GRPO runner: phases in a guarded order, bounded waits, timeline, memory table, metrics.
 
     from colomem.runner import run_job
-    from colomem.grpo.config import load_run_config
+    from colomem.runner.config import load_run_config
     result = run_job(load_run_config(["--steps", "5"]))
 
 `python runners/grpo_colocated.py --help` lists every option; docs/colocated-training.md explains them.

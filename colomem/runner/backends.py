@@ -8,7 +8,6 @@ machine expects: trainer resident, rollout asleep.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -17,8 +16,8 @@ from colomem.errors import InvalidArgumentError, NotAvailableError
 
 log = logging.getLogger(__name__)
 
-GPU_NEEDS = ("a CUDA GPU visible to torch, vllm==0.24.0 and deepspeed==0.19.8 (pip install 'colomem[gpu]', or "
-             "the GPU kit), and colomem built with CUDA (nvcc at build time)")
+GPU_NEEDS = ("a CUDA GPU visible to torch, vllm==0.24.0 and deepspeed==0.19.8 (pip install 'colomem[gpu]'), "
+             "and colomem built with CUDA (nvcc at build time)")
 
 
 @dataclass
@@ -71,20 +70,6 @@ def resolve_backend(choice: str) -> tuple[str, str]:
     return "gpu", "GPU backend (auto): vLLM rollouts + DeepSpeed training on the same GPU"
 
 
-def accepted_kwargs(cls: Callable, kwargs: dict, what: str) -> dict:
-    """The kwargs `cls` accepts; the rest are dropped with a warning (an adapter that lags the config)."""
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    dropped = sorted(k for k in kwargs if k not in params)
-    if dropped:
-        log.warning("%s does not accept %s; left out", what, ", ".join(dropped))
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
 def _pool(cfg, *, cpu: bool):
     if cfg.switch != "colomem":
         return None
@@ -108,8 +93,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 # refuse before anything is started instead of hanging in vLLM's startup.
                 raise InvalidArgumentError(
                     f"tensor_parallel_size={cfg.tensor_parallel_size} is not supported by the colocated runner "
-                    f"yet (vLLM engines spanning torchrun ranks and the per-shard weight sync are issue 5); run "
-                    f"one engine per GPU: torchrun --nproc-per-node N with tensor_parallel_size=1 (data parallel)")
+                    f"yet (vLLM engines spanning torchrun ranks need a per-shard weight sync); run one engine per "
+                    f"GPU: torchrun --nproc-per-node N with tensor_parallel_size=1 (data parallel)")
             pool = _pool(cfg, cpu=False)
             from colomem.engines.vllm import VLLMRollout
 
@@ -117,9 +102,10 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                        tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
                        enforce_eager=cfg.enforce_eager, lora=cfg.lora, sleep_level=cfg.effective_sleep_level,
                        weights_backup=cfg.effective_weights_backup, trust_remote_code=cfg.trust_remote_code,
-                       bucket_bytes=cfg.bucket_bytes, sync_transport=cfg.sync_transport, dtype=cfg.dtype,
+                       bucket_bytes=cfg.bucket_bytes, sync_transport=cfg.sync_transport,
+                       engine_in_process=cfg.engine_in_process, dtype=cfg.dtype,
                        device=ranks.local_rank)
-            rollout = VLLMRollout(model_path, **accepted_kwargs(VLLMRollout, rkw, "VLLMRollout"))
+            rollout = VLLMRollout(model_path, **rkw)
             rollout.sleep()                      # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer
 
@@ -128,7 +114,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                        trust_remote_code=cfg.trust_remote_code, grpo=cfg.grpo, offload=cfg.trainer_offload,
                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
                        timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload)
-            trainer = DeepSpeedTrainer(model_path, **accepted_kwargs(DeepSpeedTrainer, tkw, "DeepSpeedTrainer"))
+            trainer = DeepSpeedTrainer(model_path, **tkw)
         else:
             pool = _pool(cfg, cpu=True)
             from colomem.engines.stand_ins import HFRollout, TorchTrainer
@@ -167,6 +153,6 @@ def close_engines(engines: Engines, log_fn: Optional[Callable[[str], None]] = No
         except Exception as e:  # noqa: BLE001
             errors.append(f"closing the pinned pool failed: {type(e).__name__}: {e}")
         engines.pool = None
-    for e in errors:
-        (log_fn or log.warning)(e)
+    for text in errors:
+        (log_fn or log.warning)(text)
     return errors

@@ -18,7 +18,8 @@ Several GPUs: torchrun --nproc-per-node N runners/grpo_colocated.py ...
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from colomem.grpo.config import ConfigError, build_arg_parser, load_run_config
+    from .config import build_arg_parser, load_run_config
+    from colomem.errors import ConfigError
 
     from .loop import run_job
 

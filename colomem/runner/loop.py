@@ -23,30 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, StaleWeightsError)
+from colomem.engines.protocols import ASLEEP, Rollout, Trainer
+from colomem.engines.reports import SyncStats
+from colomem.errors import ColomemError, CudaOutOfMemoryError, InvalidArgumentError, StaleWeightsError, is_oom
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import Ranks
-from .timeline import MemoryAlarm, MetricsWriter, StepRecord, memory_snapshot, memory_table, phase_table
+from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot, memory_table, phase_table
 
 log = logging.getLogger(__name__)
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, MemoryError) or type(e).__name__ in ("OutOfMemoryError", "CudaOutOfMemoryError")
-
-
-def _median(xs: Sequence[float]) -> Optional[float]:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
-def _mean(xs: Sequence[float]) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def default_out_dir() -> Path:
@@ -63,7 +53,7 @@ class RunResult:
 class ColocatedRunner:
     """Runs the steps of one colocated GRPO job on built engines (see run_job for the whole job)."""
 
-    def __init__(self, cfg, *, rollout, trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
+    def __init__(self, cfg, *, rollout: Rollout, trainer: Trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
                  metric_specs=(), writer: Optional[MetricsWriter] = None, rank_writer: Optional[MetricsWriter] = None,
                  device: Optional[int] = None, grad_accum: int = 1, print_fn: Callable[[str], None] = print):
         self.cfg = cfg
@@ -85,10 +75,9 @@ class ColocatedRunner:
     # -- phases -------------------------------------------------------------------------------------------
     def _memory(self) -> dict:
         extra = 0
-        mem = getattr(self.trainer, "memory", None)
-        if self.pool is None and callable(mem):
+        if self.pool is None:
             try:
-                extra = int(mem().get("pinned_pool", 0) or 0)      # a trainer that owns its pool
+                extra = int(self.trainer.memory().get("pinned_pool", 0) or 0)   # a trainer that owns its pool
             except Exception:  # noqa: BLE001  (memory reporting must not break a step)
                 extra = 0
         try:
@@ -129,8 +118,7 @@ class ColocatedRunner:
         """After a failure while vLLM may be awake: sleep again so its memory is free. Returns a note."""
         if not self.rollout_awake:
             return None
-        phase = getattr(self.rollout, "phase", None)
-        if phase == "asleep":
+        if self.rollout.phase == ASLEEP:
             self.rollout_awake = False
             return "the rollout engine was already asleep"
         try:
@@ -205,7 +193,7 @@ class ColocatedRunner:
                 self.rollout.wake_kv()
             current = "rollout"
             with self.phase(rec, "rollout"):
-                held = getattr(self.rollout, "weight_version", self.version)
+                held = self.rollout.weight_version
                 if held != self.version:
                     raise StaleWeightsError(f"step {k}: the rollout holds weights version {held}, the trainer "
                                             f"is at {self.version}; refusing to generate")
@@ -219,7 +207,7 @@ class ColocatedRunner:
                 self.rollout_awake = False
         except BaseException as e:
             note = self._put_rollout_to_sleep()
-            if _is_oom(e):
+            if is_oom(e):
                 raise self._oom_error(current, k, e, note) from e
             if note and isinstance(e, Exception):
                 log.error("step %d failed in %s; %s", k, current, note)
@@ -243,13 +231,11 @@ class ColocatedRunner:
                 rec.phase_s["train"] -= wait
                 rec.phase_s["reload_wait"] = wait
         except BaseException as e:
-            if _is_oom(e):
+            if is_oom(e):
                 raise self._oom_error(self.machine.failed or "train", k, e, None) from e
             raise
         self.version += 1
-        announce = getattr(self.rollout, "expect_version", None)
-        if callable(announce):
-            announce(self.version)
+        self.rollout.expect_version(self.version)
         rec.step_s = time.perf_counter() - t_step
 
         rec.metrics.update(stats)
@@ -326,26 +312,20 @@ class ColocatedRunner:
                               "answer": metas[j].get("answer")})
         return batch, stats, shown
 
-    def _switch_details(self, sync) -> dict:
-        out = {}
+    def _switch_details(self, sync: Optional[SyncStats]) -> dict:
+        out: dict[str, Any] = {}
         if sync is not None:
-            for k in ("nbytes", "ntensors", "nbuckets", "seconds"):
-                v = getattr(sync, k, None)
-                if v is not None:
-                    out[f"sync/{k}"] = v
-        for side, attr in (("offload", "last_offload"), ("reload", "last_reload")):
-            rep = getattr(self.trainer, attr, None)
+            out.update({"sync/nbytes": sync.nbytes, "sync/ntensors": sync.ntensors, "sync/nbuckets": sync.nbuckets,
+                        "sync/seconds": sync.seconds})
+        for side, rep in (("offload", self.trainer.last_offload), ("reload", self.trainer.last_reload)):
             if rep is None:
                 continue
-            d = rep.to_dict() if hasattr(rep, "to_dict") else (rep if isinstance(rep, dict) else {})
-            for k, v in d.items():
+            for k, v in rep.to_dict().items():
                 if isinstance(v, (int, float, str, bool)) or v is None:
                     out[f"trainer_{side}/{k}"] = v
-        timings = getattr(self.rollout, "timings", None)
-        if isinstance(timings, dict):
-            for k, v in timings.items():
-                if isinstance(v, (int, float)):
-                    out[f"rollout/{k}"] = v
+        for k, v in self.rollout.timings.items():
+            if isinstance(v, (int, float)):
+                out[f"rollout/{k}"] = v
         return out
 
     # -- the run ------------------------------------------------------------------------------------------
@@ -394,10 +374,10 @@ class ColocatedRunner:
             "reward_last5_mean": _mean(rewards[-5:]),
             "accuracy_first5_mean": _mean(acc[:5]),
             "accuracy_last5_mean": _mean(acc[-5:]),
-            "step_s_median": _median([r.step_s for r in warm]),
-            "switch_s_median": _median([r.switch_s for r in warm]),
-            "switch_overhead_fraction": _median([r.switch_s / r.step_s for r in warm if r.step_s]),
-            "phase_s_median": {p: _median([r.phase_s.get(p) for r in warm]) for p in phases},
+            "step_s_median": median([r.step_s for r in warm]),
+            "switch_s_median": median([r.switch_s for r in warm]),
+            "switch_overhead_fraction": median([r.switch_s / r.step_s for r in warm if r.step_s]),
+            "phase_s_median": {p: median([r.phase_s.get(p) for r in warm]) for p in phases},
             "gpu_used_after_sleep_max": max([x for x in after_sleep if x is not None], default=None),
             "gpu_used_max": max([v.get("driver_used") or 0 for r in recs for v in r.memory.values()
                                  if isinstance(v, dict)], default=None) or None,
@@ -437,7 +417,7 @@ def _grad_accum(cfg, world: int) -> int:
     micro = min(cfg.micro_batch, rows)
     need = math.ceil(rows / micro)
     if cfg.grad_accum is not None and cfg.grad_accum * cfg.micro_batch < rows:
-        from colomem.grpo.config import ConfigError
+        from colomem.errors import ConfigError
         raise ConfigError(f"invalid run config: grad_accum ({cfg.grad_accum}) x micro_batch ({cfg.micro_batch}) = "
                           f"{cfg.grad_accum * cfg.micro_batch} rows, but each rank trains on {rows} rows per step "
                           f"(prompts_per_step {cfg.prompts_per_step} / {world} ranks x group_size "
@@ -557,7 +537,7 @@ def _check_lengths(cfg, task, tokenizer) -> None:
     longest = max(len(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) for s in sample)
     new = cfg.grpo.max_new_tokens or task.max_new_tokens
     if longest + new > cfg.max_model_len:
-        from colomem.grpo.config import ConfigError
+        from colomem.errors import ConfigError
         raise ConfigError(f"invalid run config: max_model_len ({cfg.max_model_len}) is shorter than a prompt "
                           f"({longest} tokens) plus max_new_tokens ({new}); raise --max-model-len")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from colomem.errors import InvalidArgumentError
 
@@ -42,7 +42,7 @@ class Ranks:
     local_rank: int = 0
     tp: int = 1
     barrier_timeout_s: float = 300.0
-    group: object = None                 # gloo group for barriers / metric reductions (None: world 1)
+    group: Any = None                    # gloo group for barriers / metric reductions (None: world 1)
     owns_process_group: bool = False
 
     @property

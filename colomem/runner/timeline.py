@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, TextIO
 
 from colomem.units import format_bytes
 
@@ -82,13 +83,14 @@ class MetricsWriter:
         self.path = os.fspath(path)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._fsync = fsync
-        self._f = open(self.path, "a", encoding="utf-8")
+        f = open(self.path, "a", encoding="utf-8")
         # a previous writer killed mid-line leaves a partial line: start on a fresh one
-        if self._f.tell() > 0:
+        if f.tell() > 0:
             with open(self.path, "rb") as r:
                 r.seek(-1, os.SEEK_END)
                 if r.read(1) != b"\n":
-                    self._f.write("\n")
+                    f.write("\n")
+        self._f: Optional[TextIO] = f
 
     def write(self, record: dict) -> None:
         if self._f is None:
@@ -149,6 +151,13 @@ class MemoryAlarm:
         return None
 
 
+def median(xs: Sequence[Optional[float]]) -> Optional[float]:
+    """The true median (the mean of the two middle values for an even count), None values left out; the
+    tables and summary.json use this one, so the same screen never shows two figures for one median."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
 def _fmt(n: Optional[float]) -> str:
     return "-" if n is None else format_bytes(n)
 
@@ -171,8 +180,7 @@ def memory_table(records: list[StepRecord]) -> str:
             continue
         cols = []
         for k in keys:
-            vals = sorted(v[k] for v in rows if v.get(k) is not None)
-            cols.append(_fmt(vals[len(vals) // 2]) if vals else "-")
+            cols.append(_fmt(median([v.get(k) for v in rows])))
         lines.append(f"| {phase} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -182,7 +190,9 @@ def phase_table(records: list[StepRecord], skip_first: bool = True) -> str:
     recs = records[1:] if skip_first and len(records) > 1 else records
     if not recs:
         return ""
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    def med(xs: list[float]) -> float:
+        return median(xs) or 0.0
+
     step = med([r.step_s for r in recs])
     lines = ["| phase | median s | share of step |", "| --- | --- | --- |"]
     for phase in REPORT_ORDER:

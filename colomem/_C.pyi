@@ -1,0 +1,232 @@
+"""Type stub of colomem's compiled core (pinned host pool, chunked copy engine, CUDA-IPC buffers, bridge
+sockets, checksums). Pointers, sizes and stream handles are Python ints; the core never links libtorch.
+
+tests/test_c_stub.py checks that this file names exactly what the built module has.
+"""
+from __future__ import annotations
+
+import collections.abc
+import typing
+
+
+class ColomemError(RuntimeError): ...
+class InvalidArgumentError(ColomemError, ValueError): ...
+class PoolExhaustedError(ColomemError, MemoryError): ...
+class DoubleReleaseError(ColomemError): ...
+class PoolClosedError(ColomemError): ...
+class PoolBusyError(ColomemError): ...
+class TransferTimeoutError(ColomemError, TimeoutError): ...
+class NotAvailableError(ColomemError): ...
+class CudaError(ColomemError):
+    status: int
+    status_name: str
+class CudaOutOfMemoryError(CudaError, MemoryError): ...
+class PeerError(ColomemError): ...
+
+__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'unpin_range']
+class HostPool:
+    """
+    Pinned (or plain) host memory, sub-allocated.
+    """
+    def __init__(self, initial_bytes: int = 0, max_bytes: int = 0, segment_bytes: int = 1073741824, pin: bool = True, huge_pages: bool = True, prefault_threads: int = 0, alignment: int = 4096, populate: bool = False) -> None:
+        ...
+    def alloc(self, nbytes: int) -> tuple[int, int, int]:
+        """
+        Returns (block_id, address, rounded size).
+        """
+    def close(self, force: bool = False) -> None:
+        ...
+    def free(self, block_id: int) -> None:
+        ...
+    def reserve(self, nbytes: int) -> None:
+        ...
+    def stats(self) -> dict:
+        ...
+    @property
+    def alignment(self) -> int:
+        ...
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def pinned(self) -> bool:
+        ...
+class Transfer:
+    """
+    An in-flight submission of copies.
+    """
+    def completed_copies(self) -> int:
+        ...
+    def done(self) -> bool:
+        ...
+    def elapsed_ms(self) -> float:
+        ...
+    def span_ms(self, others: collections.abc.Sequence[Transfer]) -> float:
+        """
+        Device ms from the earliest start to the latest end of this and `others` (timed, finished).
+        """
+    def wait(self, timeout_s: float) -> None:
+        ...
+    @property
+    def direction(self) -> str:
+        ...
+    @property
+    def nbytes(self) -> int:
+        ...
+    @property
+    def nchunks(self) -> int:
+        ...
+    @property
+    def ncopies(self) -> int:
+        ...
+class CopyEngine:
+    """
+    Chunked async copies; one stream per direction.
+    """
+    def __init__(self, device: int, chunk_bytes: int = 67108864, small_copy_bytes: int = 1048576) -> None:
+        ...
+    def stream(self, arg0: str) -> int:
+        ...
+    def submit(self, direction: str, copies: collections.abc.Sequence[tuple[int, int, int]], wait_stream: int = 0, signal_stream: int = 0, timing: bool = False) -> Transfer:
+        """
+        copies: list of (dst_address, src_address, nbytes). The engine stream first waits for work queued on wait_stream; signal_stream waits for completion.
+        """
+    @property
+    def chunk_bytes(self) -> int:
+        ...
+    @property
+    def device(self) -> int:
+        ...
+class UnixConnection:
+    """
+    A connected bridge socket: framed byte messages plus file descriptors, same-uid peers only.
+    """
+    @staticmethod
+    def connect(path: str, timeout: float = 30.0, peer_role: str = 'exporter') -> UnixConnection:
+        """
+        Connect to a UnixServer. PeerError if nobody listens or the server belongs to another user.
+        """
+    def close(self) -> None:
+        ...
+    def recv(self, timeout: float = 30.0) -> tuple[bytes, typing.Any]:
+        """
+        Receive one message -> (bytes, [fd, ...]); the caller owns the fds. TransferTimeoutError if none arrived in time (the connection stays usable); PeerError if the peer hung up or died.
+        """
+    def send(self, data: bytes, fds: collections.abc.Sequence[int] = [], timeout: float = 30.0) -> None:
+        """
+        Send one message; fds are borrowed (the peer gets duplicates).
+        """
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def peer_pid(self) -> int:
+        ...
+    @property
+    def peer_role(self) -> str:
+        ...
+    @property
+    def peer_uid(self) -> int:
+        ...
+class UnixServer:
+    """
+    A listening bridge socket in a fresh 0700 directory (socket mode 0600).
+    """
+    def __init__(self, dir: str = '', name: str = 'bridge.sock') -> None:
+        ...
+    def accept(self, timeout: float = 30.0, peer_role: str = 'importer') -> UnixConnection:
+        """
+        Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user.
+        """
+    def close(self) -> None:
+        ...
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def path(self) -> str:
+        ...
+class IpcBuffer:
+    """
+    A VMM device buffer mapped in this process.
+    """
+    def close(self) -> None:
+        """
+        Wait for the device to go idle, unmap, release this process's share. Idempotent.
+        """
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def device(self) -> int:
+        ...
+    @property
+    def nbytes(self) -> int:
+        ...
+    @property
+    def ptr(self) -> int:
+        ...
+    @property
+    def uuid(self) -> str:
+        ...
+class ExportableBuffer(IpcBuffer):
+    """
+    Device memory another process can map (cuMemCreate, POSIX-fd handle).
+    """
+    def __init__(self, device: int, nbytes: int) -> None:
+        ...
+    def export_fd(self) -> int:
+        """
+        A new fd for the allocation; the caller owns it (send it, then os.close it).
+        """
+    @property
+    def requested_nbytes(self) -> int:
+        ...
+class ImportedBuffer(IpcBuffer):
+    """
+    Another process's ExportableBuffer, mapped here.
+    """
+    def __init__(self, fd: int, nbytes: int, device: int) -> None:
+        """
+        fd stays owned by the caller; nbytes is the exporter's nbytes.
+        """
+def build_info() -> dict:
+    """
+    How this module was built, and what it sees at run time.
+    """
+def checksum(ptr: int, nbytes: int, stride_words: int = 1, stream: int = 0, device: int = -1) -> int:
+    """
+    64-bit order-dependent checksum of [ptr, ptr+nbytes). stride_words=1 reads every 8-byte word, N every N-th plus the last word and the tail. device=-1: host memory; else device memory on that GPU, computed on `stream` (synchronises only that stream).
+    """
+def checksum_buffer(data: typing.Any, stride_words: int = 1) -> int:
+    """
+    The checksum of a bytes-like object (host memory).
+    """
+def checksum_into(ptr: int, nbytes: int, stride_words: int, out: int, stream: int, device: int) -> None:
+    """
+    Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order.
+    """
+def copy_ranges(ops: int, count: int, dst_base: int = 0, src_base: int = 0, stream: int = 0, device: int = -1) -> None:
+    """
+    Copies `count` ranges, int64 triples (dst, src, nbytes) at host address `ops`, each address plus its base; destinations must not overlap (the copies may run concurrently). device >= 0: enqueued on `stream` (batched); device=-1: host memcpy now.
+    """
+def device_by_uuid(uuid: str) -> int:
+    """
+    This process's ordinal of the GPU with that UUID; NotAvailableError if it is not visible here.
+    """
+def device_count() -> int:
+    """
+    Visible CUDA devices (0 in the host-only build or without a driver).
+    """
+def device_uuid(device: int) -> str:
+    """
+    The GPU's UUID, 'GPU-xxxxxxxx-...'.
+    """
+def ipc_granularity(device: int) -> int:
+    """
+    VMM allocation granularity (bytes).
+    """
+def pin_range(address: int, nbytes: int) -> None:
+    ...
+def unpin_range(address: int) -> None:
+    ...
