@@ -6,7 +6,8 @@
 
 `python runners/grpo_colocated.py --help` lists every option; docs/colocated-training.md explains them.
 """
-from .loop import ColocatedRunner, RunResult, run_job
+from .job import run_job
+from .loop import ColocatedRunner, RunResult
 from .phases import CYCLE, PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import BarrierTimeoutError, Ranks
 

@@ -21,13 +21,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .config import build_arg_parser, load_run_config
     from colomem.errors import ConfigError
 
-    from .loop import run_job
+    from .job import run_job
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")           # nothing is downloaded
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(levelname)s %(message)s")
     parser = build_arg_parser(DESCRIPTION)
+    if os.path.basename(sys.argv[0]) == "__main__.py":
+        parser.prog = "python -m colomem.runner"
     try:
         cfg = load_run_config(argv, parser=parser)
     except ConfigError as e:

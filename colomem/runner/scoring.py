@@ -1,0 +1,71 @@
+"""The score phase of a step: rewards, group advantages, this rank's batch and the step's statistics."""
+from __future__ import annotations
+
+import math
+
+from colomem.errors import ColomemError
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Prompt text -> token ids, as the rollout sees them (no special tokens added)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def score_step(cfg, tokenizer, ranks, reward_specs, metric_specs, samples, gen_idx, train_idx, completions):
+    """Rewards for the generated groups, advantages per group, this rank's batch, global statistics.
+
+    Returns (batch, stats, shown): this rank's GRPOBatch, metrics summed over every rank (the train groups
+    partition all groups), and the completions rank 0 prints."""
+    from colomem.grpo.advantages import group_advantages
+    from colomem.grpo.batch import build_batch
+    from colomem.grpo.rewards import compute_rewards, score
+
+    n = cfg.grpo.group_size
+    if len(completions) != len(gen_idx) or any(len(g) != n for g in completions):
+        raise ColomemError(f"the rollout returned {len(completions)} groups (sizes "
+                           f"{sorted({len(g) for g in completions})}) for {len(gen_idx)} prompts x n={n}")
+    pos = {g: j for j, g in enumerate(gen_idx)}
+    mine = list(train_idx)
+    prompts, texts, metas, comps = [], [], [], []
+    for i in mine:
+        for c in completions[pos[i]]:
+            prompts.append(samples[i].prompt)
+            texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            metas.append(samples[i].meta)
+            comps.append(c)
+    rewards, parts = compute_rewards(reward_specs, prompts, texts, metas)
+    extras = {}
+    for name, spec in metric_specs:
+        extras[name] = score(spec, prompts, texts, metas)
+    adv = group_advantages(rewards, n, scale_by_std=cfg.grpo.scale_rewards, eps=cfg.grpo.adv_eps)
+    groups = [completions[pos[i]] for i in mine]
+    batch = build_batch([encode(tokenizer, samples[i].prompt) for i in mine], groups, adv,
+                        pad_id=tokenizer.pad_token_id, mask_truncated=cfg.grpo.mask_truncated,
+                        rewards=rewards)
+    # global statistics: sums over ranks (train groups partition all groups)
+    flat = [r for r in rewards]
+    lens = [len(c.token_ids) for c in comps]
+    trunc = [1.0 if c.truncated else 0.0 for c in comps]
+    g = [flat[j:j + n] for j in range(0, len(flat), n)]
+    no_signal = sum(1.0 for grp in g if max(grp) == min(grp))
+    vec = [len(flat), sum(flat), sum(r * r for r in flat), sum(lens), sum(trunc), len(g), no_signal]
+    names_p = sorted(parts)
+    names_e = sorted(extras)
+    vec += [sum(parts[p]) for p in names_p] + [sum(extras[e]) for e in names_e]
+    tot = ranks.sum(vec)
+    cnt = max(tot[0], 1.0)
+    mean = tot[1] / cnt
+    stats = {"reward_mean": mean, "reward_std": math.sqrt(max(tot[2] / cnt - mean * mean, 0.0)),
+             "completion_len_mean": tot[3] / cnt, "truncated_frac": tot[4] / cnt,
+             "groups_no_signal": tot[6] / max(tot[5], 1.0), "samples_total": int(tot[0])}
+    for j, p in enumerate(names_p):
+        stats[f"reward/{p}"] = tot[7 + j] / cnt
+    for j, e in enumerate(names_e):
+        stats[e] = tot[7 + len(names_p) + j] / cnt
+    shown = []
+    if cfg.log_samples and ranks.is_main:
+        for j in range(0, min(len(texts), cfg.log_samples * n), n):
+            shown.append({"prompt": prompts[j], "completion": texts[j], "reward": rewards[j],
+                          "answer": metas[j].get("answer")})
+    return batch, stats, shown
+
