@@ -3,10 +3,11 @@
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, syncbench,
-# dsbench, grpo (default job), grpobench, diag (where a bridge sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"),
-# diagreload (per-cycle reload rates after a pool's creation) (GRPOBENCH_ARGS adds arguments and
-# GRPOBENCH_TIMEOUT_S bounds that stage, SYNC_BUCKETS the bucket sizes of syncbench). Each stage is bounded
-# by its own timeout.
+# dsbench, grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, diag (where a bridge
+# sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
+# creation). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
+# the bucket sizes of syncbench. Each stage is bounded by its own timeout. benchmarks/README.md says what
+# each stage measures.
 set -uo pipefail
 # Everything goes to a work folder, packed into $OUT/results.tgz after every stage (the device tool
 # returns at most 8 files, and a stage cut by the call's time limit must not lose the earlier ones).
@@ -39,18 +40,18 @@ stage() {  # the stages run in the order given on the command line
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
-        run "diag_bridge_${cfg/:/x}" 90 python3 runners/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
+        run "diag_bridge_${cfg/:/x}" 90 python3 benchmarks/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
           --bucket "${cfg%%:*}" --buffers "${cfg##*:}"; done ;;
-    diagreload) run diag_reload 150 python3 runners/diag_reload.py --out "$OUT/diag"
+    diagreload) run diag_reload 150 python3 benchmarks/diag_reload.py --out "$OUT/diag"
       # the same with torch's expandable segments (cuMemMap'd physical chunks instead of cudaMalloc segments)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run diag_reload_expandable 150 \
-        python3 runners/diag_reload.py --out "$OUT/diag/expandable" ;;
+        python3 benchmarks/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests ;;
-    syncbench) run bench_sync 380 python3 runners/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+    syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
-    dsbench) run bench_ds 240 python3 runners/bench_deepspeed_offload.py --out "$OUT/ds" ;;
+    dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
-    grpobench) run bench_grpo "${GRPOBENCH_TIMEOUT_S:-400}" python3 runners/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
+    grpobench) run bench_grpo "${GRPOBENCH_TIMEOUT_S:-400}" python3 benchmarks/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -11,7 +11,8 @@ Per GPU, bf16 mixed precision (DeepSpeed), AdamW:
                    activations (with or without gradient checkpointing) and the logits of a micro-batch;
                    next to what vLLM keeps while asleep
 The figures are estimates (within about 10-20 % for dense decoder-only models); measure with the runner's
-memory table. Model shapes come from the nearest Qwen2.5 size unless --hidden/--layers/--vocab are given.
+memory table. Model shapes come from the nearest Qwen2.5 size (colomem.bench.shapes, the one table of
+real model shapes) unless --hidden/--layers/--vocab are given.
 """
 from __future__ import annotations
 
@@ -22,18 +23,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from colomem.bench.shapes import QWEN2_5_FAMILY, ModelShape
+
 GiB = float(1 << 30)
 
-# Qwen2.5 family: params -> (hidden, layers, vocab, intermediate, heads, kv_heads)
-SHAPES = {
-    0.49e9: (896, 24, 151936, 4864, 14, 2),
-    1.54e9: (1536, 28, 151936, 8960, 12, 2),
-    3.09e9: (2048, 36, 151936, 11008, 16, 2),
-    7.62e9: (3584, 28, 152064, 18944, 28, 4),
-    14.7e9: (5120, 48, 152064, 13824, 40, 8),
-    32.8e9: (5120, 64, 152064, 27648, 40, 8),
-    72.7e9: (8192, 80, 152064, 29568, 64, 8),
-}
+# parameter count -> shape, the candidates when only --params is given
+BY_PARAMS: dict[float, ModelShape] = {float(s.params()): s for s in QWEN2_5_FAMILY}
 
 
 @dataclass
@@ -54,9 +49,11 @@ class Shape:
         return self.head_dim * self.kv_heads
 
 
-def shape_for(params: float, hidden=None, layers=None, vocab=None) -> Shape:
-    key = min(SHAPES, key=lambda p: abs(math.log(p / params)))
-    h, L, V, I, a, kv = SHAPES[key]
+def shape_for(params: float, hidden: Optional[int] = None, layers: Optional[int] = None,
+              vocab: Optional[int] = None) -> Shape:
+    """The nearest size of the family (by log of the parameter count), with the given dimensions replaced."""
+    m = BY_PARAMS[min(BY_PARAMS, key=lambda p: abs(math.log(p / params)))]
+    h, L, V, I, a, kv = m.hidden, m.layers, m.vocab, m.intermediate, m.heads, m.kv_heads
     if hidden and hidden != h:       # a custom width: scale the MLP and heads with it
         I, a = int(I * hidden / h), max(1, hidden // 128)
         kv = max(1, min(kv, a))

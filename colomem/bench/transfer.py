@@ -10,7 +10,7 @@ import torch
 
 import colomem
 from colomem import _C
-from colomem.bench.shapes import Qwen2Shape
+from colomem.bench.shapes import ModelShape
 
 
 def cuda_time_ms(fn: Callable[[], None], streams=()) -> float:
@@ -69,7 +69,7 @@ def raw_peaks(nbytes: int, reps: int) -> dict:
     return out
 
 
-def make_set(shape: Qwen2Shape, device, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_set(shape: ModelShape, device, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, s in shape.tensors():
@@ -130,7 +130,7 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
 
     gap_s: seconds between each offload and its reload (in a colocated step the other engine's phase runs
     there). Back to back (0), the reload lands in memory the driver took back milliseconds earlier, and
-    copies into it run up to ~10 % slower for a while (benchmarks/diag/diag_reload.json)."""
+    copies into such memory run slower for a while (docs/performance.md, pool pinning and reloads)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     before = fingerprint(tensors)
     torch.cuda.empty_cache()  # what earlier code left cached must not count as freed by the offload
@@ -173,7 +173,7 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
     return res
 
 
-def colomem_bidir(shape: Qwen2Shape, reps: int) -> dict:
+def colomem_bidir(shape: ModelShape, reps: int) -> dict:
     """Offload set A while reloading set B (both directions at once), alternating."""
     a, b = make_set(shape, "cuda", seed=1), make_set(shape, "cuda", seed=2)
     fa, fb = fingerprint(a), fingerprint(b)
@@ -290,7 +290,7 @@ def chunk_sweep(nbytes: int, chunks_mib: list[int], reps: int) -> dict:
     return out
 
 
-def host_path(shape: Qwen2Shape, reps: int) -> dict:
+def host_path(shape: ModelShape, reps: int) -> dict:
     """The host backend (no GPU): CPU tensors to the pool and back with memcpy."""
     gen = torch.Generator().manual_seed(0)
     tensors = {n: torch.randint(-30000, 30000, s, dtype=torch.int16, generator=gen).view(torch.bfloat16)

@@ -18,23 +18,29 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from colomem.bench.shapes import QWEN2_0P5B, QWEN2_1P5B, ModelShape
 from colomem.errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
-# Qwen2 shapes. "tiny" is the embedded default job (about 3 M params); "qwen2-1.5b" is the benchmark shape
-# (Qwen2-1.5B's config: 1.54 B params with its 151936-token vocabulary).
+
+def _config_of(shape: ModelShape) -> dict:
+    """Qwen2Config fields of a real model's shape (colomem.bench.shapes)."""
+    return dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
+                rope_theta=1000000.0, tie_word_embeddings=shape.tied, vocab_size=shape.vocab)
+
+
+# Config-built Qwen2 models. "tiny" is the embedded default job (about 3 M params, its vocabulary the
+# tokenizer's); "qwen2-1.5b" is the benchmark shape. The real shapes' dimensions come from the one table of
+# them; a spec's values are part of the cache key (model_key), so a change here builds a new model.
 SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
                  tie_word_embeddings=False, vocab_size=None),
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0,
-                       tie_word_embeddings=True, vocab_size=151936),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0,
-                       tie_word_embeddings=True, vocab_size=151936),
+    "qwen2-0.5b": _config_of(QWEN2_0P5B),
+    "qwen2-1.5b": _config_of(QWEN2_1P5B),
 }
 
 

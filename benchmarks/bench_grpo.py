@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Colocated GRPO with colomem against the same job time-split without it, on a 1.5B-shaped model.
 
-    python runners/bench_grpo.py --out benchmarks/grpo                           # full and LoRA, both modes
-    python runners/bench_grpo.py --out benchmarks/grpo --configs full --run-default
-    python runners/bench_grpo.py --out benchmarks/grpo --configs lora            # merges into the same JSON
+    python3 benchmarks/bench_grpo.py --out runs/grpobench                        # full and LoRA, both modes
+    python3 benchmarks/bench_grpo.py --out runs/grpobench --configs full --run-default
+    python3 benchmarks/bench_grpo.py --out runs/grpobench --configs lora         # merges into the same JSON
 
 Each run is `runners/grpo_colocated.py --config configs/grpo_1p5b_<full|lora>.yaml --switch <mode>` in a
 fresh process (its outputs under --out/<config>_<mode>/):
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         jpath.write_text(json.dumps(report, indent=1, default=str) + "\n")
         (out / "grpo_bench.md").write_text(
             "# Colocated GRPO: colomem vs time-split (1.5B-shaped model)\n\n"
-            f"Command: `python runners/bench_grpo.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+            f"Command: `python3 benchmarks/bench_grpo.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             + report["table_markdown"] + "\n")
 
     if a.run_default:

@@ -8,7 +8,7 @@ separately), then with DeepSpeed's own calls, then `--to-cycles` with the .to() 
 each method checks that training goes on. Correctness first, then time: the offload is the state move alone
 (prepare_sync=False), timed with the device synchronized before and after.
 
-    python runners/bench_deepspeed_offload.py --out runs/bench-ds
+    python3 benchmarks/bench_deepspeed_offload.py --out runs/bench-ds
 Writes zero2.json, zero3.json and summary.json into --out and prints a table last. About 3 minutes on one
 H200 (the FusedAdam JIT build, ~30 s, happens once per host; --torch-adam skips it and DeepSpeed's ZeRO-3
 offload, which needs FusedAdam).
@@ -24,6 +24,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's colomem (parent and children)
 
 GiB = 1 << 30
 T0 = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Why the first reloads after a pool's creation run below the H2D peak: per-cycle figures, no warm-up dropped.
 
-    python runners/diag_reload.py --out DIR [--cycles 8]
+    python3 benchmarks/diag_reload.py --out DIR [--cycles 8]
 
 Each measurement starts from fresh memory and reports every repetition, so a warm-up shows:
   raw_torch_pinned   one 4 GiB H2D copy from a fresh torch pin_memory buffer, repeated
@@ -27,7 +27,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # `python3 benchmarks/diag_reload.py` measures the checkout's colomem
 
 import colomem  # noqa: E402
 from colomem.bench import transfer  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=6)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    res: dict = {"command": "python runners/diag_reload.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res: dict = {"command": "python3 benchmarks/diag_reload.py " + " ".join(sys.argv[1:] if argv is None else argv),
                  "device": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     res.update(raw_series(a.reps))
