@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
     missing = {}
     for mod in ("vllm", "deepspeed"):
         if importlib.util.find_spec(mod) is None:
-            missing[mod] = f"{mod} is not installed (on the GPU host it comes from ../shared/gpu-kit)"
+            missing[mod] = f"{mod} is not installed (pip install 'colomem[gpu]' brings the tested version)"
     ngpu = 0
     if cuda is None:
         import torch

@@ -124,7 +124,8 @@ def read_jsonl(path: os.PathLike) -> list[dict]:
 
 class MemoryAlarm:
     """Watches the GPU memory still in use after vLLM went to sleep (trainer still offloaded: the floor of
-    the step). It must stay flat; growth across steps is a leak (NeMo-RL#2619: 4 -> 11 -> 25 GiB)."""
+    the step). It must stay flat: growth across steps is a leak, the failure users of other colocated
+    trainers report as leftover memory growing step after step."""
 
     def __init__(self, threshold_bytes: float, warmup_steps: int = 1):
         self.threshold = float(threshold_bytes)
