@@ -141,3 +141,12 @@ def test_every_flag_is_documented():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "colocated-training.md").read_text()
     missing = [f for f in _flag_table() if f"`{f}" not in doc and f"{f}`" not in doc and f"{f}," not in doc]
     assert not missing, f"flags missing from docs/colocated-training.md: {missing}"
+
+
+def test_direct_sync_goes_with_the_in_process_engine():
+    assert config_from_dict({"engine_in_process": True, "sync_transport": "direct"}).engine_in_process
+    for bad in ({"sync_transport": "direct"}, {"engine_in_process": True}, {"sync_transport": "socket"},
+                {"zero_stage": 1}):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(bad)
+        assert ("sync_transport" in str(e.value)) or ("zero_stage" in str(e.value)), str(e.value)
