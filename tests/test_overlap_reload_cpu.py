@@ -48,7 +48,7 @@ def train(tiny, mode: str, steps: int = 4):
             if k and pool is not None:
                 t.offload()
                 t.reload()
-                deferred = t.last_reload["deferred_bytes"]
+                deferred = t.last_reload.deferred_bytes
                 assert (deferred > 0) == (mode == "overlap"), t.last_reload
             out = t.train_step(batch_for(k))
             assert out["reload_wait_s"] >= 0.0
