@@ -117,6 +117,28 @@ def test_bad_arguments_raise_naming_the_argument(change, words):
         dsa.validate_trainer_args(**{**GOOD, **change})
 
 
+def test_config_carries_every_option_and_builds_the_same_ds_config():
+    cfg = dsa.DeepSpeedConfig(zero_stage=3, micro_batch=4, grad_accum=None, lr=2e-5, betas=[0.9, 0.95])
+    assert cfg.accum_steps == 1 and cfg.betas == (0.9, 0.95) and cfg.offload == "colomem"
+    assert cfg.build_ds_config(world_size=2) == dsa.build_ds_config(zero_stage=3, micro_batch=4, world_size=2,
+                                                                     lr=2e-5, betas=(0.9, 0.95))
+    assert dsa.validate_trainer_args(**GOOD) == dsa.DeepSpeedConfig(**GOOD)
+    with pytest.raises(InvalidArgumentError, match="micro_betch: not an option"):
+        dsa.DeepSpeedConfig(micro_betch=2)
+    with pytest.raises(InvalidArgumentError, match="micro_batch=0"):
+        dsa.DeepSpeedConfig(micro_batch=0)
+
+
+def test_trainer_takes_a_config_or_keywords_not_both(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        dsa.DeepSpeedTrainer(tmp_path, config=dsa.DeepSpeedConfig(), lr=1e-4)
+    with pytest.raises(InvalidArgumentError, match="DeepSpeedConfig"):
+        dsa.DeepSpeedTrainer(tmp_path, config={"lr": 1e-4})
+    with pytest.raises(InvalidArgumentError, match="offload="):
+        dsa.DeepSpeedTrainer(tmp_path, offload="cpu")          # checked before the GPU and DeepSpeed
+
+
 def test_model_dir_checks(tmp_path):
     with pytest.raises(InvalidArgumentError, match="does not exist"):
         _check_model_dir(tmp_path / "missing")
@@ -135,6 +157,8 @@ def test_trainer_without_gpu_or_deepspeed_says_what_it_needs(tmp_path):
         pytest.skip("a GPU is visible: the GPU tests cover construction")
     with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):
         dsa.DeepSpeedTrainer(tmp_path)
+    with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):
+        dsa.DeepSpeedTrainer(tmp_path, config=dsa.DeepSpeedConfig(zero_stage=3))
 
 
 # ----------------------------------------------------------------------------------- distributed env
@@ -370,6 +394,16 @@ def test_sync_staging_while_offloaded_and_phase_errors(pool):
         t.named_weights(merged=False)
     t._staging.free()
     assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_cpu_trainer_merge_is_the_same_merge():
+    """engines.lora.merged_named_weights (TorchTrainer's) gives what the DeepSpeed trainer's named_weights does."""
+    from colomem.engines.lora import merged_named_weights
+
+    model, _ = lora_model()
+    want = dict(bare_trainer(model, LoraSpec()).named_weights(merged=True))
+    got = dict(merged_named_weights(model))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_lora_on_embeddings_is_refused():

@@ -6,8 +6,9 @@ HFRollout    transformers `generate` with sampling; returns Completions with the
              and they record their timings. load_weights copies named tensors into its own model copy.
 TorchTrainer plain torch AdamW on compute_loss (fp32). offload/reload move parameters and optimizer state
              into a colomem PinnedPool through SwapSet (host path), so a trainer that was not reloaded
-             really has no weights; named_weights merges a LoRA adapter into the base (engines.lora). With overlap_reload
-             the optimizer state comes back while forward and backward run; the step waits for it.
+             really has no weights; named_weights merges a LoRA adapter into the base (engines/lora.py).
+             With overlap_reload the optimizer state comes back while forward and backward run; the step
+             waits for it. Its moves are SwitchReports (host memory only: the driver fields stay 0).
 
 They let the colocated runner run the same loop on a machine without a GPU. Nothing here is fast.
 """

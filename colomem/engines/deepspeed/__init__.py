@@ -13,39 +13,18 @@ Build a trainer with keywords, or validate the options first and hand them over:
     trainer = DeepSpeedTrainer(model_path, config=config, pool=pool, lora=spec, grpo=grpo)
     trainer = DeepSpeedTrainer(model_path, zero_stage=3, micro_batch=4, pool=pool)          # the same
 
-Importing this package imports neither torch nor deepspeed: the trainer and its parts load on first use.
+Nothing here imports deepspeed, transformers or peft at module level (the trainer does on construction), and
+config.py not even torch, so the run config can import DeepSpeedConfig to validate before anything starts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from colomem.engines.reports import SwitchReport
 
 from .config import (ALLOW_UNTESTED_ENV, OFFLOAD_METHODS, SUPPORTED_DEEPSPEED, TESTED_DEEPSPEED, ZERO_STAGES,
                      DeepSpeedConfig, build_ds_config, build_lora_config, check_deepspeed_version,
                      distributed_env, import_deepspeed, init_distributed, validate_trainer_args)
-
-if TYPE_CHECKING:
-    from colomem.engines.reports import SwitchReport
-
-    from .state import CATEGORIES, EngineState, collect_engine_state
-    from .trainer import DeepSpeedTrainer
-
-_LAZY = {
-    "DeepSpeedTrainer": ("colomem.engines.deepspeed.trainer", "DeepSpeedTrainer"),
-    "EngineState": ("colomem.engines.deepspeed.state", "EngineState"),
-    "collect_engine_state": ("colomem.engines.deepspeed.state", "collect_engine_state"),
-    "CATEGORIES": ("colomem.engines.deepspeed.state", "CATEGORIES"),
-    "SwitchReport": ("colomem.engines.reports", "SwitchReport"),
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
-    raise AttributeError(f"module 'colomem.engines.deepspeed' has no attribute {name!r}")
-
+from .state import CATEGORIES, EngineState, collect_engine_state
+from .trainer import DeepSpeedTrainer
 
 __all__ = ["ALLOW_UNTESTED_ENV", "CATEGORIES", "DeepSpeedConfig", "DeepSpeedTrainer", "EngineState",
            "OFFLOAD_METHODS", "SUPPORTED_DEEPSPEED", "SwitchReport", "TESTED_DEEPSPEED", "ZERO_STAGES",

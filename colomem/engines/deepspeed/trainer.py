@@ -60,7 +60,6 @@ def _run_with_timeout(fn: Callable[[], None], timeout_s: float, what: str) -> bo
     return True
 
 
-
 # ----------------------------------------------------------------------------------------------- trainer
 class DeepSpeedTrainer:
     """The Trainer of colomem.engines.protocols on DeepSpeed ZeRO-2/3 (bf16).
