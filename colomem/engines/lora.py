@@ -87,7 +87,7 @@ def merged_adapters(layer: Any) -> list[str]:
     return [a for a in layer.active_adapters if a in layer.lora_A]
 
 
-def walk_modules(model: "Module") -> Iterator[tuple[str, "Module", Optional[list]]]:
+def walk_modules(model: Any) -> Iterator[tuple[str, Any, Optional[list]]]:
     """(prefix, module, params) per module in HF order (the order of named_parameters): a peft LoRA layer comes
     with params None (its base weight and adapters are read together), every other module with its own
     not-yet-seen (name, parameter) pairs (tied weights once, like HF's state dict)."""
