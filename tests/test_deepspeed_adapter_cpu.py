@@ -15,12 +15,12 @@ from colomem.engines import deepspeed as dsa
 from colomem.engines.deepspeed import state as ds_state
 from colomem.engines.deepspeed.strategies import ColomemOffload, ToOffload
 from colomem.engines.deepspeed.trainer import _check_model_dir
-from colomem.engines.deepspeed.weights import Staging, SyncSource, WeightExport
+from colomem.engines.deepspeed.weights import SyncSource
 from colomem.engines.lora import check_lora_layers
 from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError
-from colomem.swap import PendingReloads
 from colomem.grpo.config import LoraSpec
-from fakes.deepspeed import Coordinator, StackPushingEngine, fake_zero2_engine, fake_zero3_engine
+from fakes.deepspeed import (Coordinator, StackPushingEngine, bare_trainer, closable_trainer, fake_zero2_engine,
+                            fake_zero3_engine)
 
 CPU = torch.device("cpu")
 
@@ -314,16 +314,6 @@ def tiny_qwen2(seed=0):
     return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
 
 
-def bare_trainer(model, lora, pool=None):
-    """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
-    t = dsa.DeepSpeedTrainer.__new__(dsa.DeepSpeedTrainer)
-    t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
-                      _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(),
-                      _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
-                      _pending=PendingReloads(), timeout_s=30.0)
-    return t
-
-
 def lora_model(seed=0):
     peft = pytest.importorskip("peft")
     spec = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -473,13 +463,6 @@ def test_trim_module_stack_drops_only_what_the_step_left():
     assert ds_state.trim_module_stack(stack, 1) == 2 and stack == [a]
     assert ds_state.trim_module_stack(stack, 1) == 0 and stack == [a]
     assert ds_state.trim_module_stack(None, 0) == 0
-
-
-def closable_trainer(engine):
-    t = bare_trainer(engine.module, None)
-    t.__dict__.update(engine=engine, zero_stage=3, _strategies={}, _owns_pool=False, _ref_fn=None,
-                      timeout_s=30.0, deepspeed_version="0.19.8", _fwd_stack=None)
-    return t
 
 
 def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch):

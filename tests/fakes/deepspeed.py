@@ -1,10 +1,17 @@
 """A DeepSpeed engine without DeepSpeed: ZeRO-2- and ZeRO-3-shaped stand-ins with the attribute names the
-adapter reads (DeepSpeed 0.19), on real torch tensors, and an engine behind the methods train_step calls."""
+adapter reads (DeepSpeed 0.19), on real torch tensors, an engine behind the methods train_step calls, and
+DeepSpeedTrainer shells around such engines (built without DeepSpeed or a GPU)."""
 import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+
+from colomem.engines.deepspeed import DeepSpeedTrainer
+from colomem.engines.deepspeed.weights import Staging, WeightExport
+from colomem.swap import PendingReloads
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -100,3 +107,20 @@ class StackPushingEngine(torch.nn.Module):
 
     def get_lr(self):
         return [1e-3]
+
+
+def bare_trainer(model, lora, pool=None):
+    """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
+    t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)
+    t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
+                      _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(),
+                      _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
+                      _pending=PendingReloads(), timeout_s=30.0)
+    return t
+
+
+def closable_trainer(engine):
+    t = bare_trainer(engine.module, None)
+    t.__dict__.update(engine=engine, zero_stage=3, _strategies={}, _owns_pool=False, _ref_fn=None,
+                      timeout_s=30.0, deepspeed_version="0.19.8", _fwd_stack=None)
+    return t
