@@ -2,11 +2,9 @@
 the state collection and the swap strategies on a ZeRO-2-shaped stand-in (host path), and the LoRA merge."""
 
 import copy
-import functools
 import gc
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +12,15 @@ import torch
 
 import colomem
 from colomem.engines import deepspeed as dsa
+from colomem.engines.deepspeed import state as ds_state
+from colomem.engines.deepspeed.strategies import ColomemOffload, ToOffload
+from colomem.engines.deepspeed.trainer import _check_model_dir
+from colomem.engines.deepspeed.weights import SyncSource
+from colomem.engines.lora import check_lora_layers
 from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError
-from colomem.swap import PendingReloads
 from colomem.grpo.config import LoraSpec
+from fakes.deepspeed import (Coordinator, StackPushingEngine, bare_trainer, closable_trainer, fake_zero2_engine,
+                            fake_zero3_engine)
 
 CPU = torch.device("cpu")
 
@@ -113,16 +117,38 @@ def test_bad_arguments_raise_naming_the_argument(change, words):
         dsa.validate_trainer_args(**{**GOOD, **change})
 
 
+def test_config_carries_every_option_and_builds_the_same_ds_config():
+    cfg = dsa.DeepSpeedConfig(zero_stage=3, micro_batch=4, grad_accum=None, lr=2e-5, betas=[0.9, 0.95])
+    assert cfg.accum_steps == 1 and cfg.betas == (0.9, 0.95) and cfg.offload == "colomem"
+    assert cfg.build_ds_config(world_size=2) == dsa.build_ds_config(zero_stage=3, micro_batch=4, world_size=2,
+                                                                     lr=2e-5, betas=(0.9, 0.95))
+    assert dsa.validate_trainer_args(**GOOD) == dsa.DeepSpeedConfig(**GOOD)
+    with pytest.raises(InvalidArgumentError, match="micro_betch: not an option"):
+        dsa.DeepSpeedConfig(micro_betch=2)
+    with pytest.raises(InvalidArgumentError, match="micro_batch=0"):
+        dsa.DeepSpeedConfig(micro_batch=0)
+
+
+def test_trainer_takes_a_config_or_keywords_not_both(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        dsa.DeepSpeedTrainer(tmp_path, config=dsa.DeepSpeedConfig(), lr=1e-4)
+    with pytest.raises(InvalidArgumentError, match="DeepSpeedConfig"):
+        dsa.DeepSpeedTrainer(tmp_path, config={"lr": 1e-4})
+    with pytest.raises(InvalidArgumentError, match="offload="):
+        dsa.DeepSpeedTrainer(tmp_path, offload="cpu")          # checked before the GPU and DeepSpeed
+
+
 def test_model_dir_checks(tmp_path):
     with pytest.raises(InvalidArgumentError, match="does not exist"):
-        dsa._check_model_dir(tmp_path / "missing")
+        _check_model_dir(tmp_path / "missing")
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(InvalidArgumentError, match="not a directory"):
-        dsa._check_model_dir(tmp_path / "weights.bin")
+        _check_model_dir(tmp_path / "weights.bin")
     with pytest.raises(InvalidArgumentError, match="no config.json"):
-        dsa._check_model_dir(tmp_path)
+        _check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    dsa._check_model_dir(tmp_path)
+    _check_model_dir(tmp_path)
 
 
 def test_trainer_without_gpu_or_deepspeed_says_what_it_needs(tmp_path):
@@ -131,6 +157,8 @@ def test_trainer_without_gpu_or_deepspeed_says_what_it_needs(tmp_path):
         pytest.skip("a GPU is visible: the GPU tests cover construction")
     with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):
         dsa.DeepSpeedTrainer(tmp_path)
+    with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):
+        dsa.DeepSpeedTrainer(tmp_path, config=dsa.DeepSpeedConfig(zero_stage=3))
 
 
 # ----------------------------------------------------------------------------------- distributed env
@@ -157,37 +185,6 @@ def test_broken_launcher_env_is_refused(env, words):
 
 
 # ---------------------------------------------------------------------- a ZeRO-2-shaped engine stand-in
-@dataclass
-class IPGBucket:                       # the shape of DeepSpeed's stage_1_and_2.IPGBucket
-    buffer: list = field(default_factory=list)
-    params: list = field(default_factory=list)
-
-
-def fake_zero2_engine(seed=0):
-    """bf16 params as views into one flat buffer, fp32 master partition, AdamW state after one step, an
-    ipg bucket (scratch) and one tensor only the safety-net walk can find."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
-    module.register_buffer("inv_freq", torch.rand(5, generator=g))
-    params = list(module.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params]).clone()
-    off = 0
-    for p in params:
-        p.data = flat[off:off + p.numel()].view_as(p)
-        off += p.numel()
-    master = flat.float().clone().requires_grad_(True)
-    inner = torch.optim.AdamW([master], lr=1e-2)
-    master.grad = torch.randn(master.shape, generator=g)
-    inner.step()
-    master.grad = None
-    opt = SimpleNamespace(optimizer=inner, bit16_groups_flat=[flat], single_partition_of_fp32_groups=[master],
-                          averaged_gradients={0: None}, grads_in_partition=None,
-                          ipg_buckets={torch.bfloat16: IPGBucket(buffer=[torch.empty(64, dtype=torch.bfloat16)])},
-                          new_release_buffer=torch.arange(16, dtype=torch.float32))
-    return SimpleNamespace(zero_optimization_stage=lambda: 2, optimizer=opt, module=module)
-
-
 def snapshot(tensors):
     return [t.detach().clone() for t in tensors]
 
@@ -217,7 +214,7 @@ def test_collect_dedups_views_and_sorts_by_category():
     assert st.sizes["params"] == flat.untyped_storage().nbytes() + 5 * 4
     assert st.sizes["master"] == flat.numel() * 4
     assert st.sizes["scratch"] == 128
-    keys = [dsa._storage_key(t) for _, t in st.swap_items() + st.scratch]
+    keys = [ds_state.storage_key(t) for _, t in st.swap_items() + st.scratch]
     assert len(keys) == len(set(keys))
 
 
@@ -242,7 +239,7 @@ def test_colomem_strategy_round_trip_keeps_objects_and_bytes(pool):
     tensors = state_tensors(eng)
     params_before = list(eng.module.parameters())
     before = snapshot(tensors)
-    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     for cycle in range(3):
         move = s.offload()
         assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES)
@@ -266,7 +263,7 @@ def test_colomem_strategy_round_trip_keeps_objects_and_bytes(pool):
 
 def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
     eng = fake_zero2_engine()
-    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     s.offload()
     assert pool.stats()["in_use_bytes"] > 0
     s.close()
@@ -277,7 +274,7 @@ def test_to_strategy_round_trip(pool):
     eng = fake_zero2_engine()
     tensors = state_tensors(eng)
     before = snapshot(tensors)
-    s = dsa._ToOffload(lambda: dsa.collect_engine_state(eng, CPU), CPU)
+    s = ToOffload(lambda: dsa.collect_engine_state(eng, CPU), CPU)
     for _ in range(2):
         move = s.offload()
         assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES)
@@ -291,7 +288,7 @@ def test_training_continues_identically_after_a_swap(pool):
     """Same updates with and without a swap in between (the optimizer keeps its state objects)."""
     def run(swap):
         eng = fake_zero2_engine(seed=1)
-        s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
         master = eng.optimizer.single_partition_of_fp32_groups[0]
         g = torch.Generator().manual_seed(2)
         for _ in range(3):
@@ -315,15 +312,6 @@ def tiny_qwen2(seed=0):
                                    tie_word_embeddings=True)
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-
-
-def bare_trainer(model, lora, pool=None):
-    """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
-    t = dsa.DeepSpeedTrainer.__new__(dsa.DeepSpeedTrainer)
-    t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
-                      _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _stage_block=None,
-                      _stage_host=None, _pending=PendingReloads(), timeout_s=30.0)
-    return t
 
 
 def lora_model(seed=0):
@@ -382,27 +370,37 @@ def test_sync_staging_while_offloaded_and_phase_errors(pool):
     model, _ = lora_model()
     t = bare_trainer(model, LoraSpec(), pool=pool)
     want = {k: v.clone() for k, v in t.named_weights(merged=True)}
-    plan, staged = t._plan_sync(merged=True, views_ok=False)
+    plan, staged = t._weights.plan_sync(True, False, t._staging, pool)
     assert staged >= sum(v.numel() * v.element_size() for v in want.values())
     t._offloaded = True
     with pytest.raises(PhaseOrderError, match="prepare_sync"):
         t.named_weights()
-    t._sync = dsa._SyncSource(True, t._resolve_sync(plan, None))
+    t._sync = SyncSource(True, t._weights.resolve_sync(plan, None))
     got = dict(t.named_weights(merged=True))
     assert list(got) == list(want)
     for k in want:
         assert torch.equal(got[k], want[k])
     with pytest.raises(PhaseOrderError, match="merged=True"):
         t.named_weights(merged=False)
-    t._free_staging()
+    t._staging.free()
     assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_cpu_trainer_merge_is_the_same_merge():
+    """engines.lora.merged_named_weights (TorchTrainer's) gives what the DeepSpeed trainer's named_weights does."""
+    from colomem.engines.lora import merged_named_weights
+
+    model, _ = lora_model()
+    want = dict(bare_trainer(model, LoraSpec()).named_weights(merged=True))
+    got = dict(merged_named_weights(model))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_lora_on_embeddings_is_refused():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_qwen2(), dsa.build_lora_config(LoraSpec(target_modules=["embed_tokens"])))
     with pytest.raises(InvalidArgumentError, match="linear layers only"):
-        dsa._check_lora_layers(model)
+        check_lora_layers(model)
 
 
 def test_closed_trainer_refuses_work():
@@ -421,57 +419,23 @@ def test_unresizable_storage_is_kept_reported_and_still_readable(pool):
     st = dsa.collect_engine_state(eng, CPU)
     assert st.skipped == [("foreign", 16)]
     assert all(n != "foreign" for n, _ in st.swap_items())
-    s = dsa._ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     s.offload()
     assert s.host_view(foreign) is None
     t = bare_trainer(eng.module, None)
-    items = t._resolve_sync([("foreign", ("view", foreign)), ("0.weight", ("view", eng.module[0].weight))], s)
+    items = t._weights.resolve_sync([("foreign", ("view", foreign)), ("0.weight", ("view", eng.module[0].weight))], s)
     assert items[0][1] is foreign and items[1][1].untyped_storage().nbytes() > 0
     s.reload()
     s.close()
 
 
 # ------------------------------------------- ZeRO-3: nothing process-wide keeps a closed engine's state alive
-def nvtx_like(func):                      # DeepSpeed's instrument_w_nvtx: a wrapper without functools.wraps
-    def wrapped_fn(*args, **kwargs):
-        return func(*args, **kwargs)
-    return wrapped_fn
-
-
-class Coordinator:                        # PartitionedParameterCoordinator: one lru_cache shared by all instances
-    def __init__(self, owner):
-        self.owner = owner                # the real coordinator reaches the optimizer too (through the engine)
-
-    @nvtx_like
-    @functools.lru_cache(maxsize=None)
-    def params_to_release(self, submodule, step_id):
-        return {id(p) for p in submodule.parameters()}
-
-
-class FakeZero3Optimizer:
-    def __init__(self, module):
-        self.fp32_partitioned_groups_flat = [torch.zeros(1024)]
-        self.coordinator = Coordinator(self)
-        for p in module.parameters():
-            p._z3_optimizer = self        # what stage3._link_all_hp_params does
-
-
-def fake_zero3_engine(stack):
-    """A ZeRO-3-shaped engine registered where DeepSpeed 0.19 registers one: its root on FWD_MODULE_STACK
-    (plus what an early-stopped checkpoint recompute leaves there), a submodule in the shared lru cache."""
-    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
-    opt = FakeZero3Optimizer(module)
-    stack += [module, module[1], module[1][0]]
-    opt.coordinator.params_to_release(module[1], 0)
-    return SimpleNamespace(module=module, optimizer=opt, destroy=lambda: None, zero_optimization_stage=lambda: 3)
-
-
-CACHES = dsa._lru_caches(Coordinator.params_to_release)
+CACHES = ds_state.lru_caches(Coordinator.params_to_release)
 
 
 def test_lru_cache_found_behind_a_decorator_without_wraps():
     assert len(CACHES) == 1 and CACHES[0].cache_info().maxsize is None
-    assert dsa._lru_caches(lambda: None) == [] and dsa._lru_caches(None) == []
+    assert ds_state.lru_caches(lambda: None) == [] and ds_state.lru_caches(None) == []
 
 
 def test_zero3_release_frees_the_closed_engine_and_keeps_the_others():
@@ -480,10 +444,10 @@ def test_zero3_release_frees_the_closed_engine_and_keeps_the_others():
     eng = fake_zero3_engine(stack)
     opt = weakref.ref(eng.optimizer)
     # each holder alone keeps the whole optimizer alive
-    dsa._release_zero3_references(eng.module[1][0], stack, [])          # only part of the engine
+    ds_state.release_zero3_references(eng.module[1][0], stack, [])          # only part of the engine
     gc.collect()
     assert opt() is not None
-    n = dsa._release_zero3_references(eng.module, stack, CACHES)
+    n = ds_state.release_zero3_references(eng.module, stack, CACHES)
     assert n >= 3
     assert [id(m) for m in stack] == [id(other.module), id(other.module[1]), id(other.module[1][0])]
     assert not hasattr(eng.module[0].weight, "_z3_optimizer")
@@ -496,21 +460,14 @@ def test_zero3_release_frees_the_closed_engine_and_keeps_the_others():
 def test_trim_module_stack_drops_only_what_the_step_left():
     a, b, c = object(), object(), object()
     stack = [a, b, c]
-    assert dsa._trim_module_stack(stack, 1) == 2 and stack == [a]
-    assert dsa._trim_module_stack(stack, 1) == 0 and stack == [a]
-    assert dsa._trim_module_stack(None, 0) == 0
-
-
-def closable_trainer(engine):
-    t = bare_trainer(engine.module, None)
-    t.__dict__.update(engine=engine, zero_stage=3, _strategies={}, _owns_pool=False, _ref_fn=None,
-                      timeout_s=30.0, deepspeed_version="0.19.8", _fwd_stack=None)
-    return t
+    assert ds_state.trim_module_stack(stack, 1) == 2 and stack == [a]
+    assert ds_state.trim_module_stack(stack, 1) == 0 and stack == [a]
+    assert ds_state.trim_module_stack(None, 0) == 0
 
 
 def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch):
     stack: list = []
-    monkeypatch.setattr(dsa, "_zero3_global_holders", lambda: (stack, CACHES))
+    monkeypatch.setattr(ds_state, "zero3_global_holders", lambda: (stack, CACHES))
     eng = fake_zero3_engine(stack)
     opt = weakref.ref(eng.optimizer)
     t = closable_trainer(eng)
@@ -523,36 +480,6 @@ def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch)
     t = closable_trainer(SimpleNamespace(module=None, optimizer=held, destroy=lambda: None))
     with pytest.warns(RuntimeWarning, match="FakeZero3Optimizer is still referenced"):
         t.close()
-
-
-class StackPushingEngine(torch.nn.Module):
-    """A model behind the engine methods train_step calls; every forward leaves two entries on `stack`, like
-    ZeRO-3 pre-forward hooks whose post-forward hooks an early-stopped checkpoint recompute skipped."""
-
-    def __init__(self, model, stack):
-        super().__init__()
-        self.module, self.stack = model, stack
-        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def forward(self, **kw):
-        self.stack += [self.module, self.module.model]
-        return self.module(**kw)
-
-    def set_gradient_accumulation_boundary(self, flag):
-        pass
-
-    def backward(self, loss, scale_wrt_gas=True):
-        loss.backward()
-
-    def step(self):
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def get_global_grad_norm(self):
-        return None
-
-    def get_lr(self):
-        return [1e-3]
 
 
 def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():

@@ -48,7 +48,7 @@ def train(tiny, mode: str, steps: int = 4):
             if k and pool is not None:
                 t.offload()
                 t.reload()
-                deferred = t.last_reload["deferred_bytes"]
+                deferred = t.last_reload.deferred_bytes
                 assert (deferred > 0) == (mode == "overlap"), t.last_reload
             out = t.train_step(batch_for(k))
             assert out["reload_wait_s"] >= 0.0
@@ -106,3 +106,28 @@ def test_unordered_reload_is_complete_after_pending_wait():
     assert all(torch.equal(a, b) for a, b in zip(tensors, want))
     s.close()
     pool.close()
+
+
+def test_stand_ins_implement_the_protocols(tiny):
+    from colomem.engines.protocols import AWAKE, ASLEEP, Rollout, Trainer
+    from colomem.engines.reports import SwitchReport
+    from colomem.engines.stand_ins import HFRollout, TorchTrainer
+
+    pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool)
+    r = HFRollout(tiny, eos_token_id=1, pad_token_id=0)
+    try:
+        assert isinstance(t, Trainer) and isinstance(r, Rollout)
+        assert t.last_offload is None and t.last_reload is None
+        t.offload()
+        t.reload()
+        assert isinstance(t.last_offload, SwitchReport) and t.last_offload.direction == "offload"
+        assert t.last_offload.moved_bytes == sum(t.last_offload.by_category.values()) > 0
+        assert isinstance(t.last_reload, SwitchReport) and t.last_reload.to_dict()["method"] == "colomem"
+        assert r.phase == AWAKE
+        r.sleep()
+        assert r.phase == ASLEEP and "sleep_s" in r.timings
+    finally:
+        r.close()
+        t.close()
+        pool.close()

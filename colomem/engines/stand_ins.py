@@ -6,8 +6,9 @@ HFRollout    transformers `generate` with sampling; returns Completions with the
              and they record their timings. load_weights copies named tensors into its own model copy.
 TorchTrainer plain torch AdamW on compute_loss (fp32). offload/reload move parameters and optimizer state
              into a colomem PinnedPool through SwapSet (host path), so a trainer that was not reloaded
-             really has no weights; named_weights merges a LoRA adapter into the base. With overlap_reload
-             the optimizer state comes back while forward and backward run; the step waits for it.
+             really has no weights; named_weights merges a LoRA adapter into the base (engines/lora.py).
+             With overlap_reload the optimizer state comes back while forward and backward run; the step
+             waits for it. Its moves are SwitchReports (host memory only: the driver fields stay 0).
 
 They let the colocated runner run the same loop on a machine without a GPU. Nothing here is fast.
 """
@@ -16,19 +17,22 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-from colomem.engines import SyncStats
-from colomem.swap import PendingReloads
+from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
+from colomem.engines.reports import SwitchReport, SyncStats
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
                             StaleWeightsError, WeightCheckError)
+from colomem.swap import PendingReloads
 
 log = logging.getLogger(__name__)
 
-AWAKE, WEIGHTS_ONLY, ASLEEP, CLOSED = "awake", "weights", "asleep", "closed"
+PARAMS_SET = "trainer.params"          # the SwapSet of parameters and gradients
 OPTIM_SET = "trainer.optim"             # the SwapSet of the optimizer state: reloaded behind forward/backward
 
 
@@ -200,35 +204,18 @@ class HFRollout:
 
 
 # ------------------------------------------------------------------------------------------------- trainer
-def merged_named_weights(model) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, tensor) of a model; for a peft LoRA model, base + scaling * B @ A under the base's names.
+_CATEGORY = {PARAMS_SET: "params", OPTIM_SET: "optim"}      # SwapSet name -> SwitchReport category
 
-    The adapter is not merged in place (no rounding drift across steps); lora_* tensors are left out."""
-    try:
-        from peft import PeftModel
-        from peft.tuners.lora import LoraLayer
-    except ImportError:                      # peft missing: cannot be a peft model
-        PeftModel = LoraLayer = None
-    if PeftModel is None or not isinstance(model, PeftModel):
-        for name, p in model.named_parameters():
-            yield name, p.detach()
-        return
-    base = model.get_base_model()
-    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    for name, p in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        if ".base_layer." in name:
-            mod_name, _, leaf = name.partition(".base_layer.")
-            w = p.detach()
-            m = layers[mod_name]
-            if leaf == "weight" and not getattr(m, "merged", False):
-                for a in m.active_adapters:
-                    if a in m.lora_A:
-                        w = w + m.get_delta_weight(a).to(w.dtype)
-            yield f"{mod_name}.{leaf}", w
-        else:
-            yield name, p.detach()
+
+@dataclass
+class HostSwitchReport(SwitchReport):
+    """A TorchTrainer move: host memory only, so the driver and allocator fields stay 0. to_dict() also names
+    moved_bytes `nbytes`, the key the CPU run's metrics (trainer_offload/nbytes) have carried."""
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["nbytes"] = self.moved_bytes
+        return d
 
 
 class TorchTrainer:
@@ -265,11 +252,10 @@ class TorchTrainer:
         self.lora = lora
         self._ref_fn = None
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=list(lora.target_modules),
-                                                     task_type="CAUSAL_LM"))
+            model = get_peft_model(model, build_lora_config(lora))
+            check_lora_layers(model)          # the layers the weight merge handles
         self.model = model
         if self.grpo.kl_coef > 0:
             from colomem.grpo.step import frozen_reference_fn, peft_reference_fn
@@ -292,15 +278,15 @@ class TorchTrainer:
             try:
                 from colomem.swap import SwapSet
 
-                self._swaps = [SwapSet.from_module(model, pool, grads=True, device=self.device, name="trainer.params"),
+                self._swaps = [SwapSet.from_module(model, pool, grads=True, device=self.device, name=PARAMS_SET),
                                SwapSet.from_optimizer(self.optimizer, pool, device=self.device,
                                                       name=OPTIM_SET)]
                 self.offload_mode = "colomem"
             except ColomemError as e:      # e.g. a device the host path does not serve
                 log.warning("TorchTrainer: offload through the pool unavailable (%s); offload is a no-op", e)
                 self._swaps = []
-        self.last_offload: dict = {}
-        self.last_reload: dict = {}
+        self.last_offload: Optional[SwitchReport] = None
+        self.last_reload: Optional[SwitchReport] = None
 
     @property
     def offloaded(self) -> bool:
@@ -350,27 +336,24 @@ class TorchTrainer:
         if self.lora is not None or not self._swaps:
             staged = [(n, t.clone()) for n, t in merged_named_weights(self.model)] if self._swaps else None
         params = list(self.model.named_parameters())
-        nbytes = 0
+        by_category = {}
         for s in self._swaps:
-            nbytes += s.offload(timeout=self.swap_timeout_s).nbytes
+            by_category[_CATEGORY[s.name]] = s.offload(timeout=self.swap_timeout_s).nbytes
         self._offloaded = True
         if staged is not None:
             self._sync_source = staged
         elif self._swaps:
             self._sync_source = [(n, self._host_view(p)) for n, p in params]
-        self.last_offload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "method": self.offload_mode}
+        seconds = time.perf_counter() - t0
+        self.last_offload = HostSwitchReport(
+            self.offload_mode, "offload", seconds, sum(by_category.values()), 0, 0, 0, 0, by_category,
+            move_seconds=seconds, staged_bytes=sum(t.numel() * t.element_size() for _, t in staged or ()))
 
     def _host_view(self, t: Tensor) -> Tensor:
-        swapset = self._swaps[0]
-        fn = getattr(swapset, "host_view", None)
-        if fn is not None:
-            return fn(t)
-        key = t.untyped_storage()._cdata
-        for e in getattr(swapset, "_entries", ()):          # until SwapSet has a public host_view()
-            if e.storage._cdata == key and e.block is not None:
-                raw = e.block.as_tensor(e.nbytes)
-                return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-        raise ColomemError("TorchTrainer: a parameter's pool copy was not found after offload")
+        view = self._swaps[0].host_view(t)
+        if view is None:
+            raise ColomemError("TorchTrainer: a parameter's pool copy was not found after offload")
+        return view
 
     def reload(self) -> None:
         if self._closed:
@@ -387,8 +370,9 @@ class TorchTrainer:
             else:
                 nbytes += s.reload(timeout=self.swap_timeout_s).nbytes
         self._offloaded = False
-        self.last_reload = {"seconds": time.perf_counter() - t0, "nbytes": nbytes, "deferred_bytes": deferred,
-                            "method": self.offload_mode}
+        seconds = time.perf_counter() - t0
+        self.last_reload = HostSwitchReport(self.offload_mode, "reload", seconds, nbytes, 0, 0, 0, 0,
+                                            move_seconds=seconds, deferred_bytes=deferred)
 
     def wait_reload(self, timeout: Optional[float] = None) -> float:
         """Waits for optimizer state that overlap_reload left in flight (train_step does before the step);

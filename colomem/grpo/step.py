@@ -118,19 +118,23 @@ class MetricAccumulator:
 
 def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                          backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
-                         after_micro: Optional[Callable[[], None]] = None, device=None) -> dict[str, float]:
+                         before_micro: Optional[Callable[[bool], None]] = None, device=None) -> dict[str, float]:
     """Forward/backward every micro-batch of `batch`; the caller steps the optimizer afterwards.
 
-    after_micro runs after each backward (DeepSpeed: engine.step(), which only updates at the boundary)."""
+    The one micro-batch loop of every Trainer. backward(loss) gets each micro-batch's loss, already weighted
+    by its share of the batch (torch: loss.backward(); DeepSpeed: engine.backward(loss, scale_wrt_gas=False)).
+    before_micro(is_last) runs before each micro-batch's forward (DeepSpeed: set_gradient_accumulation_boundary,
+    so the gradients are reduced at the last one whatever the batch size). device: where each micro-batch
+    goes (non-blocking). Returns the batch's metrics: weighted means, the summed `loss`, `micro_batches`."""
     acc = MetricAccumulator()
     micro = split_micro_batches(batch, micro_batch, cfg.loss_norm)
-    for mb in micro:
+    for i, mb in enumerate(micro):
         if device is not None:
             mb = mb.to(device, non_blocking=True)
+        if before_micro is not None:
+            before_micro(i == len(micro) - 1)
         loss, metrics = compute_loss(model, mb, cfg, ref_logprobs_fn)
         backward(loss)
-        if after_micro is not None:
-            after_micro()
         acc.add(metrics, mb.loss_weight / batch.loss_weight)
     out = acc.result()
     out["micro_batches"] = float(len(micro))

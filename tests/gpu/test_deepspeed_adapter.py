@@ -46,9 +46,9 @@ def model_dir(tmp_path_factory):
 def ready():
     """Process group + NCCL communicator + cuBLAS handles exist before any baseline is measured."""
     import deepspeed
-    from colomem.engines.deepspeed import _init_distributed
+    from colomem.engines.deepspeed import init_distributed
 
-    _init_distributed()
+    init_distributed()
     torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl")
     torch.distributed.all_reduce(torch.ones(1, device="cuda"))

@@ -1,0 +1,313 @@
+"""DeepSpeedTrainer's options (`DeepSpeedConfig`), the DeepSpeed version check, the DeepSpeed config it builds
+and the distributed environment it starts in.
+
+Nothing here imports torch or deepspeed at module level: the run config validates a DeepSpeedConfig before
+vLLM or DeepSpeed start, and these checks are tested on machines without either.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import warnings
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from colomem.engines.lora import build_lora_config
+from colomem.errors import InvalidArgumentError, NotAvailableError
+
+SUPPORTED_DEEPSPEED = ((0, 19),)          # major.minor series whose ZeRO internals this adapter knows
+TESTED_DEEPSPEED = "0.19.8"
+ALLOW_UNTESTED_ENV = "COLOMEM_ALLOW_UNTESTED_DEEPSPEED"
+OFFLOAD_METHODS = ("colomem", "deepspeed", "to")
+ZERO_STAGES = (2, 3)
+DIST_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+# ------------------------------------------------------------------------------------------------ version
+def check_deepspeed_version(version: str, *, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuses DeepSpeed versions whose ZeRO internals the offload was not written against."""
+    environ = os.environ if environ is None else environ
+    m = re.match(r"^\s*(\d+)\.(\d+)", str(version))
+    series = (int(m.group(1)), int(m.group(2))) if m else None
+    if series in SUPPORTED_DEEPSPEED:
+        return
+    supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_DEEPSPEED)
+    msg = (f"DeepSpeed {version} is not supported by colomem's DeepSpeed adapter: it supports {supported} "
+           f"(tested with {TESTED_DEEPSPEED}), because its offload walks the ZeRO-2/3 optimizer's flat bf16 "
+           f"buffers, fp32 partitions and gradient buffers, which change between DeepSpeed releases. Install "
+           f"deepspeed=={TESTED_DEEPSPEED}, or set {ALLOW_UNTESTED_ENV}=1 to try this version anyway (the "
+           f"adapter then still reports what it could not move in its offload report).")
+    if environ.get(ALLOW_UNTESTED_ENV, "") in ("1", "true", "yes"):
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return
+    raise NotAvailableError(msg)
+
+
+def import_deepspeed() -> Any:
+    """`import deepspeed` with the version check and an error that says how to get DeepSpeed."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise NotAvailableError(
+            f"DeepSpeed is not installed ({e}); pip install deepspeed=={TESTED_DEEPSPEED} (or colomem[gpu], which "
+            "pins it), or run without it: `--backend cpu` trains with the CPU stand-in "
+            "(colomem.engines.stand_ins.TorchTrainer)") from None
+    check_deepspeed_version(deepspeed.__version__)
+    return deepspeed
+
+
+# ------------------------------------------------------------------------------------- distributed setup
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def distributed_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The variables to add before torch.distributed starts: none under torchrun (it sets all of them),
+    single-process defaults (rank 0 of 1, a free local port) when none is set. A partial launcher env is
+    refused, because guessing the rest would hang the other ranks."""
+    environ = os.environ if environ is None else environ
+    present = [k for k in DIST_KEYS if k in environ]
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if k in environ and not str(environ[k]).strip().isdigit():
+            raise InvalidArgumentError(f"{k}={environ[k]!r} is not a non-negative integer")
+    if len(present) == len(DIST_KEYS):
+        if int(environ["RANK"]) >= int(environ["WORLD_SIZE"]):
+            raise InvalidArgumentError(f"RANK={environ['RANK']} but WORLD_SIZE={environ['WORLD_SIZE']}")
+        return {}
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        missing = [k for k in DIST_KEYS if k not in environ]
+        raise InvalidArgumentError(
+            f"WORLD_SIZE={environ['WORLD_SIZE']} but {', '.join(missing)} not set; start the job with torchrun "
+            "(it sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) or set all five")
+    defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1"}
+    out = {k: v for k, v in defaults.items() if k not in environ}
+    if "MASTER_PORT" not in environ:
+        out["MASTER_PORT"] = str(_free_port())
+    return out
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank); reuses a process group someone else started (e.g. vLLM)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.update(distributed_env())
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+# -------------------------------------------------------------------------------------- config building
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int = 1, world_size: int = 1,
+                    lr: float = 1e-5, weight_decay: float = 0.0, betas: Sequence[float] = (0.9, 0.999),
+                    eps: float = 1e-8, torch_adam: bool = False, max_grad_norm: Optional[float] = 1.0,
+                    grad_accum_dtype: Optional[str] = None, reduce_bucket_size: Optional[float] = None,
+                    overrides: Optional[dict] = None) -> dict:
+    """The DeepSpeed config of a bf16 ZeRO-2/3 engine with AdamW (FusedAdam, or torch's with torch_adam)."""
+    zero: dict[str, Any] = {"stage": int(zero_stage), "contiguous_gradients": True}
+    if reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = int(reduce_bucket_size)
+    if zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": int(micro_batch),
+        "gradient_accumulation_steps": int(grad_accum),
+        "train_batch_size": int(micro_batch) * int(grad_accum) * int(world_size),
+        "steps_per_print": 1 << 30,          # the trainer reports its own metrics
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "gradient_clipping": float(max_grad_norm or 0.0),
+        "optimizer": {"type": "AdamW", "params": {"lr": float(lr), "betas": [float(b) for b in betas],
+                                                  "eps": float(eps), "weight_decay": float(weight_decay),
+                                                  "torch_adam": bool(torch_adam)}},
+    }
+    if grad_accum_dtype is not None:
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    return _merge(cfg, overrides) if overrides else cfg
+
+
+# ------------------------------------------------------------------------------------------- the options
+class DeepSpeedConfig(BaseModel):
+    """Every option of DeepSpeedTrainer (the model, pool, LoRA spec and GRPO config are its own arguments).
+
+    DeepSpeedConfig(...) raises colomem's InvalidArgumentError naming the option (not pydantic's
+    ValidationError), so a bad value is reported before vLLM or DeepSpeed start.
+
+    zero_stage: 2 or 3. micro_batch: rows per forward/backward; grad_accum: the nominal micro-batches per step
+        (train_step takes any batch size: the accumulation boundary is set by hand at its last micro-batch;
+        None = 1). offload: "colomem" (pool swaps) | "deepspeed" (engine.offload_states) | "to" (.to loop).
+    torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (no JIT build of the fused kernel).
+    overlap_reload: with offload="colomem", reload() brings back what forward and backward read and starts
+        the fp32 masters and Adam moments behind them; train_step waits for those just before the optimizer
+        step. grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
+    ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
+    seed: torch seed before the model and the LoRA adapter are built.
+    """
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    zero_stage: Literal[2, 3] = 2
+    lr: float = 1e-5
+    micro_batch: int = 1
+    grad_accum: Optional[int] = 1
+    gradient_checkpointing: bool = True
+    trust_remote_code: bool = False
+    offload: Literal["colomem", "deepspeed", "to"] = "colomem"
+    torch_adam: bool = False
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0
+    grad_accum_dtype: Optional[Literal["fp32", "bf16"]] = None
+    reduce_bucket_size: Optional[int] = None
+    seed: int = 0
+    attn_implementation: Optional[str] = None
+    ds_config: Optional[dict[str, Any]] = None
+    timeout_s: float = 300.0
+    overlap_reload: bool = True
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            super().__init__(**options)
+        except ValidationError as e:
+            raise InvalidArgumentError(_describe(e)) from None
+
+    # "before" checks see the value as given (pydantic would turn True into 1 or "2" into 2)
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage(cls, v: Any) -> Any:
+        if v not in ZERO_STAGES:
+            raise ValueError(f"zero_stage={v!r}: the DeepSpeed trainer supports ZeRO stage 2 or 3 (bf16); stage "
+                             "0/1 use DeepSpeed's BF16_Optimizer, whose buffers this adapter does not move")
+        return v
+
+    @field_validator("micro_batch", "grad_accum", mode="before")
+    @classmethod
+    def _count(cls, v: Any, info) -> Any:
+        if v is None and info.field_name == "grad_accum":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{info.field_name}={v!r}: must be an integer >= 1")
+        return v
+
+    @field_validator("lr", mode="before")
+    @classmethod
+    def _lr(cls, v: Any) -> Any:
+        if not (isinstance(v, (int, float)) and v > 0):
+            raise ValueError(f"lr={v!r}: must be > 0")
+        return v
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, v: Any) -> Any:
+        if v not in OFFLOAD_METHODS:
+            raise ValueError(f"offload={v!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
+        return v
+
+    @field_validator("grad_accum_dtype", mode="before")
+    @classmethod
+    def _accum_dtype(cls, v: Any) -> Any:
+        if v not in (None, "fp32", "bf16"):
+            raise ValueError(f"grad_accum_dtype={v!r}: None (DeepSpeed's default, the model dtype), 'fp32' or "
+                             "'bf16'")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"betas={v!r}: two numbers in [0, 1)")
+        return v
+
+    @field_validator("eps", "timeout_s")
+    @classmethod
+    def _positive(cls, v: float, info) -> float:
+        if not v > 0:
+            raise ValueError(f"{info.field_name}={v!r}: must be > 0")
+        return v
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _decay(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"weight_decay={v!r}: must be >= 0")
+        return v
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _clip(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not v > 0:
+            raise ValueError(f"max_grad_norm={v!r}: must be > 0 or None (no clipping)")
+        return v
+
+    @model_validator(mode="after")
+    def _fused_adam_for_ds_offload(self) -> "DeepSpeedConfig":
+        if self.offload == "deepspeed" and self.zero_stage == 3 and self.torch_adam:
+            raise ValueError("offload='deepspeed' with ZeRO-3 needs DeepSpeed's FusedAdam (its offload_states() "
+                             "asserts it); set torch_adam=False or use offload='colomem'")
+        return self
+
+    @property
+    def accum_steps(self) -> int:
+        """grad_accum with None read as 1."""
+        return 1 if self.grad_accum is None else self.grad_accum
+
+    def build_ds_config(self, world_size: int = 1) -> dict:
+        """The DeepSpeed config of these options on `world_size` ranks (ds_config merged over it)."""
+        return build_ds_config(zero_stage=self.zero_stage, micro_batch=self.micro_batch, grad_accum=self.accum_steps,
+                               world_size=world_size, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
+                               eps=self.eps, torch_adam=self.torch_adam, max_grad_norm=self.max_grad_norm,
+                               grad_accum_dtype=self.grad_accum_dtype, reduce_bucket_size=self.reduce_bucket_size,
+                               overrides=self.ds_config)
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per problem, each naming the option: `micro_batch=0: must be an integer >= 1`."""
+    lines = []
+    for e in err.errors():
+        name = ".".join(str(x) for x in e["loc"]) or "DeepSpeedConfig"
+        if e["type"] == "value_error":
+            lines.append(str(e["ctx"]["error"]) if "ctx" in e else e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{name}: not an option of DeepSpeedTrainer (options: "
+                         f"{', '.join(DeepSpeedConfig.model_fields)})")
+        else:
+            lines.append(f"{name}={e.get('input')!r}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def check_lora_spec(lora: Any) -> None:
+    """InvalidArgumentError unless lora is None or LoraSpec-shaped with at least one target module."""
+    if lora is None:
+        return
+    for attr in ("r", "alpha", "dropout", "target_modules"):
+        if not hasattr(lora, attr):
+            raise InvalidArgumentError(f"lora must be a colomem.grpo.config.LoraSpec (r, alpha, dropout, "
+                                       f"target_modules); {type(lora).__name__} has no {attr!r}")
+    if not lora.target_modules:
+        raise InvalidArgumentError("lora.target_modules is empty; name the linear layers to adapt, e.g. "
+                                   "['q_proj', 'v_proj']")
+
+
+def validate_trainer_args(*, lora: Any = None, **options: Any) -> DeepSpeedConfig:
+    """DeepSpeedTrainer's keywords checked before anything heavy is built: the options as a DeepSpeedConfig,
+    or InvalidArgumentError naming the argument."""
+    config = DeepSpeedConfig(**options)
+    check_lora_spec(lora)
+    return config
+
+
+__all__ = ["ALLOW_UNTESTED_ENV", "DeepSpeedConfig", "OFFLOAD_METHODS", "SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED",
+           "ZERO_STAGES", "build_ds_config", "build_lora_config", "check_deepspeed_version", "check_lora_spec",
+           "distributed_env", "import_deepspeed", "init_distributed", "validate_trainer_args"]

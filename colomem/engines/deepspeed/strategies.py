@@ -1,0 +1,258 @@
+"""The three ways DeepSpeedTrainer moves an engine's GPU state out and back, behind one small protocol.
+
+ColomemOffload    every storage the engine holds (state.collect_engine_state) into the pinned pool with two
+                  SwapSets; the tensor objects, views and DeepSpeed's references stay the same, so nothing is
+                  re-linked. Scratch buckets are dropped without a copy. The memory goes back to the driver.
+DeepSpeedOffload  the baseline: DeepSpeed's own engine.offload_states() / reload_states().
+ToOffload         the naive baseline: the same storages copied with .to("cpu") into fresh pageable memory,
+                  synchronously, one at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from colomem.errors import CudaOutOfMemoryError
+
+from .state import CATEGORIES, LATE_CATEGORIES, EngineState
+
+
+@dataclass
+class Move:
+    nbytes: int                  # bytes copied by the strategy
+    seconds: float               # the move alone (collection included for colomem and to, not for deepspeed)
+    state: Optional[EngineState] = None
+
+
+class OffloadStrategy(Protocol):
+    """What DeepSpeedTrainer calls on an offload method."""
+    method: str
+
+    def offload(self) -> Move:
+        ...
+
+    def reload(self) -> Move:
+        ...
+
+    def host_view(self, t: Tensor) -> Optional[Tensor]:
+        """A CPU tensor over the offloaded copy of t (same layout), valid while offloaded; None: no such copy."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
+    """A uint8 tensor over a whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+
+class ScratchBuffers:
+    """Storages whose contents do not matter between steps: shrunk without a copy, re-grown empty."""
+
+    def __init__(self):
+        self._held: list[tuple[torch.UntypedStorage, int]] = []
+
+    def release(self, items: Iterable[tuple[str, Tensor]]) -> int:
+        n = 0
+        for _, t in items:
+            st = t.untyped_storage()
+            size = st.nbytes()
+            st.resize_(0)
+            self._held.append((st, size))
+            n += size
+        return n
+
+    def regrow(self) -> int:
+        n, grown = 0, []
+        try:
+            for st, size in self._held:
+                st.resize_(size)
+                grown.append(st)
+                n += size
+        except torch.OutOfMemoryError as e:
+            for st in grown:
+                st.resize_(0)
+            raise CudaOutOfMemoryError(f"re-growing DeepSpeed's gradient buckets ({n} bytes) ran out of GPU "
+                                       f"memory: {e}") from e
+        return n
+
+    def forget(self) -> None:
+        self._held = []
+
+    def shrink_again(self) -> None:
+        for st, _ in self._held:
+            st.resize_(0)
+
+
+class ColomemOffload:
+    """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
+    forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
+    which reload(pending) copies back while the forward and backward run."""
+    method = "colomem"
+
+    def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
+        from colomem.swap import SwapSet
+
+        self._collect = collect
+        self._state: Optional[EngineState] = None
+        self._scratch = ScratchBuffers()
+        self._timeout = timeout_s
+        early = tuple(c for c in CATEGORIES if c not in LATE_CATEGORIES)
+
+        def items(cats):
+            return lambda: self._state.swap_items(cats) if self._state else []
+        # release=True: the memory goes back to the driver inside the timed move, as with the baselines
+        self.swapset = SwapSet.from_tensors(items(early), pool, name="deepspeed-trainer", device=device,
+                                            release=device.type == "cuda")
+        self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
+                                         device=device, release=False)   # offloaded first; the early set's
+        #                                                                     offload returns the memory
+
+    def offload(self) -> Move:
+        t0 = time.perf_counter()
+        state = self._state = self._collect()
+        self._scratch.release(state.scratch)
+        nbytes = 0
+        try:
+            nbytes += self.late.offload(self._timeout).nbytes
+            nbytes += self.swapset.offload(self._timeout).nbytes
+        except BaseException:
+            if self.late.state == "offloaded":    # all or nothing: the engine stays trainable
+                self.late.reload(self._timeout)
+            self._scratch.regrow()
+            self._scratch.forget()
+            raise
+        return Move(nbytes, time.perf_counter() - t0, state)
+
+    def reload(self, pending=None) -> Move:
+        """pending: a colomem.swap.PendingReloads to start the LATE part in (its wait() must come before
+        the optimizer step); None: everything is back when this returns."""
+        t0 = time.perf_counter()
+        self._scratch.regrow()
+        try:
+            nbytes = self.swapset.reload(self._timeout).nbytes
+        except BaseException:
+            self._scratch.shrink_again()      # all or nothing: the set rolled its storages back too
+            raise
+        try:
+            if pending is None:
+                nbytes += self.late.reload(self._timeout).nbytes
+            else:
+                pending.add(self.late.reload_async(ordered=False))
+        except BaseException:
+            self.swapset.offload(self._timeout)   # e.g. no GPU memory for the late part: offloaded again
+            self._scratch.shrink_again()
+            raise
+        self._scratch.forget()
+        self._state = None
+        return Move(nbytes, time.perf_counter() - t0)
+
+    def host_view(self, t: Tensor) -> Optional[Tensor]:
+        """A CPU tensor over the pool copy of t (same dtype, shape, strides), valid while offloaded."""
+        return self.swapset.host_view(t)
+
+    def close(self) -> None:
+        for s in (self.swapset, self.late):
+            if s.state == "offloaded":
+                s.discard()
+            s.close()
+
+
+class ToOffload:
+    """The naive baseline: each storage copied with .to('cpu') into new pageable memory and back."""
+    method = "to"
+
+    def __init__(self, collect: Callable[[], EngineState], device: torch.device):
+        self._collect = collect
+        self._device = device
+        self._held: list[tuple[torch.UntypedStorage, int, Tensor]] = []
+        self._scratch = ScratchBuffers()
+
+    def offload(self) -> Move:
+        t0 = time.perf_counter()
+        state = self._collect()
+        self._scratch.release(state.scratch)
+        try:
+            for _, t in state.swap_items():
+                st = t.untyped_storage()
+                host = _bytes_of(st, self._device).to("cpu", copy=True)
+                self._held.append((st, st.nbytes(), host))
+                st.resize_(0)
+        except BaseException:
+            self._restore()
+            self._scratch.regrow()
+            self._scratch.forget()
+            raise
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        return Move(sum(h.numel() for _, _, h in self._held), time.perf_counter() - t0, state)
+
+    def _restore(self) -> int:
+        n, done = 0, []
+        try:
+            for st, size, host in self._held:
+                st.resize_(size)
+                _bytes_of(st, self._device).copy_(host)
+                done.append(st)
+                n += size
+        except torch.OutOfMemoryError as e:
+            for st in done:
+                st.resize_(0)
+            raise CudaOutOfMemoryError(f"reload (.to loop) ran out of GPU memory after {n} bytes: {e}") from e
+        self._held = []
+        return n
+
+    def reload(self) -> Move:
+        t0 = time.perf_counter()
+        self._scratch.regrow()
+        try:
+            n = self._restore()
+        except BaseException:
+            self._scratch.shrink_again()
+            raise
+        self._scratch.forget()
+        return Move(n, time.perf_counter() - t0)
+
+    def host_view(self, t: Tensor) -> Optional[Tensor]:
+        return None
+
+    def close(self) -> None:
+        self._held = []
+
+
+class DeepSpeedOffload:
+    """The baseline: DeepSpeed's own engine.offload_states() / reload_states() (pinned buffers it caches).
+    nbytes: how much torch's allocated memory fell (offload) or rose (reload), i.e. what DeepSpeed moved."""
+    method = "deepspeed"
+
+    def __init__(self, engine, collect: Callable[[], EngineState]):
+        self._engine = engine
+        self._collect = collect
+
+    def offload(self) -> Move:
+        state = self._collect()       # what there was to move, for the report (not timed)
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        self._engine.offload_states()
+        torch.cuda.synchronize()
+        return Move(max(0, before - torch.cuda.memory_allocated()), time.perf_counter() - t0, state)
+
+    def reload(self) -> Move:
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        self._engine.reload_states()
+        torch.cuda.synchronize()
+        return Move(max(0, torch.cuda.memory_allocated() - before), time.perf_counter() - t0)
+
+    def host_view(self, t: Tensor) -> Optional[Tensor]:
+        return None
+
+    def close(self) -> None:
+        pass
+

@@ -1,0 +1,432 @@
+"""DeepSpeedTrainer: a DeepSpeed ZeRO-2/3 (bf16) engine from a transformers causal LM, optionally with a peft
+LoRA adapter, whose whole GPU state moves to the pinned pool and back between training phases.
+
+Two ways to build one (the options are those of `DeepSpeedConfig`, same names and defaults either way):
+
+    DeepSpeedTrainer(model_path, zero_stage=3, lr=1e-5, micro_batch=4, pool=pool, lora=spec, grpo=grpo)
+    config = DeepSpeedConfig(zero_stage=3, lr=1e-5, micro_batch=4)      # validated before anything starts
+    DeepSpeedTrainer(model_path, config=config, pool=pool, lora=spec, grpo=grpo)
+
+The parts: config.py (options, version check, the DeepSpeed config), state.py (what the engine holds on the
+GPU), strategies.py (the three offload methods), weights.py (the weights for the rollout sync), and the
+micro-batch loop in colomem.grpo.step (shared with the CPU stand-in).
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from colomem._checkpoint import checkpoint_problem
+from colomem.engines.lora import check_lora_layers
+from colomem.engines.reports import SwitchReport
+from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
+from colomem.swap import PendingReloads
+
+from .config import (OFFLOAD_METHODS, DeepSpeedConfig, build_lora_config, check_lora_spec, import_deepspeed,
+                     init_distributed)
+from .state import (LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
+                    release_cached_memory, release_zero3_references, trim_module_stack, zero3_global_holders)
+from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
+from .weights import Staging, SyncSource, WeightExport
+
+
+def _run_with_timeout(fn: Callable[[], None], timeout_s: float, what: str) -> bool:
+    """Runs fn in a daemon thread; warns and returns False when it does not finish in time."""
+    err: list[BaseException] = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:       # noqa: BLE001 - reported below
+            err.append(e)
+
+    th = threading.Thread(target=target, name=f"colomem-{what}", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        warnings.warn(f"{what} did not finish within {timeout_s:.0f} s; continuing without it", RuntimeWarning,
+                      stacklevel=3)
+        return False
+    if err:
+        warnings.warn(f"{what} failed: {err[0]!r}", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+class DeepSpeedTrainer:
+    """The Trainer of colomem.engines.protocols on DeepSpeed ZeRO-2/3 (bf16).
+
+    model_path: a local transformers checkpoint directory (nothing is downloaded), or an already built
+        transformers causal LM (e.g. from a config, for benchmarks).
+    config: a DeepSpeedConfig with every option (see there), or the options as keywords (not both).
+    lora: a LoraSpec (peft adapter on the policy; the base with adapters off is the free KL reference) or
+        None (full fine-tune). pool: the colomem.PinnedPool for offload="colomem" (default: one owned by the
+        trainer). grpo: the GRPOConfig of the loss (default GRPOConfig()).
+
+    Multi-GPU: start with torchrun (data parallel over all ranks); every rank calls every method. On ZeRO-3
+    with several ranks, offload(prepare_sync=True) and named_weights() gather parameters collectively.
+    """
+
+    def __init__(self, model_path: Any, *, config: Optional[DeepSpeedConfig] = None, lora: Any = None,
+                 pool: Any = None, grpo: Any = None, **options: Any):
+        if config is not None and options:
+            raise InvalidArgumentError(f"DeepSpeedTrainer: pass the options in config or as keywords, not both "
+                                       f"(got config and {', '.join(sorted(options))})")
+        if config is None:
+            config = DeepSpeedConfig(**options)
+        elif not isinstance(config, DeepSpeedConfig):
+            raise InvalidArgumentError(f"config must be a DeepSpeedConfig, not {type(config).__name__}")
+        check_lora_spec(lora)
+        if not isinstance(model_path, torch.nn.Module):
+            _check_model_dir(model_path)
+        if not torch.cuda.is_available():
+            raise NotAvailableError("DeepSpeedTrainer needs a CUDA GPU; on a machine without one use "
+                                    "colomem.engines.stand_ins.TorchTrainer (--backend cpu)")
+        deepspeed = import_deepspeed()
+        if grpo is None:
+            from colomem.grpo.config import GRPOConfig
+            grpo = GRPOConfig()
+        self.config = config
+        self.grpo = grpo
+        self.zero_stage = config.zero_stage
+        self.lora = lora
+        self.micro_batch = config.micro_batch
+        self.grad_accum = config.accum_steps
+        self.offload_method = config.offload
+        self.timeout_s = float(config.timeout_s)
+        self.overlap_reload = bool(config.overlap_reload)
+        self._pending = PendingReloads()
+        self.deepspeed_version = deepspeed.__version__
+        self.last_offload: Optional[SwitchReport] = None
+        self.last_reload: Optional[SwitchReport] = None
+        self.steps = 0
+        self._closed = False
+        self._offloaded = False
+        self._offloaded_by: Optional[str] = None
+        self._left_behind_named = False       # the (slow) scan of live tensors runs once per trainer
+        self._sync: Optional[SyncSource] = None
+        self._lora_cache: Optional[dict[str, Tensor]] = None
+        self._staging = Staging()
+        self._pool = pool
+        self._owns_pool = False
+        self._strategies: dict[str, OffloadStrategy] = {}
+        self.engine: Any = None
+        self.model: Any = None
+        self._ref_fn: Any = None
+        self._fwd_stack: Optional[list] = None
+
+        self.rank, self.world_size, self.local_rank = init_distributed()
+        torch.cuda.set_device(self.local_rank)
+        self.device = torch.device("cuda", self.local_rank)
+
+        torch.manual_seed(config.seed)
+        model = self._build_model(model_path, config)
+        self.ds_config = config.build_ds_config(self.world_size)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)
+        self.model = self.engine.module
+        self._weights = WeightExport(self.model, zero_stage=self.zero_stage, world_size=self.world_size,
+                                     device=self.device)
+        self._fwd_stack = zero3_global_holders()[0] if self.zero_stage == 3 else None
+        try:
+            stage = int(self.engine.zero_optimization_stage())
+            if stage != self.zero_stage or not hasattr(self.engine.optimizer, "optimizer"):
+                raise ColomemError(f"DeepSpeed built a stage-{stage} {type(self.engine.optimizer).__name__}, not "
+                                   f"the ZeRO-{self.zero_stage} optimizer asked for; check the ds_config overrides")
+            if lora is not None:
+                from colomem.grpo.step import peft_reference_fn
+                self._ref_fn = peft_reference_fn(self.engine, getattr(grpo, "temperature", 1.0))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- building -----------------------------------------------------------------------------------------
+    def _build_model(self, model_path: Any, config: DeepSpeedConfig) -> torch.nn.Module:
+        if isinstance(model_path, torch.nn.Module):
+            model = model_path
+        else:
+            from transformers import AutoModelForCausalLM
+
+            kw: dict[str, Any] = {"dtype": torch.bfloat16, "trust_remote_code": bool(config.trust_remote_code)}
+            if config.attn_implementation:
+                kw["attn_implementation"] = config.attn_implementation
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), **kw)
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, build_lora_config(self.lora))
+            if config.gradient_checkpointing:
+                model.enable_input_require_grads()
+            check_lora_layers(model)
+        return model
+
+    # -- state --------------------------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    @property
+    def optimizer(self):
+        """DeepSpeed's ZeRO optimizer (its .optimizer is the inner AdamW), its state fully reloaded."""
+        self.wait_reload()
+        return self.engine.optimizer
+
+    def state(self) -> EngineState:
+        """The storages the engine holds on this GPU now, by category (what offload() moves)."""
+        return collect_engine_state(self.engine, self.device)
+
+    def memory(self) -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        out = {"allocated": torch.cuda.memory_allocated(self.device),
+               "reserved": torch.cuda.memory_reserved(self.device), "driver_used": total - free,
+               "driver_free": free, "pinned_pool": 0}
+        if self._pool is not None and not self._pool.closed:
+            out["pinned_pool"] = int(self._pool.stats()["reserved_bytes"])
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PhaseOrderError("this DeepSpeedTrainer was closed; build a new one")
+
+    def _check_resident(self, what: str) -> None:
+        self._check_open()
+        if self._offloaded:
+            raise PhaseOrderError(f"{what} on an offloaded trainer; call reload() first")
+
+    # -- training -----------------------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One optimizer step on `batch` (a GRPOBatch): micro-batches of micro_batch rows, weighted by their
+        share of the batch, gradients accumulated, one update. Returns rank-local metrics."""
+        from colomem.grpo.step import accumulate_gradients
+
+        self._check_resident("train_step()")
+        if len(batch) == 0:
+            raise InvalidArgumentError("train_step() got an empty batch; every rank needs at least one row")
+        t0 = time.perf_counter()
+        ref_fn = self._ref_fn if getattr(self.grpo, "kl_coef", 0.0) > 0 else None
+        engine = self.engine
+        stack = self._fwd_stack
+        depth = len(stack) if stack is not None else 0
+        try:
+            out = accumulate_gradients(
+                engine, batch, self.grpo, micro_batch=self.micro_batch, ref_logprobs_fn=ref_fn, device=self.device,
+                before_micro=engine.set_gradient_accumulation_boundary,
+                backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))   # loss carries its weight
+            waited = self.wait_reload()                       # the step reads the masters and moments
+            engine.step()
+        finally:
+            trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
+        self.steps += 1
+        out["reload_wait_s"] = waited
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        out["lr"] = float(engine.get_lr()[0])
+        out["train_step_s"] = time.perf_counter() - t0
+        return out
+
+    # -- offload / reload ---------------------------------------------------------------------------------
+    def _strategy(self, method: str) -> OffloadStrategy:
+        s = self._strategies.get(method)
+        if s is not None:
+            return s
+
+        def collect() -> EngineState:
+            return collect_engine_state(self.engine, self.device)
+        if method == "colomem":
+            if self._pool is None:
+                from colomem.pool import PinnedPool
+                need = collect().nbytes() + (64 << 20)
+                self._pool = PinnedPool(need)
+                self._owns_pool = True
+            s = ColomemOffload(collect, self._pool, self.device, self.timeout_s)
+        elif method == "to":
+            s = ToOffload(collect, self.device)
+        else:
+            s = DeepSpeedOffload(self.engine, collect)
+        self._strategies[method] = s
+        return s
+
+    def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None) -> None:
+        """Moves the engine's GPU state out (see DeepSpeedConfig.offload) and returns the memory to the
+        driver. prepare_sync: keep the named weights readable for the weight sync while offloaded (host views
+        of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
+        method: another offload method for this cycle (benchmarks). The report is in `last_offload`."""
+        self._check_resident("offload()")
+        self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
+        method = method or self.offload_method
+        if method not in OFFLOAD_METHODS:
+            raise InvalidArgumentError(f"method={method!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
+        strategy = self._strategy(method)
+        dev = self.device
+        torch.cuda.synchronize(dev)        # DeepSpeed's side streams (reduction, all-gather) included
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        if self.zero_stage == 3 and hasattr(self.engine.optimizer, "empty_partition_cache"):
+            self.engine.optimizer.empty_partition_cache()     # gathered params are copies of the partitions
+        plan, staged = [], 0
+        if prepare_sync:
+            plan, staged = self._weights.plan_sync(merged, method == "colomem", self._staging, self._pool)
+            if self.lora is not None:
+                self._lora_cache = self._weights.lora_tensors(copy=True)
+        t_sync = time.perf_counter() - t0
+        move = strategy.offload()
+        self._offloaded, self._offloaded_by = True, method
+        if prepare_sync:
+            self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
+        release_cached_memory()
+        torch.cuda.synchronize(dev)
+        free1 = torch.cuda.mem_get_info(dev)[0]
+        state = move.state
+        if state is None:
+            raise ColomemError(f"the {method} offload reported no engine state; this is a bug in the DeepSpeed "
+                               "adapter (please report it)")
+        left = torch.cuda.memory_allocated(dev)
+        # A gc scan of live tensors costs a noticeable share of a second in a big process: name what stayed
+        # once, not on every step's offload (the timed switch of a baseline would carry it every step).
+        diagnose = left > LEFT_BEHIND_REPORT_BYTES and not self._left_behind_named
+        self._left_behind_named |= diagnose
+        self.last_offload = SwitchReport(
+            method, "offload", time.perf_counter() - t0, move.nbytes, free1 - free0, free1,
+            left, torch.cuda.memory_reserved(dev), dict(state.sizes),
+            list(state.unlisted), sum(n for _, n in state.skipped), move.seconds, state.seconds, t_sync, staged,
+            left_behind(dev) if diagnose else "")
+
+    def reload(self) -> None:
+        """Brings the state back (the same tensor objects with colomem); training can continue."""
+        self._check_open()
+        if not self._offloaded:
+            raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
+        dev = self.device
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        method = self._offloaded_by or self.offload_method
+        strategy = self._strategies[method]
+        if self.overlap_reload and isinstance(strategy, ColomemOffload):
+            move = strategy.reload(self._pending)
+        else:
+            move = strategy.reload()
+        self._sync = None                 # host views die with the offload
+        # This stream only: a device-wide synchronize would also wait for the deferred copies on colomem's
+        # H2D stream, and the reload phase would last as long as the whole copy (docs/performance.md).
+        torch.cuda.current_stream(dev).synchronize()
+        free1 = torch.cuda.mem_get_info(dev)[0]
+        self.last_reload = SwitchReport(method, "reload", time.perf_counter() - t0, move.nbytes,
+                                        free0 - free1, free1, torch.cuda.memory_allocated(dev),
+                                        torch.cuda.memory_reserved(dev), move_seconds=move.seconds,
+                                        deferred_bytes=self._pending.nbytes)
+        self._offloaded, self._offloaded_by = False, None
+
+    def wait_reload(self, timeout: Optional[float] = None) -> float:
+        """Waits for the part of the last reload that overlap_reload left in flight (train_step calls this
+        before the optimizer step; call it before reading the optimizer's state yourself). Returns the
+        seconds it blocked: 0.0 when nothing was pending."""
+        return self._pending.wait(self.timeout_s if timeout is None else timeout)
+
+    # -- weights for the sync -----------------------------------------------------------------------------
+    def named_weights(self, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) for every weight the rollout engine loads. With LoRA and merged=True: base +
+        scaling * B @ A, computed in fp32 without touching the adapter; merged=False: the base alone.
+
+        Resident: GPU tensors, valid until the iterator moves on (ZeRO-3 with several ranks gathers module
+        by module, collectively: every rank must iterate to the end). Offloaded: host tensors prepared by
+        offload(prepare_sync=True), valid until reload()."""
+        self._check_open()
+        if self._offloaded:
+            if self._sync is None:
+                raise PhaseOrderError("named_weights() on an offloaded trainer needs offload(prepare_sync=True)")
+            if self._sync.merged != merged:
+                raise PhaseOrderError(f"the weights were prepared with merged={self._sync.merged}; call "
+                                      f"offload(merged={merged}) to get the other kind")
+            return iter(list(self._sync.items))
+        return ((name, t) for name, t, _ in self._weights.iter_weights(merged))
+
+    def lora_state(self) -> dict[str, Tensor]:
+        """The adapter's tensors on the host, named as peft saves them (…lora_A.weight, …lora_B.weight)."""
+        self._check_open()
+        if self.lora is None:
+            raise InvalidArgumentError("lora_state(): this trainer has no LoRA adapter (lora=None)")
+        if self._offloaded:
+            if self._lora_cache is None:
+                raise PhaseOrderError("lora_state() on an offloaded trainer needs offload(prepare_sync=True)")
+            return dict(self._lora_cache)
+        return self._weights.lora_tensors(copy=True)
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Releases the engine, its GPU memory and the pool blocks; bounded by timeout_s; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sync = None
+        self._lora_cache = None
+        pending = getattr(self, "_pending", None)       # (absent when __init__ failed before it)
+        try:
+            if pending:
+                pending.wait(self.timeout_s)
+        except Exception as e:           # noqa: BLE001 - closing goes on
+            warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
+        for s in self._strategies.values():
+            try:
+                s.close()
+            except Exception as e:       # noqa: BLE001 - closing goes on
+                warnings.warn(f"closing the {s.method} offload failed: {e!r}", RuntimeWarning, stacklevel=2)
+        self._strategies = {}
+        self._staging.free()
+        engine = getattr(self, "engine", None)
+        opt_ref = None
+        if engine is not None:
+            _run_with_timeout(engine.destroy, self.timeout_s, "DeepSpeed engine.destroy()")
+            if getattr(self, "zero_stage", None) == 3:
+                try:
+                    release_zero3_references(getattr(engine, "module", None))
+                except Exception as e:     # noqa: BLE001 - closing goes on; the check below reports a leak
+                    warnings.warn(f"unhooking the ZeRO-3 module from DeepSpeed failed: {e!r}", RuntimeWarning,
+                                  stacklevel=2)
+            opt_ref = _weakref_or_none(getattr(engine, "optimizer", None))
+        del engine                         # a local reference would keep it alive through the collection below
+        self.engine = self.model = self._ref_fn = None
+        self._fwd_stack = None
+        if self._owns_pool and self._pool is not None and not self._pool.closed:
+            self._pool.close(force=True)
+        self._pool = None
+        gc.collect()
+        if torch.cuda.is_available():
+            release_cached_memory()
+        if opt_ref is not None and opt_ref() is not None:
+            version = getattr(self, "deepspeed_version", "?")
+            warnings.warn(f"the closed trainer's {type(opt_ref()).__name__} is still referenced, so its GPU state "
+                          "stays allocated; drop your references to trainer.engine / .optimizer / .model (with "
+                          f"DeepSpeed {version}: report it if you hold none)", RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "DeepSpeedTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _weakref_or_none(obj: Any) -> Optional[weakref.ref]:
+    try:
+        return weakref.ref(obj) if obj is not None else None
+    except TypeError:                    # not weak-referenceable: nothing to check
+        return None
+
+
+def _check_model_dir(model_path: Any) -> None:
+    problem = checkpoint_problem(model_path)
+    if problem:
+        raise InvalidArgumentError(problem)

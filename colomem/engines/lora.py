@@ -1,0 +1,161 @@
+"""peft LoRA for every Trainer: the adapter config from a LoraSpec, the layers the merge supports, and the
+merge itself (base + scaling * B @ A under the base's HF names), which is what the rollout engine loads.
+
+The merge never touches the model (no merge_and_unload: no rounding drift across steps) and runs in fp32
+with one rounding to the weight's dtype. A trainer whose parameters are partitioned (ZeRO-3) passes `full`,
+a context manager that hands out the complete tensors of a module's parameters while they are read.
+
+Nothing here imports torch or peft at module level (DeepSpeedConfig imports build_lora_config).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.nn import Module
+
+# The linear layers of a Llama/Qwen-style decoder (attention and MLP); LoraSpec's default.
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+FullParams = Callable[[list], ContextManager[list]]
+"""full(params) -> context manager yielding the complete tensors of params, in order."""
+
+
+def build_lora_config(lora: Any) -> Any:
+    """peft.LoraConfig from a colomem LoraSpec (r, alpha, dropout, target_modules)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def lora_layer_class() -> type:
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:                      # peft missing: cannot be a peft model
+        return False
+    return isinstance(model, PeftModel)
+
+
+def check_lora_layers(model: "Module") -> None:
+    """Only Linear LoRA layers without DoRA: the merge handles exactly those."""
+    import torch
+
+    from colomem.errors import InvalidArgumentError
+
+    lora_cls = lora_layer_class()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, lora_cls):
+            continue
+        base = getattr(mod, "base_layer", None)
+        if not isinstance(base, torch.nn.Linear) or getattr(mod, "lora_embedding_A", None):
+            raise InvalidArgumentError(f"LoRA on {name} ({type(base).__name__}) is not supported; "
+                                       "target linear layers only (e.g. q_proj, k_proj, v_proj, o_proj)")
+        if any(getattr(mod, "use_dora", {}).values()):
+            raise InvalidArgumentError(f"DoRA on {name} is not supported by the weight merge")
+
+
+@contextlib.contextmanager
+def detached(params: list) -> Iterator[list]:
+    """The `full` of a model whose parameters are complete tensors: their detached views."""
+    yield [p.detach() for p in params]
+
+
+def merge_adapters(layer: Any, weight: "Tensor", factors: Sequence[tuple["Tensor", "Tensor"]],
+                   adapters: Sequence[str]) -> "Tensor":
+    """weight + sum of scaling[a] * B @ A over `adapters` ((A, B) in `factors`), in fp32, as weight's dtype.
+    A new tensor: never a view of the base weight."""
+    acc = weight.float().clone()
+    for a, (A, B) in zip(adapters, factors):
+        delta = B.float() @ A.float()
+        acc.add_(delta.T if getattr(layer, "fan_in_fan_out", False) else delta, alpha=layer.scaling[a])
+    return acc.to(weight.dtype)
+
+
+def merged_adapters(layer: Any) -> list[str]:
+    """The adapters of a LoRA layer that the merge adds (none when peft merged them into the base already)."""
+    if getattr(layer, "merged", False):
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def walk_modules(model: Any) -> Iterator[tuple[str, Any, Optional[list]]]:
+    """(prefix, module, params) per module in HF order (the order of named_parameters): a peft LoRA layer comes
+    with params None (its base weight and adapters are read together), every other module with its own
+    not-yet-seen (name, parameter) pairs (tied weights once, like HF's state dict)."""
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    lora_cls = lora_layer_class() if peft else None
+    skip_prefixes: list[str] = []
+    seen: set[int] = set()
+    for mname, mod in base.named_modules():
+        if any(mname.startswith(p) for p in skip_prefixes):
+            continue
+        prefix = mname + "." if mname else ""
+        if lora_cls is not None and isinstance(mod, lora_cls):
+            skip_prefixes.append(prefix)
+            yield prefix, mod, None
+            continue
+        params = [(pn, p) for pn, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        if params:
+            yield prefix, mod, params
+
+
+def named_weights(model: "Module", *, merged: bool = True, full: FullParams = detached,
+                  direct: bool = True) -> Iterator[tuple[str, "Tensor", bool]]:
+    """(HF name, tensor, is_direct) of every weight the rollout loads: LoRA merged into the base (merged=True)
+    or the base alone; lora_* tensors left out. is_direct: the tensor is what `full` handed out (with
+    direct=True, a view of the trainer's own storage), not a temporary made by the merge."""
+    for prefix, mod, params in walk_modules(model):
+        if params is not None:
+            with full([p for _, p in params]) as tensors:
+                for (pn, _), t in zip(params, tensors):
+                    yield prefix + pn, t, direct
+            continue
+        layer = mod.base_layer
+        adapters = merged_adapters(mod) if merged else []
+        base = [layer.weight] + ([layer.bias] if getattr(layer, "bias", None) is not None else [])
+        factors = [w for a in adapters for w in (mod.lora_A[a].weight, mod.lora_B[a].weight)]
+        with full(base + factors) as tensors:
+            weight = tensors[0]
+            if adapters:
+                pairs = [(tensors[len(base) + 2 * i], tensors[len(base) + 2 * i + 1]) for i in range(len(adapters))]
+                yield prefix + "weight", merge_adapters(mod, weight, pairs, adapters), False
+            else:
+                yield prefix + "weight", weight, direct
+            if len(base) > 1:
+                yield prefix + "bias", tensors[1], direct
+
+
+def weight_sizes(model: "Module", *, merged: bool, direct: bool,
+                 nbytes_of: Callable[[Any], int]) -> Iterator[tuple[str, int, bool]]:
+    """(name, nbytes_of(param), is_direct) of what named_weights yields, from the parameters' metadata only
+    (nothing gathered or computed)."""
+    for prefix, mod, params in walk_modules(model):
+        if params is None:
+            yield prefix + "weight", nbytes_of(mod.base_layer.weight), direct and not (merged and merged_adapters(mod))
+            if getattr(mod.base_layer, "bias", None) is not None:
+                yield prefix + "bias", nbytes_of(mod.base_layer.bias), direct
+            continue
+        for pn, p in params:
+            yield prefix + pn, nbytes_of(p), direct
+
+
+def merged_named_weights(model: "Module") -> Iterator[tuple[str, "Tensor"]]:
+    """(HF name, tensor) of a model; for a peft LoRA model, base + scaling * B @ A under the base's names."""
+    for name, t, _ in named_weights(model):
+        yield name, t
+
+
+__all__ = ["DEFAULT_TARGET_MODULES", "build_lora_config", "check_lora_layers", "detached", "is_peft_model",
+           "lora_layer_class", "merge_adapters", "merged_adapters", "merged_named_weights", "named_weights",
+           "walk_modules", "weight_sizes"]

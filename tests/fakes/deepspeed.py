@@ -1,0 +1,126 @@
+"""A DeepSpeed engine without DeepSpeed: ZeRO-2- and ZeRO-3-shaped stand-ins with the attribute names the
+adapter reads (DeepSpeed 0.19), on real torch tensors, an engine behind the methods train_step calls, and
+DeepSpeedTrainer shells around such engines (built without DeepSpeed or a GPU)."""
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from colomem.engines.deepspeed import DeepSpeedTrainer
+from colomem.engines.deepspeed.weights import Staging, WeightExport
+from colomem.swap import PendingReloads
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class IPGBucket:                       # the shape of DeepSpeed's stage_1_and_2.IPGBucket
+    buffer: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+
+
+def fake_zero2_engine(seed=0):
+    """bf16 params as views into one flat buffer, fp32 master partition, AdamW state after one step, an
+    ipg bucket (scratch) and one tensor only the safety-net walk can find."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    module.register_buffer("inv_freq", torch.rand(5, generator=g))
+    params = list(module.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    off = 0
+    for p in params:
+        p.data = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    master = flat.float().clone().requires_grad_(True)
+    inner = torch.optim.AdamW([master], lr=1e-2)
+    master.grad = torch.randn(master.shape, generator=g)
+    inner.step()
+    master.grad = None
+    opt = SimpleNamespace(optimizer=inner, bit16_groups_flat=[flat], single_partition_of_fp32_groups=[master],
+                          averaged_gradients={0: None}, grads_in_partition=None,
+                          ipg_buckets={torch.bfloat16: IPGBucket(buffer=[torch.empty(64, dtype=torch.bfloat16)])},
+                          new_release_buffer=torch.arange(16, dtype=torch.float32))
+    return SimpleNamespace(zero_optimization_stage=lambda: 2, optimizer=opt, module=module)
+
+
+def nvtx_like(func):                      # DeepSpeed's instrument_w_nvtx: a wrapper without functools.wraps
+    def wrapped_fn(*args, **kwargs):
+        return func(*args, **kwargs)
+    return wrapped_fn
+
+
+class Coordinator:                        # PartitionedParameterCoordinator: one lru_cache shared by all instances
+    def __init__(self, owner):
+        self.owner = owner                # the real coordinator reaches the optimizer too (through the engine)
+
+    @nvtx_like
+    @functools.lru_cache(maxsize=None)
+    def params_to_release(self, submodule, step_id):
+        return {id(p) for p in submodule.parameters()}
+
+
+class FakeZero3Optimizer:
+    def __init__(self, module):
+        self.fp32_partitioned_groups_flat = [torch.zeros(1024)]
+        self.coordinator = Coordinator(self)
+        for p in module.parameters():
+            p._z3_optimizer = self        # what stage3._link_all_hp_params does
+
+
+def fake_zero3_engine(stack):
+    """A ZeRO-3-shaped engine registered where DeepSpeed 0.19 registers one: its root on FWD_MODULE_STACK
+    (plus what an early-stopped checkpoint recompute leaves there), a submodule in the shared lru cache."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    opt = FakeZero3Optimizer(module)
+    stack += [module, module[1], module[1][0]]
+    opt.coordinator.params_to_release(module[1], 0)
+    return SimpleNamespace(module=module, optimizer=opt, destroy=lambda: None, zero_optimization_stage=lambda: 3)
+
+
+class StackPushingEngine(torch.nn.Module):
+    """A model behind the engine methods train_step calls; every forward leaves two entries on `stack`, like
+    ZeRO-3 pre-forward hooks whose post-forward hooks an early-stopped checkpoint recompute skipped."""
+
+    def __init__(self, model, stack):
+        super().__init__()
+        self.module, self.stack = model, stack
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def forward(self, **kw):
+        self.stack += [self.module, self.module.model]
+        return self.module(**kw)
+
+    def set_gradient_accumulation_boundary(self, flag):
+        pass
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def get_global_grad_norm(self):
+        return None
+
+    def get_lr(self):
+        return [1e-3]
+
+
+def bare_trainer(model, lora, pool=None):
+    """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
+    t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)
+    t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
+                      _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(),
+                      _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
+                      _pending=PendingReloads(), timeout_s=30.0)
+    return t
+
+
+def closable_trainer(engine):
+    t = bare_trainer(engine.module, None)
+    t.__dict__.update(engine=engine, zero_stage=3, _strategies={}, _owns_pool=False, _ref_fn=None,
+                      timeout_s=30.0, deepspeed_version="0.19.8", _fwd_stack=None)
+    return t
