@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -207,17 +206,6 @@ class HFRollout:
 _CATEGORY = {PARAMS_SET: "params", OPTIM_SET: "optim"}      # SwapSet name -> SwitchReport category
 
 
-@dataclass
-class HostSwitchReport(SwitchReport):
-    """A TorchTrainer move: host memory only, so the driver and allocator fields stay 0. to_dict() also names
-    moved_bytes `nbytes`, the key the CPU run's metrics (trainer_offload/nbytes) have carried."""
-
-    def to_dict(self) -> dict:
-        d = super().to_dict()
-        d["nbytes"] = self.moved_bytes
-        return d
-
-
 class TorchTrainer:
     """Trainer protocol on plain torch (AdamW, fp32), for CPU runs and tests.
 
@@ -345,7 +333,7 @@ class TorchTrainer:
         elif self._swaps:
             self._sync_source = [(n, self._host_view(p)) for n, p in params]
         seconds = time.perf_counter() - t0
-        self.last_offload = HostSwitchReport(
+        self.last_offload = SwitchReport(
             self.offload_mode, "offload", seconds, sum(by_category.values()), 0, 0, 0, 0, by_category,
             move_seconds=seconds, staged_bytes=sum(t.numel() * t.element_size() for _, t in staged or ()))
 
@@ -371,7 +359,7 @@ class TorchTrainer:
                 nbytes += s.reload(timeout=self.swap_timeout_s).nbytes
         self._offloaded = False
         seconds = time.perf_counter() - t0
-        self.last_reload = HostSwitchReport(self.offload_mode, "reload", seconds, nbytes, 0, 0, 0, 0,
+        self.last_reload = SwitchReport(self.offload_mode, "reload", seconds, nbytes, 0, 0, 0, 0,
                                             move_seconds=seconds, deferred_bytes=deferred)
 
     def wait_reload(self, timeout: Optional[float] = None) -> float:
