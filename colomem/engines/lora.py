@@ -27,7 +27,8 @@ def build_lora_config(lora: Any) -> Any:
     """peft.LoraConfig from a colomem LoraSpec (r, alpha, dropout, target_modules)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+    alpha: Any = float(lora.alpha)      # peft annotates an int but scales by alpha / r: a float stays exact
+    return LoraConfig(r=int(lora.r), lora_alpha=alpha, lora_dropout=float(lora.dropout),
                       target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
 
 

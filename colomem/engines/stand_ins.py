@@ -401,5 +401,5 @@ class TorchTrainer:
         self._swaps = []
         self._sync_source = None
         self.model = None
-        self.optimizer = None
+        self.optimizer = None  # type: ignore[assignment]  # closed: nothing may step it again
         self.params = []

@@ -149,7 +149,8 @@ class DeepSpeedTrainer:
             raise
 
     # -- building -----------------------------------------------------------------------------------------
-    def _build_model(self, model_path: Any, config: DeepSpeedConfig) -> torch.nn.Module:
+    def _build_model(self, model_path: Any, config: DeepSpeedConfig) -> Any:
+        model: Any
         if isinstance(model_path, torch.nn.Module):
             model = model_path
         else:
@@ -276,7 +277,8 @@ class DeepSpeedTrainer:
         t0 = time.perf_counter()
         if self.zero_stage == 3 and hasattr(self.engine.optimizer, "empty_partition_cache"):
             self.engine.optimizer.empty_partition_cache()     # gathered params are copies of the partitions
-        plan, staged = [], 0
+        plan: list = []
+        staged = 0
         if prepare_sync:
             plan, staged = self._weights.plan_sync(merged, method == "colomem", self._staging, self._pool)
             if self.lora is not None:
@@ -299,10 +301,11 @@ class DeepSpeedTrainer:
         diagnose = left > LEFT_BEHIND_REPORT_BYTES and not self._left_behind_named
         self._left_behind_named |= diagnose
         self.last_offload = SwitchReport(
-            method, "offload", time.perf_counter() - t0, move.nbytes, free1 - free0, free1,
-            left, torch.cuda.memory_reserved(dev), dict(state.sizes),
-            list(state.unlisted), sum(n for _, n in state.skipped), move.seconds, state.seconds, t_sync, staged,
-            left_behind(dev) if diagnose else "")
+            method, "offload", time.perf_counter() - t0, moved_bytes=move.nbytes, freed_bytes=free1 - free0,
+            free_bytes=free1, allocated_bytes=left, reserved_bytes=torch.cuda.memory_reserved(dev),
+            by_category=dict(state.sizes), unlisted=list(state.unlisted),
+            kept_bytes=sum(n for _, n in state.skipped), move_seconds=move.seconds, collect_seconds=state.seconds,
+            sync_seconds=t_sync, staged_bytes=staged, left_behind=left_behind(dev) if diagnose else "")
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
