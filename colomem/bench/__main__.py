@@ -176,10 +176,14 @@ def plot(res: dict, path: str) -> None:
         for name, v, pk in ((f"{key}\noffload", c["offload_gbps"], p["d2h"]["gbps"]),
                             (f"{key}\nreload", c["reload_gbps"], p["h2d"]["gbps"]),
                             (f"{key}\nbidir", s["bidir"]["gbps"], p["bidir"]["gbps"])):
-            labels.append(name), vals.append(v), peaks.append(pk)
+            labels.append(name)
+            vals.append(v)
+            peaks.append(pk)
         pre = (s.get("torch") or {}).get("nonblocking_into_prepinned")
         if pre:
-            labels.append(f"{key}\ntorch prepinned"), vals.append(pre["gbps"]), peaks.append(p["d2h"]["gbps"])
+            labels.append(f"{key}\ntorch prepinned")
+            vals.append(pre["gbps"])
+            peaks.append(p["d2h"]["gbps"])
     fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.1), 4))
     ax.bar(range(len(vals)), peaks, color="#dddddd", label="raw peak (same run)")
     ax.bar(range(len(vals)), vals, color="#3366aa", width=0.6, label="measured")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -13,7 +13,7 @@ from colomem import _C
 from colomem.bench.shapes import ModelShape
 
 
-def cuda_time_ms(fn: Callable[[], None], streams=()) -> float:
+def cuda_time_ms(fn: Callable[[], object], streams=()) -> float:
     """Device time of fn with CUDA events on the current stream (other streams joined before the end)."""
     cur = torch.cuda.current_stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -138,7 +138,9 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
     pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
     pool_s = time.perf_counter() - t0
     s = colomem.SwapSet.from_tensors(tensors, pool, name="bench")
-    res = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "gap_s": gap_s, "cycles": []}
+    cyc: list[dict] = []
+    res: dict[str, Any] = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "gap_s": gap_s,
+                           "cycles": cyc}
     free_resident = torch.cuda.mem_get_info()[0]
     for i in range(reps + 1):
         torch.cuda.synchronize()
@@ -152,12 +154,11 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
         inn = s.reload(timing=True)
         torch.cuda.synchronize()
         in_wall = time.perf_counter() - t0
-        res["cycles"].append({"offload_ms": out.device_ms, "offload_wall_ms": off_wall * 1e3,
-                              "reload_ms": inn.device_ms, "reload_wall_ms": in_wall * 1e3, "freed_bytes": freed})
+        cyc.append({"offload_ms": out.device_ms, "offload_wall_ms": off_wall * 1e3,
+                    "reload_ms": inn.device_ms, "reload_wall_ms": in_wall * 1e3, "freed_bytes": freed})
         if i == 0:
             res["correct_after_first_cycle"] = fingerprint(tensors) == before
     res["correct_after_all_cycles"] = fingerprint(tensors) == before
-    cyc = res["cycles"]
     res["first_cycle"] = cyc[0]
     for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms"):
         res[k + "_median"] = statistics.median(c[k] for c in cyc)
