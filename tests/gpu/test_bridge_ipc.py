@@ -3,13 +3,8 @@ never refilled before their ACK, a killed producer is a PeerError within the con
 stays mapped after close, and the GPU checksum equals the host checksum for the same bytes."""
 
 import gc
-import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +17,6 @@ from colomem.errors import (InvalidArgumentError, NotAvailableError, PeerError, 
 pytestmark = [pytest.mark.gpu, pytest.mark.ipc]
 
 PEER = Path(__file__).with_name("_bridge_peer.py")
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 SLACK = 16 * MiB  # allocator/driver noise allowed when comparing free device memory
 
@@ -36,38 +30,8 @@ def peer_module():
     return mod
 
 
-def spawn(*args, env=None) -> subprocess.Popen:
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # colomem importable
-    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on stderr
-    p = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=err,
-                         text=True, env=env)
-    p.errfile = err
-    return p
-
-
-def stderr_of(p: subprocess.Popen) -> str:
-    p.errfile.seek(0)
-    return p.errfile.read()[-4000:]
-
-
-def next_event(p: subprocess.Popen, timeout: float = 120.0) -> dict:
-    """The peer's next JSON line; fails (never hangs) if it dies or stays silent."""
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout)
-    line = box.get("line")
-    if not line:
-        p.kill()
-        p.wait(30)
-        raise AssertionError(f"peer sent nothing (rc={p.returncode}):\n{stderr_of(p)}")
-    return json.loads(line)
-
-
-def finish(p: subprocess.Popen, timeout: float = 60.0) -> None:
-    rc = p.wait(timeout)
-    assert rc == 0, f"peer exited with {rc}:\n{stderr_of(p)}"
+_PEER = peer_module()
+spawn, stderr_of, next_event, finish = _PEER.spawn, _PEER.stderr_of, _PEER.next_event, _PEER.finish
 
 
 def free_bytes() -> int:
@@ -79,7 +43,7 @@ def free_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def peer():
-    return peer_module()
+    return _PEER
 
 
 # --- checksum and device selection --------------------------------------------------------------------------
