@@ -518,21 +518,10 @@ def test_a_producer_killed_mid_sync_is_a_peer_error_and_the_mapping_outlives_it(
         assert ev["event"] == "address"
         imp = BridgeImporter.connect(ev["address"], timeout=60)
         assert imp.device == torch.device("cpu")
-        want = dict(peer.named_tensors(0, "cpu"))
-        msg = imp.receive(timeout=60)
-        first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
-        while not first and not msg["last"]:  # bucket 0 holds only a part of the split "emb": nothing whole yet
-            imp.ack(msg, timeout=60)
-            msg = imp.receive(timeout=60)
-            first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
-        assert first and not msg["last"]
-        assert all(same_bytes(t, want[n].contiguous()) for n, t in first)
+        msg = peer.receive_until_whole(imp, dict(peer.named_tensors(0, "cpu")))
         os.kill(child.pid, signal.SIGKILL)  # the producer waits for this ACK (mid-sync); kill it there
         child.wait(60)
-        with pytest.raises(PeerError, match=f"process {child.pid}"):
-            for _ in range(1000):  # whatever was still in flight, the end is a PeerError, never a timeout
-                imp.ack(msg, timeout=30)
-                msg = imp.receive(timeout=30)
+        msg = peer.ack_until_peer_error(imp, msg, child.pid)
         imp.verify(msg, "full")  # the memfd lives as long as this process maps it
         imp.close()
     finally:

@@ -64,7 +64,7 @@ class BridgeImporter:
     def __init__(self, conn, buffers: list, hello: dict, device: torch.device, timeout: float):
         self._conn = conn
         self._buffers = buffers
-        self._owners = [weakref.WeakSet() for _ in buffers]  # live views per buffer
+        self._owners: list[weakref.WeakSet[_ViewOwner]] = [weakref.WeakSet() for _ in buffers]  # live views
         self.device = device
         self.uuid = str(hello["uuid"])
         self.bucket_bytes = int(hello["bucket_bytes"])
@@ -139,8 +139,9 @@ class BridgeImporter:
         verify: "none", "sampled" (checks the message's checksum, whatever its stride) or "full" (requires a
         producer with checksum="full"). The checksum runs on the current stream ahead of the caller's copies;
         a mismatch raises WeightCheckError when the iterator ends, before the bucket may be ACKed (what was
-        copied out of it must then be discarded: the version failed). When the iterator is exhausted, the current stream has finished every copy out of the buffer, so the
-        caller may ACK. Copy what you keep: the buffer is refilled after the ACK.
+        copied out of it must then be discarded: the version failed). When the iterator is exhausted, the
+        current stream has finished every copy out of the buffer, so the caller may ACK. Copy what you keep:
+        the buffer is refilled after the ACK. On a host bridge the views are CPU tensors and nothing is queued.
         """
         return self._whole(self.entries(msg, verify))  # entries() checks its arguments now, not lazily
 

@@ -106,13 +106,14 @@ class WeightBridge:
             self.uuid = self._buffers[0].uuid
             self._views = [_buffers.view(b, bucket_bytes, self.device, b) for b in self._buffers]
             self._packer = _buffers.packer(self.device, self._buffers, self._views)
-            self._server = _C.UnixServer(socket_dir or "")
+            server = self._server = _C.UnixServer(socket_dir or "")
         except BaseException:
             self._release()
             raise
+        self._path: str = server.path
         self._stop = threading.Event()
         # The thread holds the bridge weakly: a bridge dropped without close() still goes away.
-        self._thread = threading.Thread(target=_accept_loop, args=(weakref.ref(self), self._server, self._stop),
+        self._thread = threading.Thread(target=_accept_loop, args=(weakref.ref(self), server, self._stop),
                                         name="colomem-bridge-accept", daemon=True)
         self._thread.start()
         self.last_stats: Optional[BridgeStats] = None
@@ -123,7 +124,7 @@ class WeightBridge:
     def address(self) -> str:
         """Path of the Unix socket importers connect to."""
         self._check_open()
-        return self._server.path
+        return self._path
 
     @property
     def buffers(self) -> int:
@@ -177,7 +178,7 @@ class WeightBridge:
             if k >= n:
                 return k
             if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"{k} of {n} importers attached to {self._server.path} within "
+                raise TransferTimeoutError(f"{k} of {n} importers attached to {self._path} within "
                                            f"{timeout:g} s; start the consumer with BridgeImporter.connect(address)")
             time.sleep(0.005)
 
@@ -328,6 +329,7 @@ class WeightBridge:
             # Importers waiting for the next bucket learn at once that this version will not come.
             self._abort(conns, version, tag, f"{type(exc).__name__}: {exc}")
             raise
+        assert self.last_stats is not None  # publish() records its stats when it ends
         return self.last_stats
 
     def _reply(self, c, tag: Optional[str], timeout: float) -> dict:
@@ -409,6 +411,6 @@ class WeightBridge:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.importers} importer(s) at {self._server.path}"
+        state = "closed" if self._closed else f"{self.importers} importer(s) at {self._path}"
         return (f"WeightBridge({self.bucket_bytes} B x {len(self._buffers)} on {self.device}, "
                 f"checksum={self.checksum}, {state})")

@@ -151,6 +151,34 @@ def finish(p: subprocess.Popen, timeout: float = 60.0) -> None:
     assert rc == 0, f"peer exited with {rc}:\n{stderr_of(p)}"
 
 
+def receive_until_whole(imp, want: dict) -> dict:
+    """Receives (and ACKs) buckets until one completes whole tensors, checks their bytes against `want` and
+    returns that bucket's message, not ACKed: its producer waits for that ACK."""
+    msg = imp.receive(timeout=60)
+    first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
+    while not first and not msg["last"]:  # bucket 0 holds only a part of the split "emb": nothing whole yet
+        imp.ack(msg, timeout=60)
+        msg = imp.receive(timeout=60)
+        first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
+    assert first and not msg["last"]
+    assert all(same_bytes(t, want[n].contiguous()) for n, t in first)
+    return msg
+
+
+def ack_until_peer_error(imp, msg: dict, pid: int) -> dict:
+    """With the producer gone: ACKs and receives until the PeerError naming its pid (whatever was still in
+    flight, the end is a PeerError, never a timeout); returns the last message received."""
+    import pytest
+
+    from colomem.errors import PeerError
+
+    with pytest.raises(PeerError, match=f"process {pid}"):
+        for _ in range(1000):
+            imp.ack(msg, timeout=30)
+            msg = imp.receive(timeout=30)
+    return msg
+
+
 def reap(p: subprocess.Popen) -> None:
     """Kills the peer if it still runs and closes what the parent holds of it."""
     if p.poll() is None:
