@@ -105,6 +105,12 @@ def test_the_host_bridge_hands_over_shared_memory(make):
     assert _C.checksum(imp._buffers[1].ptr, 8, 1, 0, -1) == _C.checksum(bridge._buffers[1].ptr, 8, 1, 0, -1)
     with pytest.raises(InvalidArgumentError, match="host memory"):
         BridgeImporter.connect(bridge.address, timeout=10, device="cuda:0")
+    kept, ptr = bridge._views[1], bridge._buffers[1].ptr
+    bridge.close()  # a view that outlives the bridge keeps the memory mapped (no dangling pointer) ...
+    assert kept[:4].tolist() == [1, 2, 3, 4] and memfd_mapped(ptr)
+    del kept
+    gc.collect()
+    assert not memfd_mapped(ptr)  # ... until it goes
 
 
 # --- producer ---------------------------------------------------------------------------------------------

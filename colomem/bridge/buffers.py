@@ -98,7 +98,10 @@ class HostBuffer:
     @classmethod
     def open(cls, fd: int, nbytes: int) -> "HostBuffer":
         """Maps another process's buffer from the fd it sent; fd stays the caller's (the mapping keeps its own)."""
-        size = os.fstat(fd).st_size
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise PeerError(f"the bridge handshake carried an unusable fd: {exc}") from None
         if size < nbytes:
             raise PeerError(f"a host bridge buffer of {size} B was announced as {nbytes} B")
         return cls(fd, nbytes, owns_fd=False)
@@ -113,6 +116,12 @@ class HostBuffer:
     def closed(self) -> bool:
         return self._map is None
 
+    def anchor(self) -> memoryview:
+        """An export of the mapping: while one lives, close() leaves the unmapping to the last one's end."""
+        if self._map is None:
+            raise PoolClosedError("this host bridge buffer was closed")
+        return memoryview(self._map)
+
     def export_fd(self) -> int:
         """A new fd for the buffer; the caller owns it (send it, then os.close it)."""
         if self._map is None or self._fd < 0:
@@ -120,12 +129,15 @@ class HostBuffer:
         return os.dup(self._fd)
 
     def close(self) -> None:
-        """Unmaps (no view of ptr may be alive) and closes the exporter's fd. Idempotent."""
+        """Unmaps, unless views made by view() still hold the mapping (it goes with the last of them), and
+        closes the exporter's fd. Idempotent."""
         m, self._map = self._map, None
         fd, self._fd = self._fd, -1
         try:
             if m is not None:
                 m.close()
+        except BufferError:
+            pass  # exported to live views: mmap unmaps when the last export is released
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -170,7 +182,8 @@ def map_imported(fd: int, nbytes: int, device: torch.device) -> Any:
 def view(buf: Any, nbytes: int, device: torch.device, owner: Any) -> torch.Tensor:
     """A uint8 tensor over the buffer's first `nbytes` that keeps `owner` alive."""
     if device.type == "cpu":
-        t = torch.from_numpy(np.asarray(_HostArray(buf.ptr, nbytes, owner)))
+        # The view also holds an export of the mapping, so closing the buffer under it cannot unmap it.
+        t = torch.from_numpy(np.asarray(_HostArray(buf.ptr, nbytes, (owner, buf.anchor()))))
     else:
         t = device_bytes(buf.ptr, nbytes, device, owner=owner)
     if t.data_ptr() != buf.ptr or t.device != device:  # torch must view, never copy

@@ -17,8 +17,8 @@ from colomem._torch import copy_ranges
 from colomem.bridge import buffers as _buffers
 from colomem.bridge.buffers import DeviceLike
 from colomem.bridge.buckets import BucketMessage, Entry, Reassembler, entry_view
-from colomem.bridge.wire import (ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, PROTOCOL, U64, ack_error,
-                                 decode, encode, peer_gone)
+from colomem.bridge.wire import (ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, HOST_BACKEND, PROTOCOL, U64,
+                                 ack_error, decode, encode, peer_gone)
 from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, PeerError, PoolClosedError,
                             WeightCheckError)
 
@@ -28,13 +28,14 @@ log = logging.getLogger(__name__)
 def _device_for(hello: dict, device: DeviceLike) -> torch.device:
     """Where this process maps the bridge's buffers: host memory for a host bridge, else the GPU its hello
     names by UUID (checked against `device` when one is given)."""
-    if hello.get("backend", "cuda") == "host":
+    backend = hello.get("backend", "cuda")
+    if backend == HOST_BACKEND:
         if device is not None and not _buffers.is_host(device):
             raise DeviceMismatchError(f"the bridge's buffers are in host memory, not on {device}; pass "
                                       f"device=None or 'cpu'")
         return torch.device("cpu")
-    if hello.get("backend", "cuda") != "cuda":
-        raise PeerError(f"unknown bridge buffer backend {hello.get('backend')!r}; install the same colomem "
+    if backend != "cuda":
+        raise PeerError(f"unknown bridge buffer backend {backend!r}; install the same colomem "
                         f"version in both processes")
     if _buffers.is_host(device):
         raise DeviceMismatchError(f"the bridge's buffers live on GPU {hello['uuid']}, not in host memory; pass "

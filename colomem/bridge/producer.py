@@ -17,8 +17,8 @@ import torch
 from colomem import _C
 from colomem.bridge import buffers as _buffers
 from colomem.bridge.buckets import ALIGN, BucketMessage, PlannedBucket, layout_digest, plan_buckets
-from colomem.bridge.wire import (ABORT, ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, PROTOCOL, check_ack,
-                                 decode, encode)
+from colomem.bridge.wire import (ABORT, ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, HOST_BACKEND, PROTOCOL,
+                                 check_ack, decode, encode)
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError, PoolClosedError, TransferTimeoutError
 from colomem.units import parse_bytes
 
@@ -150,7 +150,7 @@ class WeightBridge:
         try:
             for b in self._buffers:
                 fds.append(b.export_fd())
-            host = {"backend": "host"} if self.device.type == "cpu" else {}  # a CUDA hello names no backend
+            host = {"backend": HOST_BACKEND} if self.device.type == "cpu" else {}  # a CUDA hello names none
             conn.send(encode(HELLO, protocol=PROTOCOL, uuid=self.uuid, pid=os.getpid(),
                              buffers=[b.nbytes for b in self._buffers], bucket_bytes=self.bucket_bytes,
                              checksum=self.checksum, **host), fds, self.timeout)

@@ -1,6 +1,7 @@
 """The bridge's wire protocol: JSON messages over the bridge socket, and the ACK rules every transport shares.
 
-Producer -> importer: "hello" (carries one fd per buffer), "bucket" (a BucketMessage's dict), "abort" (the
+Producer -> importer: "hello" (carries one fd per buffer: CUDA VMM handles, or memfds when the hello says
+backend="host"; a CUDA hello names no backend), "bucket" (a BucketMessage's dict), "abort" (the
 version in flight will not be finished), "closed" (the bridge is gone). Importer -> producer: "attached" (the
 buffers are mapped, or why not), "ack" (a bucket's buffer may be refilled, or the consumer's refusal).
 
@@ -24,6 +25,7 @@ CHECKSUM_STRIDES = {"none": 0, "sampled": 64, "full": 1}  # 8-byte words between
 U64 = (1 << 64) - 1
 
 HELLO, ATTACHED, BUCKET, ACK, ABORT, CLOSED = "hello", "attached", "bucket", "ack", "abort", "closed"
+HOST_BACKEND = "host"  # hello["backend"] of a bridge whose buffers are in shared host memory
 
 
 def encode(kind: str, **fields: Any) -> bytes:
