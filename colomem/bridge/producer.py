@@ -68,7 +68,7 @@ class WeightBridge:
     """Producer side: exportable buckets, a socket importers attach to, and `publish`/`sync`.
 
     bucket_bytes: size of each buffer (int or "512MiB"); tensors larger than that are split.
-    buffers: buffers in rotation (2 = double buffering; each costs bucket_bytes of GPU memory).
+    buffers: buffers in rotation (2 = double buffering; each costs bucket_bytes of the device's memory).
     device: the CUDA device (int, "cuda:0", torch.device; default: current device), or "cpu": buffers in
         shared host memory that importers on this machine map, packed by host copies (no GPU needed).
     checksum: "sampled" (default), "full" or "none": what every message carries for the consumer to verify.
