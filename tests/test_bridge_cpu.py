@@ -56,26 +56,21 @@ class RecordingBridge(WeightBridge):
 
 @pytest.fixture
 def make():
-    """make.bridge(...) -> a host bridge, make.pair(...) -> (bridge, attached importer); closed at the end."""
+    """make(nbuffers, bucket_bytes, checksum) -> (a host bridge, an importer attached to it); importer=False
+    -> (bridge, None). Everything made is closed at the end."""
     opened = []
 
-    class Make:
-        @staticmethod
-        def bridge(nbuffers=2, bucket_bytes=1024, checksum="full"):
-            b = RecordingBridge(bucket_bytes=bucket_bytes, buffers=nbuffers, device="cpu", checksum=checksum,
-                                timeout=5.0)
-            opened.append(b)
-            return b
+    def make_(nbuffers=2, bucket_bytes=1024, checksum="full", importer=True):
+        b = RecordingBridge(bucket_bytes=bucket_bytes, buffers=nbuffers, device="cpu", checksum=checksum, timeout=5.0)
+        opened.append(b)
+        if not importer:
+            return b, None
+        imp = BridgeImporter.connect(b.address, timeout=10)
+        opened.append(imp)
+        b.wait_for_importers(1, 10)
+        return b, imp
 
-        @staticmethod
-        def pair(nbuffers=2, bucket_bytes=1024, checksum="full"):
-            b = Make.bridge(nbuffers, bucket_bytes, checksum)
-            imp = BridgeImporter.connect(b.address, timeout=10)
-            opened.append(imp)
-            b.wait_for_importers(1, 10)
-            return b, imp
-
-    yield Make
+    yield make_
     for x in reversed(opened):
         x.close()
 
@@ -96,7 +91,7 @@ def memfd_mapped(ptr):
 
 
 def test_the_host_bridge_hands_over_shared_memory(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     assert imp.device == torch.device("cpu") and imp.uuid == bridge.uuid == "host" and len(imp._buffers) == 2
     assert bridge.device == torch.device("cpu") and bridge.importers == 1
     for pb, ib in zip(bridge._buffers, imp._buffers):
@@ -116,7 +111,7 @@ def test_the_host_bridge_hands_over_shared_memory(make):
 # --- producer ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("nbuffers", [1, 2, 3])
 def test_publish_rotates_buffers_only_after_acks(make, nbuffers):
-    bridge = make.bridge(nbuffers, 1024)
+    bridge, _ = make(nbuffers, 1024, importer=False)
     held, packs = bridge.held, bridge.packs
     for version in (0, 1):
         items = named(version)
@@ -144,14 +139,14 @@ def test_publish_rotates_buffers_only_after_acks(make, nbuffers):
 
 
 def test_publish_of_nothing_still_closes_the_version(make):
-    bridge = make.bridge(2, 1024)
+    bridge, _ = make(2, 1024, importer=False)
     (msg,) = list(bridge.publish([], version=4))
     assert msg.last and msg.nbytes == 0 and msg.entries == () and msg.version == 4 and bridge.packs == []
     assert msg.checksum == _C.checksum_buffer(b"", 1)
 
 
 def test_publish_one_at_a_time_and_early_close(make):
-    bridge = make.bridge(2, 1024, checksum="none")
+    bridge, _ = make(2, 1024, checksum="none", importer=False)
     items = [(f"t{i}", torch.zeros(200)) for i in range(6)]
     gen = bridge.publish(items, version=0)
     first = next(gen)
@@ -168,7 +163,7 @@ def test_publish_one_at_a_time_and_early_close(make):
 
 
 def test_callable_acks(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     items = named(1)
     seen = []
 
@@ -190,7 +185,7 @@ def test_callable_acks(make):
 
 
 def test_callable_refusals_keep_the_consumers_error_class(make):
-    bridge = make.bridge()
+    bridge, _ = make(importer=False)
     items = named(1, n=3)
     bad = error_payload(WeightCheckError("parameter 'w' differs"))
     with pytest.raises(WeightCheckError, match="the consumer refused bucket 0 of version 0: .*parameter 'w' differs"):
@@ -204,7 +199,7 @@ def test_callable_refusals_keep_the_consumers_error_class(make):
 
 # --- consumer ---------------------------------------------------------------------------------------------
 def test_importer_round_trip_over_versions(make):
-    bridge, imp = make.pair(nbuffers=2)
+    bridge, imp = make(nbuffers=2)
     for version in range(3):
         items = named(10 + version, dtype=torch.bfloat16)
         got = {}
@@ -220,7 +215,7 @@ def test_importer_round_trip_over_versions(make):
 
 
 def test_importer_verification(make):
-    bridge, imp = make.pair(checksum="sampled")
+    bridge, imp = make(checksum="sampled")
     gen = bridge.publish(named(2), version=0)
     msg = next(gen).to_dict()
     with pytest.raises(InvalidArgumentError, match="checksum='full'"):
@@ -233,14 +228,14 @@ def test_importer_verification(make):
     with pytest.raises(InvalidArgumentError):
         imp.tensors(msg, verify="paranoid")
     gen.close()
-    bridge2, imp2 = make.pair(checksum="none")
+    bridge2, imp2 = make(checksum="none")
     msg2 = next(bridge2.publish(named(2), version=0)).to_dict()
     with pytest.raises(InvalidArgumentError, match="no checksum"):
         list(imp2.tensors(msg2, verify="sampled"))
 
 
 def test_importer_ordering(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     msgs = []
     for m in bridge.publish(named(3), version=5):
         msgs.append(m.to_dict())
@@ -261,7 +256,7 @@ def test_importer_ordering(make):
 
 
 def test_a_lost_part_of_a_split_tensor_is_a_peer_error(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     gen = bridge.publish([("big", torch.arange(1000, dtype=torch.float32))], version=0)  # 4 parts of 1 KiB
     m0 = next(gen).to_dict()
     assert list(imp.tensors(m0)) == []  # a part only: nothing complete yet
@@ -273,7 +268,7 @@ def test_a_lost_part_of_a_split_tensor_is_a_peer_error(make):
 
 
 def test_close_unmaps_now_or_when_the_last_view_goes(make):
-    bridge, imp = make.pair(nbuffers=2)
+    bridge, imp = make(nbuffers=2)
     items = [("a", torch.ones(200)), ("b", torch.ones(200) * 2)]  # 800 B each: one per bucket
     views = []
     for msg in bridge.publish(items, version=0):
@@ -304,7 +299,7 @@ def test_close_unmaps_now_or_when_the_last_view_goes(make):
 def test_importer_keeps_no_view_once_the_caller_copied_and_let_go(make):
     # What the GPU two-process test checks at close (live_views == 0), by plain refcounting (no gc), with
     # split and whole tensors over versions. Its peer once kept a for-loop variable (the last view) alive.
-    bridge, imp = make.pair(nbuffers=2)
+    bridge, imp = make(nbuffers=2)
     for version in range(3):
         got = {}
         for msg in bridge.publish(named(30 + version), version=version):
@@ -340,7 +335,7 @@ def in_thread(fn, *args, **kwargs):
 
 
 def test_sync_over_the_socket(make):
-    bridge, imp = make.pair(nbuffers=2)
+    bridge, imp = make(nbuffers=2)
     for version in range(2):
         items = named(20 + version)
         t, result = in_thread(bridge.sync, items, version=version)
@@ -355,7 +350,7 @@ def test_sync_over_the_socket(make):
 
 
 def test_consumer_refusal_reaches_the_producer(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     t, box = in_thread(bridge.sync, named(3), version=0, timeout=10)
     with pytest.raises(RuntimeError):
         for msg in imp.messages(timeout=10):
@@ -368,7 +363,7 @@ def test_consumer_refusal_reaches_the_producer(make):
 
 
 def test_explicit_refusal_carries_the_consumer_error(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     t, box = in_thread(bridge.sync, named(3), 0)
     msg = imp.receive(timeout=10)
     imp.ack(msg, ok=False, error="CUDA OOM in load_weights")
@@ -382,7 +377,7 @@ def test_explicit_refusal_carries_the_consumer_error(make):
     (KeyError("model.layers.0.mlp"), PeerError),
 ])
 def test_a_refused_ack_raises_the_consumers_class_in_the_producer(make, error, cls):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     t, box = in_thread(bridge.sync, named(3), version=7, tag="s")
     messages = imp.messages(timeout=10, tag="s")
     next(messages)
@@ -397,7 +392,7 @@ def test_a_refused_ack_raises_the_consumers_class_in_the_producer(make, error, c
 
 
 def test_producer_gone_is_a_peer_error_on_receive(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     bridge.close()  # says "closed", then hangs up
     with pytest.raises(PeerClosedError, match="closed the weight bridge"):
         imp.receive(timeout=10)
@@ -408,7 +403,7 @@ def test_producer_gone_is_a_peer_error_on_receive(make):
 def test_an_importer_that_hung_up_fails_the_next_sync_at_once(make):
     """A consumer that closed its end (e.g. vLLM's bridge listener after an error) is a PeerError on the
     producer's next sync within moments, not a wait for ACKs that never come."""
-    bridge, imp = make.pair()
+    bridge, imp = make()
     imp.close()
     t0 = time.monotonic()
     with pytest.raises(PeerError):
@@ -418,7 +413,7 @@ def test_an_importer_that_hung_up_fails_the_next_sync_at_once(make):
 
 
 def test_the_last_ack_carries_the_consumers_report(make):
-    bridge, imp = make.pair(nbuffers=2)
+    bridge, imp = make(nbuffers=2)
     t, result = in_thread(bridge.sync, named(6), version=0, tag="r")
     first = imp.receive(timeout=10, tag="r")            # e.g. a listener's idle wait, then the version
     gen = imp.messages(timeout=10, tag="r", first=first)
@@ -435,7 +430,7 @@ def test_the_last_ack_carries_the_consumers_report(make):
 
 
 def test_abort_and_close_say_which_they_are(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     conn = bridge._importers[0]
     conn.send(wire.encode(wire.ABORT, tag=None, version=1, error="trainer failed"), [], 5.0)
     with pytest.raises(PeerAbortedError, match="abandoned version 1: trainer failed") as exc:
@@ -450,7 +445,7 @@ def test_abort_and_close_say_which_they_are(make):
 
 
 def test_a_failed_publish_aborts_the_waiting_importer_at_once(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
 
     def bad_items():
         yield from named(4, n=3)
@@ -466,7 +461,7 @@ def test_a_failed_publish_aborts_the_waiting_importer_at_once(make):
 
 
 def test_a_tagged_sync_skips_what_a_failed_one_left_in_the_socket(make):
-    bridge, imp = make.pair()
+    bridge, imp = make()
     conn = bridge._importers[0]
     # leftovers of sync "old": a bucket nobody read and its abort
     conn.send(wire.encode(wire.BUCKET, tag="old", buffer=0, version=1, seq=3, last=False, nbytes=0, checksum=None,
@@ -538,7 +533,7 @@ def test_a_producer_killed_mid_sync_is_a_peer_error_and_the_mapping_outlives_it(
 def test_copy_out_writes_the_ranges_verifies_and_keeps_order(make):
     from colomem._torch import ranges_tensor
 
-    bridge, imp = make.pair(nbuffers=2, bucket_bytes=4096)
+    bridge, imp = make(nbuffers=2, bucket_bytes=4096)
     items = named(3, n=4)  # whole tensors only (3.4 KB)
     dst = {n: torch.zeros_like(t) for n, t in items}
     msgs = []
@@ -564,7 +559,7 @@ def test_copy_out_writes_the_ranges_verifies_and_keeps_order(make):
 def test_copy_out_raises_on_a_changed_buffer(make):
     from colomem._torch import ranges_tensor
 
-    bridge, imp = make.pair(nbuffers=1, bucket_bytes=4096)
+    bridge, imp = make(nbuffers=1, bucket_bytes=4096)
     items = named(4, n=3)
     gen = bridge.publish(items, version=0)
     d = next(gen).to_dict()
