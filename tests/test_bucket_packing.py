@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colomem import _C
-from colomem._bucket import (ALIGN, BucketMessage, Entry, Reassembler, dtype_from_name, dtype_name, entry_view,
-                             pack_bucket, plan_buckets)
+from colomem.bridge.buckets import (ALIGN, BucketMessage, Entry, Reassembler, dtype_from_name, dtype_name, entry_view,
+                                    pack_bucket, plan_buckets)
 from colomem.errors import InvalidArgumentError, PeerError
 from random_bytes import random_tensor
 

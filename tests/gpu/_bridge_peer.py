@@ -1,11 +1,17 @@
-"""The second process of tests/gpu/test_bridge_ipc.py: a bridge consumer or producer on the same GPU.
+"""The second process of the two-process bridge tests: a bridge consumer or producer on the same GPU
+(tests/gpu/test_bridge_ipc.py) or on the same machine with a host bridge (tests/test_bridge_cpu.py).
 
 Prints one JSON object per line (events) on stdout; the test reads them. Also holds the named tensors both
-sides regenerate from a seed, so the consumer checks bytes without receiving them any other way.
+sides regenerate from a seed, so the consumer checks bytes without receiving them any other way, and the
+parent's helpers that start this process and read its events.
 """
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: share
 from random_bytes import random_tensor  # noqa: E402
 
 BUCKET_BYTES = 1 << 20  # small buckets: many messages, several split tensors
+PEER = Path(__file__).resolve()
+ROOT = PEER.parents[2]
 
 
 def named_tensors(version: int, device) -> list:
@@ -76,7 +84,8 @@ def consumer(address: str, versions: int, hold_s: float) -> None:
             # after the loop (and count in live_views at close).
             got.update({name: t.clone() for name, t in imp.tensors(msg, verify="full")})
             if msg["seq"] % 2 == 0:
-                torch.cuda.synchronize()
+                if imp.device.type == "cuda":
+                    torch.cuda.synchronize()
                 time.sleep(hold_s)  # the producer packs the next buckets meanwhile
                 imp.verify(msg, "full")
                 held += 1
@@ -91,11 +100,13 @@ def consumer(address: str, versions: int, hold_s: float) -> None:
     emit(event="closed", live_views=imp.live_views)
 
 
-def producer(nversions: int) -> None:
-    """Publishes versions over the socket, then waits to be killed (or for the consumer to leave)."""
+def producer(nversions: int, device: str = "0") -> None:
+    """Publishes versions over the socket, then waits to be killed (or for the consumer to leave).
+    device: a CUDA ordinal, or "cpu" for a host bridge."""
     from colomem.bridge import WeightBridge
 
-    bridge = WeightBridge(bucket_bytes=BUCKET_BYTES, buffers=2, device=0, checksum="full", timeout=60)
+    bridge = WeightBridge(bucket_bytes=BUCKET_BYTES, buffers=2, device=device if device == "cpu" else int(device),
+                          checksum="full", timeout=60)
     emit(event="address", address=bridge.address)
     bridge.wait_for_importers(1, 60)
     for v in range(nversions):
@@ -104,11 +115,84 @@ def producer(nversions: int) -> None:
     time.sleep(600)
 
 
+# -- the parent's side -------------------------------------------------------------------------------------
+def spawn(*args, env=None) -> subprocess.Popen:
+    """Starts this file as the peer process with these arguments (role first)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # colomem importable
+    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on stderr
+    p = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=err,
+                         text=True, env=env)
+    p.errfile = err
+    return p
+
+
+def stderr_of(p: subprocess.Popen) -> str:
+    p.errfile.seek(0)
+    return p.errfile.read()[-4000:]
+
+
+def next_event(p: subprocess.Popen, timeout: float = 120.0) -> dict:
+    """The peer's next JSON line; fails (never hangs) if it dies or stays silent."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    line = box.get("line")
+    if not line:
+        p.kill()
+        p.wait(30)
+        raise AssertionError(f"peer sent nothing (rc={p.returncode}):\n{stderr_of(p)}")
+    return json.loads(line)
+
+
+def finish(p: subprocess.Popen, timeout: float = 60.0) -> None:
+    rc = p.wait(timeout)
+    assert rc == 0, f"peer exited with {rc}:\n{stderr_of(p)}"
+
+
+def receive_until_whole(imp, want: dict) -> dict:
+    """Receives (and ACKs) buckets until one completes whole tensors, checks their bytes against `want` and
+    returns that bucket's message, not ACKed: its producer waits for that ACK."""
+    msg = imp.receive(timeout=60)
+    first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
+    while not first and not msg["last"]:  # bucket 0 holds only a part of the split "emb": nothing whole yet
+        imp.ack(msg, timeout=60)
+        msg = imp.receive(timeout=60)
+        first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
+    assert first and not msg["last"]
+    assert all(same_bytes(t, want[n].contiguous()) for n, t in first)
+    return msg
+
+
+def ack_until_peer_error(imp, msg: dict, pid: int) -> dict:
+    """With the producer gone: ACKs and receives until the PeerError naming its pid (whatever was still in
+    flight, the end is a PeerError, never a timeout); returns the last message received."""
+    import pytest
+
+    from colomem.errors import PeerError
+
+    with pytest.raises(PeerError, match=f"process {pid}"):
+        for _ in range(1000):
+            imp.ack(msg, timeout=30)
+            msg = imp.receive(timeout=30)
+    return msg
+
+
+def reap(p: subprocess.Popen) -> None:
+    """Kills the peer if it still runs and closes what the parent holds of it."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(30)
+    p.stdout.close()
+    p.errfile.close()
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "consumer":
         consumer(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     elif role == "producer":
-        producer(int(sys.argv[2]))
+        producer(int(sys.argv[2]), *sys.argv[3:4])
     else:
         raise SystemExit(f"unknown role {role!r}")

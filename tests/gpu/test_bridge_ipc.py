@@ -3,13 +3,8 @@ never refilled before their ACK, a killed producer is a PeerError within the con
 stays mapped after close, and the GPU checksum equals the host checksum for the same bytes."""
 
 import gc
-import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +17,6 @@ from colomem.errors import (InvalidArgumentError, NotAvailableError, PeerError, 
 pytestmark = [pytest.mark.gpu, pytest.mark.ipc]
 
 PEER = Path(__file__).with_name("_bridge_peer.py")
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 SLACK = 16 * MiB  # allocator/driver noise allowed when comparing free device memory
 
@@ -36,38 +30,8 @@ def peer_module():
     return mod
 
 
-def spawn(*args, env=None) -> subprocess.Popen:
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # colomem importable
-    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on stderr
-    p = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=err,
-                         text=True, env=env)
-    p.errfile = err
-    return p
-
-
-def stderr_of(p: subprocess.Popen) -> str:
-    p.errfile.seek(0)
-    return p.errfile.read()[-4000:]
-
-
-def next_event(p: subprocess.Popen, timeout: float = 120.0) -> dict:
-    """The peer's next JSON line; fails (never hangs) if it dies or stays silent."""
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout)
-    line = box.get("line")
-    if not line:
-        p.kill()
-        p.wait(30)
-        raise AssertionError(f"peer sent nothing (rc={p.returncode}):\n{stderr_of(p)}")
-    return json.loads(line)
-
-
-def finish(p: subprocess.Popen, timeout: float = 60.0) -> None:
-    rc = p.wait(timeout)
-    assert rc == 0, f"peer exited with {rc}:\n{stderr_of(p)}"
+_PEER = peer_module()
+spawn, stderr_of, next_event, finish = _PEER.spawn, _PEER.stderr_of, _PEER.next_event, _PEER.finish
 
 
 def free_bytes() -> int:
@@ -79,7 +43,7 @@ def free_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def peer():
-    return peer_module()
+    return _PEER
 
 
 # --- checksum and device selection --------------------------------------------------------------------------
@@ -293,21 +257,11 @@ def test_producer_killed_mid_sync_is_a_peer_error_not_a_hang(peer):
         assert ev["event"] == "address"
         imp = BridgeImporter.connect(ev["address"], timeout=60)
         want = dict(peer.named_tensors(0, imp.device))
-        msg = imp.receive(timeout=60)
-        first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
-        while not first and not msg["last"]:  # bucket 0 holds only a part of the split "emb": nothing whole yet
-            imp.ack(msg, timeout=60)
-            msg = imp.receive(timeout=60)
-            first = [(n, t.clone()) for n, t in imp.tensors(msg, verify="full")]
-        assert first and not msg["last"]
-        assert all(peer.same_bytes(t, want[n].contiguous()) for n, t in first)
+        msg = peer.receive_until_whole(imp, want)
         # the producer waits for this ACK (mid-sync); kill it there
         os.kill(child.pid, signal.SIGKILL)
         child.wait(60)
-        with pytest.raises(PeerError, match=f"process {child.pid}"):
-            for _ in range(1000):  # whatever was still in flight, the end is a PeerError, never a timeout
-                imp.ack(msg, timeout=30)
-                msg = imp.receive(timeout=30)
+        msg = peer.ack_until_peer_error(imp, msg, child.pid)
         # the mapping outlives the exporter: the bytes of the last bucket are still there
         imp.verify(msg, "full")
         imp.close()
