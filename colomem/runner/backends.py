@@ -109,12 +109,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             rollout.sleep()                      # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer
 
-            tkw = dict(zero_stage=cfg.zero_stage, lora=cfg.lora, lr=cfg.lr, micro_batch=cfg.micro_batch,
-                       grad_accum=grad_accum, pool=pool, gradient_checkpointing=cfg.gradient_checkpointing,
-                       trust_remote_code=cfg.trust_remote_code, grpo=cfg.grpo, offload=cfg.trainer_offload,
-                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
-                       timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload)
-            trainer = DeepSpeedTrainer(model_path, **tkw)
+            trainer = DeepSpeedTrainer(model_path, config=cfg.deepspeed_config(grad_accum), lora=cfg.lora,
+                                       pool=pool, grpo=cfg.grpo)
         else:
             pool = _pool(cfg, cpu=True)
             from colomem.engines.stand_ins import HFRollout, TorchTrainer

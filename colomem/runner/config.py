@@ -11,15 +11,18 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from colomem._checkpoint import checkpoint_problem
-from colomem.errors import ConfigError
+from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.grpo.config import GRPOConfig, LoraSpec, _Strict
 from colomem.units import parse_bytes
+
+if TYPE_CHECKING:
+    from colomem.engines.deepspeed.config import DeepSpeedConfig
 
 
 class RunConfig(_Strict):
@@ -104,10 +107,26 @@ class RunConfig(_Strict):
     def _cross(self):
         if self.tensor_parallel_size > 1 and self.backend == "cpu":
             raise ValueError("tensor_parallel_size > 1 needs the gpu backend")
+        try:     # what only the engines know (their combinations of options) is checked here too
+            self.deepspeed_config()
+        except InvalidArgumentError as e:
+            raise ValueError(f"trainer options: {e}") from None
         if (self.sync_transport == "direct") != self.engine_in_process:
             raise ValueError("sync_transport direct goes with engine_in_process true (the trainer's tensors are "
                              "handed to vLLM's worker in the same process), listener with false")
         return self
+
+    # the engines' own configs: built (and so validated) when the run config is, before anything starts
+    def deepspeed_config(self, grad_accum: Optional[int] = None) -> "DeepSpeedConfig":
+        """The GPU trainer's options (colomem.engines.deepspeed.DeepSpeedConfig) this run asks for."""
+        from colomem.engines.deepspeed.config import DeepSpeedConfig
+
+        return DeepSpeedConfig(zero_stage=self.zero_stage, lr=self.lr, micro_batch=self.micro_batch,
+                               grad_accum=grad_accum if grad_accum is not None else self.grad_accum,
+                               gradient_checkpointing=self.gradient_checkpointing,
+                               trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
+                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
+                               timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload)
 
     # derived settings -------------------------------------------------------------------------------------
     @property

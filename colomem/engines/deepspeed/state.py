@@ -24,7 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from colomem._bucket import dtype_name
+from colomem.bridge.buckets import dtype_name
 
 CATEGORIES = ("params", "master", "optim", "grads", "other")
 LATE_CATEGORIES = ("master", "optim")   # read by the optimizer step only, not by forward or backward
