@@ -17,7 +17,7 @@ import torch
 
 from colomem.engines import SyncStats
 from colomem.engines.protocols import Rollout
-from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig, VLLMRollout
+from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig
 from colomem.engines.vllm.checks import tensor_checksum
 from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.engines.vllm.worker.listener import peer_ended

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from colomem.engines.reports import SyncStats
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError, TransferTimeoutError
@@ -38,11 +38,21 @@ class Transport(Protocol):
 
 class ListenerOptions(Protocol):
     """What the listener reads from the rollout at each sync (the rollout's attributes may change)."""
-    verify: str
-    check_sample: int
-    fast_load: bool
-    rpc_timeout_s: float
-    tensor_parallel_size: int
+
+    @property
+    def verify(self) -> str: ...
+
+    @property
+    def check_sample(self) -> int: ...
+
+    @property
+    def fast_load(self) -> bool: ...
+
+    @property
+    def rpc_timeout_s(self) -> float: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
 
 
 class ListenerTransport:
