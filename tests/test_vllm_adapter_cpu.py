@@ -577,3 +577,44 @@ def test_peer_end_is_told_by_class_or_by_the_older_kind_attribute():
     old = PeerError("exporter closed the weight bridge")
     old.kind = "closed"
     assert peer_ended(old) == "closed" and peer_ended(PeerError("other")) is None
+
+
+def test_rollback_backs_up_then_unmaps_only_what_the_failed_wake_mapped(monkeypatch):
+    from colomem.engines.vllm.worker import wake_rollback
+
+    def alloc(tag, size, backup=None):
+        return types.SimpleNamespace(tag=tag, handle=(0, size), cpu_backup_tensor=backup)
+
+    kept = torch.zeros(8, dtype=torch.uint8)
+    table = {0x1000: alloc("weights", 16), 0x2000: alloc("weights", 32, kept), 0x3000: alloc("weights", 64),
+             0x4000: alloc("kv_cache", 128)}
+    mapped = {0x1000, 0x2000, 0x4000}            # 0x3000: the wake stopped before it
+    events: list = []
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    allocator = types.SimpleNamespace(pointer_to_data=table)
+    setattr(cumem, "CuMemAllocator", types.SimpleNamespace(get_instance=lambda: allocator))
+    setattr(cumem, "unmap_and_release", lambda handle: events.append(("unmap", handle[1])))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator", types.ModuleType("vllm.device_allocator"))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    monkeypatch.setattr(wake_rollback, "_C", types.SimpleNamespace(pointer_is_mapped=lambda p: p in mapped))
+    monkeypatch.setattr(wake_rollback, "_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(wake_rollback, "device_copy",
+                        lambda device, direction, copies, timeout: events.append((direction, copies)))
+
+    out = wake_rollback.rollback_wake(torch.device("cpu"), ["weights"], True, 5.0)
+    assert out == {"released_bytes": 16 + 32}
+    assert events[0][0] == "d2h" and [(src, n) for _, src, n in events[0][1]] == [(0x1000, 16)]
+    assert events[1:] == [("unmap", 16), ("unmap", 32)]            # every backup copied before any unmap
+    assert table[0x1000].cpu_backup_tensor.numel() == 16 and table[0x2000].cpu_backup_tensor is kept
+    assert table[0x3000].cpu_backup_tensor is None
+
+    table[0x1000].cpu_backup_tensor = None
+    events.clear()
+
+    def failing(*a):
+        raise TransferTimeoutError("copy timed out")
+
+    monkeypatch.setattr(wake_rollback, "device_copy", failing)
+    with pytest.raises(TransferTimeoutError):
+        wake_rollback.rollback_wake(torch.device("cpu"), ["weights"], True, 5.0)
+    assert events == [] and table[0x1000].cpu_backup_tensor is None   # no half-made backup, nothing unmapped

@@ -26,16 +26,23 @@ VERIFY_MODES = ("none", "sampled", "full")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
-def check_sleep_level(level: Any) -> int:
-    if level not in (1, 2):
-        raise InvalidArgumentError(f"sleep_level must be 1 or 2, got {level!r}")
-    return int(level)
+# field -> (allowed values, how an error message says them)
+CHOICES: dict[str, tuple[tuple, str]] = {
+    "sleep_level": ((1, 2), "1 or 2"),
+    "weights_backup": (("vllm", "pool"), "'vllm' or 'pool'"),
+    "verify": (VERIFY_MODES, "'none', 'sampled' or 'full'"),
+    "logprobs_mode": (LOGPROBS_MODES, "'processed_logprobs' (log-softmax of logits / temperature, as the GRPO "
+                                      "loss computes them) or 'raw_logprobs'"),
+    "lora_mode": (("merged", "adapter"), "'merged' or 'adapter'"),
+}
 
 
-def check_weights_backup(backup: Any) -> str:
-    if backup not in ("vllm", "pool"):
-        raise InvalidArgumentError(f"weights_backup must be 'vllm' or 'pool', got {backup!r}")
-    return str(backup)
+def check_choice(field: str, value: Any) -> Any:
+    """`value` when it is one of the values `field` allows (CHOICES), else InvalidArgumentError."""
+    allowed, words = CHOICES[field]
+    if value not in allowed:
+        raise InvalidArgumentError(f"{field} must be {words}, got {value!r}")
+    return value
 
 
 def check_sync_transport(transport: Any, engine_in_process: bool) -> str:
@@ -123,37 +130,10 @@ class VLLMConfig(BaseModel):
             raise ValueError(f"{info.field_name} must be positive, got {v}")
         return v
 
-    @field_validator("verify")
+    @field_validator(*CHOICES, mode="before")
     @classmethod
-    def _verify(cls, v: str) -> str:
-        if v not in VERIFY_MODES:
-            raise ValueError(f"verify must be 'none', 'sampled' or 'full', got {v!r}")
-        return v
-
-    @field_validator("logprobs_mode")
-    @classmethod
-    def _logprobs_mode(cls, v: str) -> str:
-        if v not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be 'processed_logprobs' (log-softmax of logits / temperature, "
-                             f"as the GRPO loss computes them) or 'raw_logprobs', got {v!r}")
-        return v
-
-    @field_validator("sleep_level", mode="before")
-    @classmethod
-    def _sleep_level(cls, v: Any) -> int:
-        return check_sleep_level(v)
-
-    @field_validator("weights_backup")
-    @classmethod
-    def _weights_backup(cls, v: str) -> str:
-        return check_weights_backup(v)
-
-    @field_validator("lora_mode")
-    @classmethod
-    def _lora_mode(cls, v: str) -> str:
-        if v not in ("merged", "adapter"):
-            raise ValueError(f"lora_mode must be 'merged' or 'adapter', got {v!r}")
-        return v
+    def _one_of(cls, v: Any, info) -> Any:
+        return check_choice(info.field_name, v)
 
     @field_validator("bucket_bytes")
     @classmethod
@@ -205,5 +185,5 @@ def _describe(err: ValidationError) -> str:
     return "invalid VLLMRollout options: " + "; ".join(lines)
 
 
-__all__ = ["SYNC_TRANSPORTS", "VLLMConfig", "WORKER_EXTENSION", "check_adapter_mode", "check_sleep_level",
-           "check_weights_backup", "check_sync_transport"]
+__all__ = ["CHOICES", "SYNC_TRANSPORTS", "VLLMConfig", "WORKER_EXTENSION", "check_adapter_mode", "check_choice",
+           "check_sync_transport"]

@@ -23,8 +23,7 @@ from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentE
 from colomem.units import format_bytes
 
 from .checks import checksum_parts, finish_checksums, hashed_pick, same_layout, tensor_checksum
-from .config import (VLLMConfig, check_adapter_mode, check_sleep_level, check_sync_transport,
-                     check_weights_backup)
+from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
@@ -115,7 +114,7 @@ class VLLMRollout:
 
     @sleep_level.setter
     def sleep_level(self, level: int) -> None:
-        level = check_sleep_level(level)
+        level = int(check_choice("sleep_level", level))
         check_adapter_mode(self.lora_mode, level, self._weights_backup)
         self._sleep_level = level
 
@@ -125,7 +124,7 @@ class VLLMRollout:
 
     @weights_backup.setter
     def weights_backup(self, backup: str) -> None:
-        backup = check_weights_backup(backup)
+        backup = str(check_choice("weights_backup", backup))
         check_adapter_mode(self.lora_mode, self._sleep_level, backup)
         self._weights_backup = backup
 

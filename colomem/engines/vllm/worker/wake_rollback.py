@@ -24,7 +24,7 @@ def rollback_wake(device: torch.device, tags: list, keep_weights: bool, timeout:
     for ptr, data in mapped:
         if keep_weights and data.tag == "weights" and data.cpu_backup_tensor is None:
             size = int(data.handle[1])
-            backup = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            backup = _pinned(size)
             copies.append((backup.data_ptr(), int(ptr), size))
             backups.append((data, backup))
     if copies:  # every backup is complete before anything is unmapped (a failed copy unmaps nothing)
@@ -37,6 +37,10 @@ def rollback_wake(device: torch.device, tags: list, keep_weights: bool, timeout:
         released += int(data.handle[1])
     torch.cuda.empty_cache()
     return {"released_bytes": released}
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 __all__ = ["rollback_wake"]
