@@ -1,7 +1,7 @@
 """VLLMRollout without vLLM: the phase and version guards, the bucket plumbing into the worker extension, the
 pool backup, error mapping, LoRA adapter files and a bounded close, with a fake engine (tests/fakes/vllm.py)
 that calls the real ColomemWorkerExtension in-process on CPU tensors (vLLM's pieces the adapter imports are
-stubbed)."""
+stubbed). The worker's own tests: test_vllm_worker_cpu.py."""
 
 from __future__ import annotations
 
@@ -18,14 +18,10 @@ import torch
 from colomem.engines import SyncStats
 from colomem.engines.protocols import Rollout
 from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig
-from colomem.engines.vllm.checks import tensor_checksum
 from colomem.engines.vllm.worker import ColomemWorkerExtension
-from colomem.engines.vllm.worker.listener import peer_ended
-from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerAbortedError, PeerClosedError,
-                            PeerError, PhaseOrderError, PoolClosedError, StaleWeightsError, TransferTimeoutError,
-                            WeightCheckError, raise_payload)
-from fakes.vllm import (FakeBridge, FakeRollout, FakeWorker, fake_worker_class, install_vllm_stubs, make,
-                        model_of, trainer_weights)
+from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerError, PhaseOrderError,
+                            PoolClosedError, StaleWeightsError, TransferTimeoutError, WeightCheckError)
+from fakes.vllm import FakeRollout, install_vllm_stubs, make, model_of, trainer_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -263,22 +259,6 @@ def test_check_catches_bytes_changed_behind_its_back(fake_vllm):
     r.close()
 
 
-def test_worker_errors_come_back_as_their_colomem_class():
-    w = FakeWorker()
-    err = w.colomem_listen()
-    assert err["error"] == "PeerError" and "colomem_attach" in err["message"]
-    with pytest.raises(PeerError, match="colomem_attach"):
-        raise_payload(err, "colomem_listen")
-    assert w.colomem_param_checksums(["nope"])["error"] == "InvalidArgumentError"
-    with pytest.raises(CudaOutOfMemoryError):
-        raise_payload({"error": "CudaOutOfMemoryError", "message": "CUDA out of memory"}, "x")
-    with pytest.raises(PeerError):                # unknown classes become PeerError, never a bare Exception
-        raise_payload({"error": "KeyError", "message": "boom"}, "x")
-    bad = w.colomem_load_direct([("o_proj", torch.zeros(4, 4))], "not a version")
-    assert bad["error"] == "PeerError"            # a ValueError in the worker: a PeerError naming it
-    assert "ValueError" in bad["message"]
-
-
 def test_a_worker_error_arrives_as_its_class_in_the_trainer_process():
     r = make(sync_transport="direct", engine_in_process=True)
     r.load_weights(trainer_weights(1).items(), version=1)
@@ -292,16 +272,6 @@ def test_a_worker_error_arrives_as_its_class_in_the_trainer_process():
     with pytest.raises(WeightCheckError, match="bytes looked wrong"):
         r.load_weights(w.items(), version=2)
     assert r.weight_version == 1
-    r.close()
-
-
-def test_buckets_out_of_order_are_refused():
-    r = make(sync_transport="listener")
-    r.load_weights(trainer_weights(1).items(), version=1)
-    w = r._worker
-    msg = {"buffer": 0, "version": 2, "seq": 3, "last": False, "nbytes": 0, "entries": []}
-    with pytest.raises(PeerError, match="out of order"):
-        w._colomem_apply(msg)
     r.close()
 
 
@@ -345,7 +315,8 @@ def test_lora_adapter_mode_writes_a_peft_adapter_and_swaps_ids(fake_vllm):
     files = load_file(os.path.join(req1.lora_path, "adapter_model.safetensors"))
     assert sorted(files) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
                              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
-    cfg = json.load(open(os.path.join(req1.lora_path, "adapter_config.json")))
+    with open(os.path.join(req1.lora_path, "adapter_config.json")) as f:
+        cfg = json.load(f)
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["target_modules"] == ["q_proj", "v_proj"]
     r.generate([[1]], max_new_tokens=2)
     assert r.llm.calls[-1] == ("generate", req1.lora_int_id)
@@ -391,15 +362,6 @@ def test_dead_engine_is_reported_not_waited_for():
     r.close()
 
 
-def test_checksum_is_order_free_and_sensitive():
-    t = torch.randn(1000, 33)
-    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.t().contiguous().t())
-    u = t.clone()
-    u.view(-1)[0] += 1
-    assert tensor_checksum(u) != tensor_checksum(t)
-    assert tensor_checksum(t[:, 1:]) == tensor_checksum(t[:, 1:].contiguous())   # odd offsets copy once
-
-
 def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():
     r = make()
     r.load_weights(trainer_weights(1).items(), version=1)
@@ -443,34 +405,6 @@ def test_trainer_tensors_of_another_dtype_are_not_compared_byte_for_byte():
     with pytest.raises(InvalidArgumentError, match="dtype"):
         r.check(reference=w.items())
     r.close()
-
-
-def test_worker_maps_the_bridge_on_its_own_gpu_by_uuid():
-    w = FakeWorker()
-    w._colomem_device_uuid = lambda: "GPU-bbbb"
-    bridge = FakeBridge(256, 2)
-    try:
-        other = "/tmp/not-this-one"
-        got = w.colomem_attach({"GPU-aaaa": other, "GPU-BBBB": bridge.address})   # UUIDs compare case-blind
-        assert "error" not in got and w._colomem().importer.address == bridge.address
-        err = w.colomem_attach({"GPU-aaaa": other})
-        assert err["error"] == "PeerError" and "GPU-bbbb" in err["message"] and "GPU-aaaa" in err["message"]
-        assert w.colomem_attach({})["error"] == "InvalidArgumentError"
-    finally:
-        bridge.close()
-
-
-def test_ping_is_a_round_trip_that_does_nothing(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))   # as bench_sync.py does for vLLM's worker
-    from sync_worker import WORKER_EXTENSION as BENCH_EXTENSION
-    from sync_worker import BenchWorkerExtension
-
-    r = make(worker_cls=fake_worker_class(BenchWorkerExtension), worker_extension=BENCH_EXTENSION)
-    assert r.built_with["worker_extension_cls"] == "sync_worker.BenchWorkerExtension"
-    assert r.rpc("colomem_ping") == [{"pid": os.getpid()}]
-    r.close()
-    assert not hasattr(ColomemWorkerExtension, "colomem_ping")     # benchmark-only: not in the product
-
 
 
 def sync_over_trash(r, w: dict, version: int):
@@ -570,51 +504,3 @@ def test_direct_transport_loads_the_trainers_tensors_in_process():
     assert r._bridge is None and r.llm.calls.count("colomem_load_direct") == 3
     r.check(reference=w.items())
     r.close()
-
-
-def test_peer_end_is_told_by_class_or_by_the_older_kind_attribute():
-    assert peer_ended(PeerClosedError("closed")) == "closed" and peer_ended(PeerAbortedError("x")) == "abort"
-    old = PeerError("exporter closed the weight bridge")
-    old.kind = "closed"
-    assert peer_ended(old) == "closed" and peer_ended(PeerError("other")) is None
-
-
-def test_rollback_backs_up_then_unmaps_only_what_the_failed_wake_mapped(monkeypatch):
-    from colomem.engines.vllm.worker import wake_rollback
-
-    def alloc(tag, size, backup=None):
-        return types.SimpleNamespace(tag=tag, handle=(0, size), cpu_backup_tensor=backup)
-
-    kept = torch.zeros(8, dtype=torch.uint8)
-    table = {0x1000: alloc("weights", 16), 0x2000: alloc("weights", 32, kept), 0x3000: alloc("weights", 64),
-             0x4000: alloc("kv_cache", 128)}
-    mapped = {0x1000, 0x2000, 0x4000}            # 0x3000: the wake stopped before it
-    events: list = []
-    cumem = types.ModuleType("vllm.device_allocator.cumem")
-    allocator = types.SimpleNamespace(pointer_to_data=table)
-    setattr(cumem, "CuMemAllocator", types.SimpleNamespace(get_instance=lambda: allocator))
-    setattr(cumem, "unmap_and_release", lambda handle: events.append(("unmap", handle[1])))
-    monkeypatch.setitem(sys.modules, "vllm.device_allocator", types.ModuleType("vllm.device_allocator"))
-    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
-    monkeypatch.setattr(wake_rollback, "_C", types.SimpleNamespace(pointer_is_mapped=lambda p: p in mapped))
-    monkeypatch.setattr(wake_rollback, "_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(wake_rollback, "device_copy",
-                        lambda device, direction, copies, timeout: events.append((direction, copies)))
-
-    out = wake_rollback.rollback_wake(torch.device("cpu"), ["weights"], True, 5.0)
-    assert out == {"released_bytes": 16 + 32}
-    assert events[0][0] == "d2h" and [(src, n) for _, src, n in events[0][1]] == [(0x1000, 16)]
-    assert events[1:] == [("unmap", 16), ("unmap", 32)]            # every backup copied before any unmap
-    assert table[0x1000].cpu_backup_tensor.numel() == 16 and table[0x2000].cpu_backup_tensor is kept
-    assert table[0x3000].cpu_backup_tensor is None
-
-    table[0x1000].cpu_backup_tensor = None
-    events.clear()
-
-    def failing(*a):
-        raise TransferTimeoutError("copy timed out")
-
-    monkeypatch.setattr(wake_rollback, "device_copy", failing)
-    with pytest.raises(TransferTimeoutError):
-        wake_rollback.rollback_wake(torch.device("cpu"), ["weights"], True, 5.0)
-    assert events == [] and table[0x1000].cpu_backup_tensor is None   # no half-made backup, nothing unmapped

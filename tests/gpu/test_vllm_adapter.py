@@ -1,7 +1,7 @@
 """VLLMRollout on real vLLM 0.24 (GPU host): the sync reaches the model, sleep frees the GPU, cycles do not grow,
 the guards refuse stale or discarded weights, and LoRA adapter updates stay correct across a level-2 sleep.
 
-One engine serves the whole module (engine start costs 20-50 s); the LoRA tests start a second one with
+One engine serves the whole module (an engine is slow to start); the LoRA tests start a second one with
 enable_lora at the end. The model is a tiny random Qwen2 built here with a BPE tokenizer trained here.
 """
 
