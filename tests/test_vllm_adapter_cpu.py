@@ -21,15 +21,8 @@ from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig
 from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerError, PhaseOrderError,
                             PoolClosedError, StaleWeightsError, TransferTimeoutError, WeightCheckError)
-from fakes.vllm import FakeRollout, install_vllm_stubs, make, model_of, trainer_weights
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True)
-def fake_vllm(monkeypatch):
-    return install_vllm_stubs(monkeypatch)
-
+from fakes.vllm import REPO, FakeRollout, make, model_of, trainer_weights
+from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
 # ------------------------------------------------------------------------------------------------ tests
 def test_llm_kwargs_defaults_and_worker_extension():

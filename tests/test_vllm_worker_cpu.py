@@ -16,15 +16,8 @@ from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.engines.vllm.worker.listener import peer_ended
 from colomem.errors import (CudaOutOfMemoryError, PeerAbortedError, PeerClosedError, PeerError,
                             TransferTimeoutError, raise_payload)
-from fakes.vllm import FakeBridge, FakeWorker, fake_worker_class, install_vllm_stubs, make, trainer_weights
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(autouse=True)
-def fake_vllm(monkeypatch):
-    return install_vllm_stubs(monkeypatch)
-
+from fakes.vllm import REPO, FakeBridge, FakeWorker, fake_worker_class, make, trainer_weights
+from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
 def test_worker_errors_come_back_as_their_colomem_class():
     w = FakeWorker()

@@ -4,6 +4,7 @@ and stub modules for the few vLLM names the adapter imports.
 
     rollout = FakeRollout("/models/tiny", bucket_bytes=256)   # VLLMRollout over FakeLLM + FakeWorker
     install_vllm_stubs(monkeypatch)                             # SamplingParams, TokensPrompt, LoRARequest
+    from fakes.vllm import fake_vllm  # noqa: F401                # the same, autouse, for a whole module
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import pytest
 import torch
 
 from colomem._bucket import BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket, plan_buckets
@@ -24,6 +26,7 @@ from colomem.engines.vllm.rollout import VLLMRollout
 from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.errors import PeerError, TransferTimeoutError, error_payload
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake bridge "maps"
 CHANNELS: dict = {}  # address -> (bridge -> worker queue, worker -> bridge queue): the fake "socket"
 
@@ -303,6 +306,12 @@ def install_vllm_stubs(monkeypatch) -> types.ModuleType:
     for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)):
         monkeypatch.setitem(sys.modules, name, mod)
     return vllm
+
+
+@pytest.fixture(autouse=True)
+def fake_vllm(monkeypatch):
+    """install_vllm_stubs for every test of a module that imports this fixture."""
+    return install_vllm_stubs(monkeypatch)
 
 
 class FakeRollout(VLLMRollout):
