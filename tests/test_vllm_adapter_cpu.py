@@ -1,338 +1,28 @@
 """VLLMRollout without vLLM: the phase and version guards, the bucket plumbing into the worker extension, the
-pool backup, error mapping, LoRA adapter files and a bounded close, with a fake engine that calls the real
-ColomemWorkerExtension in-process on CPU tensors (vLLM's pieces the adapter imports are stubbed)."""
+pool backup, error mapping, LoRA adapter files and a bounded close, with a fake engine (tests/fakes/vllm.py)
+that calls the real ColomemWorkerExtension in-process on CPU tensors (vLLM's pieces the adapter imports are
+stubbed). The worker's own tests: test_vllm_worker_cpu.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from colomem._bucket import BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket, plan_buckets
-from colomem._torch import copy_ranges
 from colomem.engines import SyncStats
-from colomem.engines.vllm import WORKER_EXTENSION, VLLMRollout
-from colomem.engines.vllm_worker import ColomemWorkerExtension, raise_if_error, tensor_checksum
+from colomem.engines.protocols import Rollout
+from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig
+from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerError, PhaseOrderError,
                             PoolClosedError, StaleWeightsError, TransferTimeoutError, WeightCheckError)
-
-# ------------------------------------------------------------------------------------------------ fakes
-BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake bridge "maps"
-CHANNELS: dict = {}  # address -> (bridge -> worker queue, worker -> bridge queue): the fake "socket"
-
-
-class FakeImporter:
-    """BridgeImporter without CUDA: the same message parsing, views and reassembly of split tensors, and a
-    queue standing in for the socket transport (abort, tags, ACKs as in colomem.bridge)."""
-
-    def __init__(self, address):
-        if address not in BUFFERS:
-            raise ConnectionRefusedError(f"nothing listens on {address}")
-        self.address = address
-        self.reasm = Reassembler()
-        self.closed = False
-        self.copied_out = 0   # buckets applied through copy_out (precomputed ranges)
-
-    def copy_out(self, msg, ranges, verify="sampled"):
-        m = BucketMessage.from_dict(msg, entries=False)
-        copy_ranges(ranges, torch.device("cpu"), src_base=BUFFERS[self.address][m.buffer].data_ptr())
-        self.copied_out += 1
-
-    def entries(self, msg, verify="sampled"):
-        m = BucketMessage.from_dict(msg)
-        base = BUFFERS[self.address][m.buffer]
-        for e in m.entries:
-            yield e, entry_view(base, e)
-        if m.last and self.reasm.pending():
-            raise PeerError(f"split tensors missing parts: {self.reasm.pending()}")
-
-    def reassemble(self, e, view):
-        return self.reasm.add(e, view)
-
-    def tensors(self, msg, verify="sampled"):
-        for e, view in self.entries(msg, verify):
-            out = self.reassemble(e, view)
-            if out is not None:
-                yield out
-
-    def receive(self, timeout=None, tag=None):
-        inbox, _ = CHANNELS[self.address]
-        while True:
-            try:
-                kind, d = inbox.get(timeout=timeout)
-            except queue.Empty:
-                raise TransferTimeoutError("no bucket in time") from None
-            if kind == "closed":
-                exc = PeerError("exporter closed the weight bridge")
-                exc.kind = "closed"
-                raise exc
-            if tag is not None and d.get("tag") != tag:
-                continue
-            if kind == "abort":
-                exc = PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
-                exc.kind = "abort"
-                raise exc
-            return d
-
-    def messages(self, timeout=None, tag=None, first=None):
-        _, outbox = CHANNELS[self.address]
-        while True:
-            d, first = (first, None) if first is not None else (self.receive(timeout, tag), None)
-            try:
-                report = yield d
-            except BaseException as exc:
-                outbox.put({"ok": False, "error": repr(exc), "tag": tag, "seq": d["seq"]})
-                raise
-            outbox.put({"ok": True, "tag": tag, "seq": d["seq"], "version": d["version"], "report": report})
-            if d["last"]:
-                return
-
-    def close(self):
-        self.closed = True
-        if self.address in CHANNELS:            # the producer's next read sees the hang-up, as on a socket
-            CHANNELS[self.address][1].put({"ok": False, "hung_up": True})
-
-
-class FakeBridge:
-    """WeightBridge without CUDA: the real bucket plan and pack into CPU buffers, one message per bucket;
-    resuming the generator is the ACK, as in WeightBridge.publish."""
-
-    count = 0
-
-    def __init__(self, bucket_bytes, buffers):
-        FakeBridge.count += 1
-        self.address = f"/tmp/fake-bridge-{os.getpid()}-{FakeBridge.count}"
-        self.buffers = [torch.zeros(bucket_bytes, dtype=torch.uint8) for _ in range(buffers)]
-        self.bucket_bytes = bucket_bytes
-        BUFFERS[self.address] = self.buffers
-        CHANNELS[self.address] = (queue.Queue(), queue.Queue())
-        self.closed = False
-        self.last_stats = None
-
-    def publish(self, items, version):
-        plans = list(plan_buckets(items, self.bucket_bytes)) or [None]
-        for seq, plan in enumerate(plans):
-            i = seq % len(self.buffers)
-            if plan is not None:
-                pack_bucket(plan, self.buffers[i])
-            entries = tuple(plan.entries) if plan else ()
-            yield BucketMessage(buffer=i, version=version, seq=seq, last=seq == len(plans) - 1,
-                                nbytes=plan.nbytes if plan else 0, checksum=None, checksum_stride=0,
-                                entries=entries, layout=layout_digest(entries))
-
-    def sync(self, items, version, send=None, timeout=None, tag=None):
-        assert send is None
-        outbox, inbox = CHANNELS[self.address]
-        n = 0
-        self.last_reports = []
-        try:
-            for msg in self.publish(items, version):
-                outbox.put(("bucket", {**msg.to_dict(), "tag": tag}))
-                n += 1
-                try:
-                    ack = inbox.get(timeout=timeout)
-                except queue.Empty:
-                    raise TransferTimeoutError("no ack in time") from None
-                if ack.get("hung_up"):
-                    raise PeerError("importer process closed the connection")
-                if not ack["ok"]:
-                    raise PeerError(f"importer refused bucket {msg.seq}: {ack['error']}")
-                if msg.last:
-                    self.last_reports = [ack.get("report")]
-        except BaseException as exc:
-            outbox.put(("abort", {"version": version, "tag": tag, "error": repr(exc)}))
-            raise
-        self.last_stats = types.SimpleNamespace(messages=n)
-        return self.last_stats
-
-    def close(self):
-        self.closed = True
-        if self.address in CHANNELS:
-            CHANNELS[self.address][0].put(("closed", {}))
-        BUFFERS.pop(self.address, None)
-        CHANNELS.pop(self.address, None)
-
-
-class TinyModel(torch.nn.Module):
-    """vLLM-like: fused qkv, load_weights(iterable of HF names) -> set of the params it wrote."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv_proj = torch.nn.Parameter(torch.zeros(12, 4))
-        self.o_proj = torch.nn.Parameter(torch.zeros(4, 4))
-        self.norm = torch.nn.Parameter(torch.ones(4))
-        self.embed = torch.nn.Parameter(torch.zeros(40, 8))     # 1280 bytes: split over 256-byte buckets
-
-    def load_weights(self, weights):
-        loaded = set()
-        with torch.no_grad():
-            for name, w in weights:
-                if name in ("q_proj", "k_proj", "v_proj"):
-                    i = ("q_proj", "k_proj", "v_proj").index(name)
-                    self.qkv_proj[4 * i:4 * i + 4].copy_(w)
-                    loaded.add("qkv_proj")
-                else:
-                    getattr(self, name).copy_(w)
-                    loaded.add(name)
-        return loaded
-
-
-class FakeWorker(ColomemWorkerExtension):
-    def __init__(self):
-        self.model_runner = types.SimpleNamespace(model=TinyModel())
-        self.device = torch.device("cpu")
-        self.rank = 0
-        self.rollbacks = []
-
-    def _colomem_connect(self, address, timeout):
-        return FakeImporter(address)
-
-    def _colomem_weight_allocations(self):
-        return [(p.data_ptr(), p.numel() * p.element_size()) for p in self.model_runner.model.parameters()]
-
-    def colomem_rollback_wake(self, tags, keep_weights):
-        self.rollbacks.append((list(tags), keep_weights))
-        return {"released_bytes": 0}
-
-    def colomem_memory(self):
-        return {"cumem_bytes_by_tag": {"weights": 1 << 20, "kv_cache": 8 << 20}, "pool": {}}
-
-
-class FakeProcs:
-    def __init__(self, procs):
-        self.processes = procs
-
-
-class FakeLLM:
-    """The slice of vllm.LLM the adapter uses; sleep(2) zeroes the weights (discarded, like cuMem unmap)."""
-
-    def __init__(self, worker, proc=None):
-        self.worker = worker
-        self.calls = []
-        self.level = None
-        self.backup = None
-        self.wake_error = None
-        self.block = threading.Event()
-        self.hang = False
-        self.loras = {}
-        core = types.SimpleNamespace(resources=types.SimpleNamespace(
-            engine_dead=False, engine_manager=FakeProcs([proc] if proc else [])), shutdown=self._shutdown)
-        self.llm_engine = types.SimpleNamespace(engine_core=core, add_lora=self._add_lora,
-                                                remove_lora=self._remove_lora)
-        self.shutdown_called = False
-
-    def _shutdown(self, timeout=None):
-        self.shutdown_called = True
-        if self.hang:
-            self.block.wait()
-
-    def _add_lora(self, req):
-        self.loras[req.lora_int_id] = req
-        return True
-
-    def _remove_lora(self, lid):
-        return self.loras.pop(lid, None) is not None
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(method)
-        if self.hang:
-            self.block.wait()
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
-
-    def _params(self):
-        return list(self.worker.model_runner.model.parameters())
-
-    def sleep(self, level=1):
-        self.calls.append(f"sleep{level}")
-        self.level = level
-        if level == 1:
-            self.backup = [p.detach().clone() for p in self._params()]
-        with torch.no_grad():
-            for p in self._params():
-                p.zero_()
-
-    def wake_up(self, tags=None):
-        self.calls.append(f"wake{tags}")
-        if self.wake_error:
-            raise Exception(self.wake_error)
-        if "weights" in (tags or ["weights"]) and self.level == 1:
-            with torch.no_grad():
-                for p, b in zip(self._params(), self.backup):
-                    p.copy_(b)
-
-    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
-        self.calls.append(("generate", lora_request.lora_int_id if lora_request else None))
-        outs = []
-        for prompt, sp in zip(prompts, params):
-            comps = []
-            for i in range(sp.n):
-                toks = [(len(prompt["prompt_token_ids"]) + i + k) % 7 for k in range(sp.max_tokens)]
-                lps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(toks)]
-                comps.append(types.SimpleNamespace(index=i, token_ids=toks, logprobs=lps, finish_reason="length"))
-            outs.append(types.SimpleNamespace(outputs=comps[::-1]))
-        return outs
-
-
-@pytest.fixture(autouse=True)
-def fake_vllm(monkeypatch):
-    """Stub modules for the few vLLM names the adapter imports (SamplingParams, TokensPrompt, LoRARequest)."""
-    vllm = types.ModuleType("vllm")
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda **kw: dict(**kw)
-    lora = types.ModuleType("vllm.lora")
-    request = types.ModuleType("vllm.lora.request")
-
-    @dataclass
-    class LoRARequest:
-        lora_name: str
-        lora_int_id: int
-        lora_path: str
-
-    request.LoRARequest = LoRARequest
-    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)):
-        monkeypatch.setitem(sys.modules, name, mod)
-    return vllm
-
-
-class FakeRollout(VLLMRollout):
-    def __init__(self, *a, proc=None, **kw):
-        self._worker = FakeWorker()
-        self._proc = proc
-        super().__init__(*a, **kw)
-
-    def _build_llm(self, kwargs):
-        self.built_with = kwargs
-        return FakeLLM(self._worker, self._proc)
-
-    def _make_bridge(self):
-        return FakeBridge(self.bucket_bytes, self.bucket_buffers)
-
-
-def trainer_weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g) for n, s in (("q_proj", (4, 4)), ("k_proj", (4, 4)),
-                                                          ("v_proj", (4, 4)), ("o_proj", (4, 4)), ("norm", (4,)),
-                                                          ("embed", (40, 8)))}
-
-
-def model_of(r):
-    return r._worker.model_runner.model
-
-
-def make(**kw):
-    kw.setdefault("bucket_bytes", 256)
-    return FakeRollout("/models/tiny", gpu_memory_utilization=0.3, max_model_len=256, **kw)
-
+from fakes.vllm import REPO, FakeRollout, make, model_of, trainer_weights
+from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
 # ------------------------------------------------------------------------------------------------ tests
 def test_llm_kwargs_defaults_and_worker_extension():
@@ -340,18 +30,54 @@ def test_llm_kwargs_defaults_and_worker_extension():
     kw = r.built_with
     assert kw["trust_remote_code"] is False
     assert kw["enable_sleep_mode"] is True
-    assert kw["worker_extension_cls"] == WORKER_EXTENSION == "colomem.engines.vllm_worker.ColomemWorkerExtension"
+    assert kw["worker_extension_cls"] == WORKER_EXTENSION == "colomem.engines.vllm.worker.ColomemWorkerExtension"
     assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.3 and kw["max_model_len"] == 256
     assert "enable_lora" not in kw
     assert kw["logprobs_mode"] == "processed_logprobs"             # log-softmax(logits / T), as GRPO computes
+    assert isinstance(r, Rollout)
     r.close()
+
+
+def test_the_old_worker_path_still_names_the_extension():
+    from colomem.engines import vllm_worker
+
+    assert vllm_worker.ColomemWorkerExtension is ColomemWorkerExtension
+
+
+def test_options_as_a_config_object():
+    cfg = VLLMConfig(gpu_memory_utilization=0.3, max_model_len=256, bucket_bytes="1KiB", sleep_level=2)
+    r = FakeRollout("/models/tiny", config=cfg)
+    assert r.config is cfg and r.bucket_bytes == 1024 and r.sleep_level == 2
+    assert r.built_with["max_model_len"] == 256
+    r.close()
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        FakeRollout("/models/tiny", config=cfg, seed=3)
+
+
+def test_config_imports_neither_vllm_nor_the_rollout():
+    code = ("import sys; import colomem.engines.vllm.config as c; c.VLLMConfig(sync_transport='direct', "
+            "engine_in_process=True); print(sorted(m for m in sys.modules if m == 'vllm' or "
+            "m.startswith(('vllm.', 'colomem.engines.vllm.rollout', 'colomem.engines.vllm.worker'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.stdout.strip() == "[]"
+
+
+def test_config_errors_name_the_field_and_what_it_allows():
+    with pytest.raises(InvalidArgumentError, match="sync_transport must be one of 'listener'.*'direct'.*'rpc'"):
+        VLLMConfig(sync_transport="rpc")
+    with pytest.raises(InvalidArgumentError, match="nope: not a VLLMRollout option"):
+        VLLMConfig(nope=1)
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        VLLMConfig(max_model_len="long")
 
 
 @pytest.mark.parametrize("bad", [dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5),
                                  dict(max_model_len=0), dict(sleep_level=3), dict(weights_backup="disk"),
                                  dict(lora_mode="sideways"), dict(verify="maybe"), dict(tensor_parallel_size=0),
                                  dict(rpc_timeout_s=0), dict(lora_mode="adapter"),
-                                 dict(logprobs_mode="raw_logits")])
+                                 dict(logprobs_mode="raw_logits"), dict(sync_transport="socket"),
+                                 dict(sync_transport="rpc"), dict(bucket_buffers=0), dict(unknown_option=1)])
 def test_argument_validation(bad):
     kw = dict(gpu_memory_utilization=0.3, max_model_len=256)
     kw.update(bad)
@@ -370,9 +96,8 @@ def test_adapter_mode_refuses_a_sleep_that_discards_the_base():
     r.close()
 
 
-@pytest.mark.parametrize("transport", ["socket", "rpc"])
-def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
-    r = make(sync_transport=transport)
+def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each():
+    r = make(sync_transport="listener")
     m = model_of(r)
     for version in (1, 2, 3):       # the first sync records load_weights, the next ones replay its copies
         w = trainer_weights(version)
@@ -394,37 +119,12 @@ def test_sync_writes_the_trainer_bytes_in_buckets_and_acks_each(transport):
         importer = r._worker._colomem().importer
         assert importer.copied_out == (stats.nbuckets if version == 3 else 0)
         importer.copied_out = 0
-    calls = r.llm.calls
-    if transport == "socket":   # one RPC per sync, the buckets went over the (fake) socket
-        assert calls.count("colomem_receive") == 3 and "colomem_apply" not in calls and stats.nbuckets >= 7
-    else:
-        assert stats.nbuckets >= 7 and calls.count("colomem_apply") == 3 * stats.nbuckets
+    calls = r.llm.calls         # no RPC per sync: the buckets went over the (fake) socket to the listener
+    assert calls.count("colomem_listen") == 1 and calls.count("colomem_attach") == 1 and stats.nbuckets >= 7
     r.check()                                   # trainer checksums vs the worker's bytes
     r.check(reference=w.items())
     with pytest.raises(WeightCheckError, match="differ"):
         r.check(reference=trainer_weights(2).items())
-    r.close()
-
-
-def test_socket_sync_returns_on_the_last_ack_and_the_next_call_collects_the_rpc():
-    r = make(sync_transport="socket")
-    w = trainer_weights(1)
-    stats = r.load_weights(w.items(), version=1)
-    assert stats.complete is True and stats.replayed_tensors == 0 and r._receiving is not None
-    assert r.generate([[1, 2]], n=1, max_new_tokens=3) and r._receiving is None   # collected first
-
-    # the worker's RPC ends with an error after its last ACK: the next engine call raises it
-    original = r._worker.colomem_receive
-
-    def failing(*a, **k):
-        original(*a, **k)
-        return {"error": "PeerError", "message": "PeerError: failed after the last ACK"}
-
-    r._worker.colomem_receive = failing
-    r.load_weights(trainer_weights(2).items(), version=2)
-    with pytest.raises(PeerError, match="after the last ACK"):
-        r.generate([[1, 2]], n=1, max_new_tokens=3)
-    assert r._receiving is None
     r.close()
 
 
@@ -552,25 +252,19 @@ def test_check_catches_bytes_changed_behind_its_back(fake_vllm):
     r.close()
 
 
-def test_worker_errors_come_back_as_their_colomem_class():
-    w = FakeWorker()
-    err = w.colomem_apply({"buffer": 0, "version": 1, "seq": 0, "entries": []})
-    assert err["error"] == "PeerError" and "colomem_attach" in err["message"]
-    with pytest.raises(PeerError, match="colomem_attach"):
-        raise_if_error(err, "colomem_apply")
-    assert w.colomem_param_checksums(["nope"])["error"] == "InvalidArgumentError"
-    with pytest.raises(CudaOutOfMemoryError):
-        raise_if_error({"error": "CudaOutOfMemoryError", "message": "CUDA out of memory"}, "x")
-    with pytest.raises(PeerError):                # unknown classes become PeerError, never a bare Exception
-        raise_if_error({"error": "KeyError", "message": "boom"}, "x")
-
-
-def test_buckets_out_of_order_are_refused():
-    r = make(sync_transport="rpc")
+def test_a_worker_error_arrives_as_its_class_in_the_trainer_process():
+    r = make(sync_transport="direct", engine_in_process=True)
     r.load_weights(trainer_weights(1).items(), version=1)
-    w = r._worker
-    msg = {"buffer": 0, "version": 2, "seq": 3, "last": False, "nbytes": 0, "entries": []}
-    assert w.colomem_apply(msg)["error"] == "PeerError"
+
+    def broken(*a, **k):
+        raise WeightCheckError("bytes looked wrong")
+
+    r._worker.model_runner.model.load_weights = broken
+    w = trainer_weights(2)
+    w["o_proj"] = w["o_proj"].t()                # not contiguous: through the model's load_weights
+    with pytest.raises(WeightCheckError, match="bytes looked wrong"):
+        r.load_weights(w.items(), version=2)
+    assert r.weight_version == 1
     r.close()
 
 
@@ -610,22 +304,23 @@ def test_lora_adapter_mode_writes_a_peft_adapter_and_swaps_ids(fake_vllm):
          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.randn(16, 4)}
     st = r.load_weights(a.items(), version=1)
     assert st.adapter_tensors == 2 and st.ntensors == 0
-    req1 = r._lora_request
+    req1 = r._adapter.request
     files = load_file(os.path.join(req1.lora_path, "adapter_model.safetensors"))
     assert sorted(files) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
                              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
-    cfg = json.load(open(os.path.join(req1.lora_path, "adapter_config.json")))
+    with open(os.path.join(req1.lora_path, "adapter_config.json")) as f:
+        cfg = json.load(f)
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["target_modules"] == ["q_proj", "v_proj"]
     r.generate([[1]], max_new_tokens=2)
     assert r.llm.calls[-1] == ("generate", req1.lora_int_id)
     r.load_weights(a.items(), version=2)
-    req2 = r._lora_request
+    req2 = r._adapter.request
     assert req2.lora_int_id != req1.lora_int_id and list(r.llm.loras) == [req2.lora_int_id]
     assert not os.path.exists(req1.lora_path)
     r.sleep()
     r.wake_weights()                               # re-registered after the wake (a wake may drop it)
-    assert r._lora_request.lora_int_id not in (req1.lora_int_id, req2.lora_int_id)
-    d = r._lora_request.lora_path
+    assert r._adapter.request.lora_int_id not in (req1.lora_int_id, req2.lora_int_id)
+    d = r._adapter.request.lora_path
     r.close()
     assert not os.path.exists(d)
 
@@ -658,15 +353,6 @@ def test_dead_engine_is_reported_not_waited_for():
     with pytest.raises(PeerError, match="died"):
         r.rpc("colomem_memory")
     r.close()
-
-
-def test_checksum_is_order_free_and_sensitive():
-    t = torch.randn(1000, 33)
-    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.t().contiguous().t())
-    u = t.clone()
-    u.view(-1)[0] += 1
-    assert tensor_checksum(u) != tensor_checksum(t)
-    assert tensor_checksum(t[:, 1:]) == tensor_checksum(t[:, 1:].contiguous())   # odd offsets copy once
 
 
 def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():
@@ -714,28 +400,6 @@ def test_trainer_tensors_of_another_dtype_are_not_compared_byte_for_byte():
     r.close()
 
 
-def test_worker_maps_the_bridge_on_its_own_gpu_by_uuid():
-    w = FakeWorker()
-    w._colomem_device_uuid = lambda: "GPU-bbbb"
-    bridge = FakeBridge(256, 2)
-    try:
-        other = "/tmp/not-this-one"
-        got = w.colomem_attach({"GPU-aaaa": other, "GPU-BBBB": bridge.address})   # UUIDs compare case-blind
-        assert "error" not in got and w._colomem().importer.address == bridge.address
-        err = w.colomem_attach({"GPU-aaaa": other})
-        assert err["error"] == "PeerError" and "GPU-bbbb" in err["message"] and "GPU-aaaa" in err["message"]
-        assert w.colomem_attach({})["error"] == "InvalidArgumentError"
-    finally:
-        bridge.close()
-
-
-def test_ping_is_a_round_trip_that_does_nothing():
-    r = make()
-    assert r.rpc("colomem_ping") == [{"pid": os.getpid()}]
-    r.close()
-
-
-
 def sync_over_trash(r, w: dict, version: int):
     """Overwrites vLLM's parameters (as a level-2 sleep leaves them), syncs `w`, checks every byte arrived."""
     m = model_of(r)
@@ -759,8 +423,6 @@ def test_listener_transport_syncs_without_an_rpc_per_version():
     assert r.llm.calls.count("colomem_listen") == 1 and "colomem_receive" not in r.llm.calls
     st = r._worker._colomem()
     assert st.listener.alive and st.listener.versions == 3
-    with pytest.raises(InvalidArgumentError, match="listener"):
-        r.rpc("colomem_receive", "tag", 1.0)
     r.check(reference=w.items())
     listener = st.listener
     r.close()
@@ -777,6 +439,8 @@ def test_listener_refusal_fails_the_sync_and_keeps_serving():
         raise WeightCheckError("bucket looked wrong")
 
     worker._colomem_apply = broken
+    # TODO(bridge merge): the refusal then carries the error payload and the producer raises its class:
+    # tighten to pytest.raises(WeightCheckError, ...). The same class over RPC / direct: the test above.
     with pytest.raises(PeerError, match="bucket looked wrong"):
         r.load_weights(trainer_weights(2).items(), version=2)
     worker._colomem_apply = original

@@ -7,6 +7,7 @@ void register_errors(py::module_& m);
 void register_info(py::module_& m);
 void register_pool(py::module_& m);
 void register_copy(py::module_& m);
+void register_pointer(py::module_& m);
 // Weak until bindings/ipc.cpp lands, so the core builds on its own.
 __attribute__((weak)) void register_ipc(py::module_& m);
 
@@ -16,5 +17,6 @@ PYBIND11_MODULE(_C, m) {
   register_info(m);
   register_pool(m);
   register_copy(m);
+  register_pointer(m);
   if (register_ipc) register_ipc(m);
 }

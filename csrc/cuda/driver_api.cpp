@@ -52,6 +52,7 @@ DriverApi load_all() {
   load(d.cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
   load(d.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
   load(d.cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
+  load(d.cuPointerGetAttribute, "cuPointerGetAttribute");
   return d;
 }
 

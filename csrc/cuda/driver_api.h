@@ -26,6 +26,7 @@ struct DriverApi {
   PFN_cuMemExportToShareableHandle_v10020 cuMemExportToShareableHandle;
   PFN_cuMemImportFromShareableHandle_v10020 cuMemImportFromShareableHandle;
   PFN_cuMemRetainAllocationHandle_v11000 cuMemRetainAllocationHandle;
+  PFN_cuPointerGetAttribute_v4000 cuPointerGetAttribute;
 };
 
 // Loads the entry points once (thread-safe) and calls cuInit. Throws NotAvailable when there is no usable

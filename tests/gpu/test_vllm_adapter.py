@@ -1,7 +1,7 @@
 """VLLMRollout on real vLLM 0.24 (GPU host): the sync reaches the model, sleep frees the GPU, cycles do not grow,
 the guards refuse stale or discarded weights, and LoRA adapter updates stay correct across a level-2 sleep.
 
-One engine serves the whole module (engine start costs 20-50 s); the LoRA tests start a second one with
+One engine serves the whole module (an engine is slow to start); the LoRA tests start a second one with
 enable_lora at the end. The model is a tiny random Qwen2 built here with a BPE tokenizer trained here.
 """
 
@@ -345,9 +345,10 @@ def test_in_process_engine_direct_sync_matches_transformers(r, tiny):
 
 
 def test_listener_transport_syncs_the_same_weights(r, tiny):
-    """sync_transport='listener': a thread in vLLM's worker takes the versions from the socket, no RPC."""
+    """sync_transport='listener' (the default): a thread in vLLM's worker takes the versions from the socket,
+    no RPC."""
     _, cfg, prompts = tiny
-    r.sync_transport = "listener"
+    assert r.sync_transport == "listener"
     try:
         r.set_bucket_bytes(256 << 10)            # re-attach: the listener starts with the new bridge
         for seed in (2, 3, 4):                   # recorded, replayed, then applied as raw ranges
@@ -357,5 +358,4 @@ def test_listener_transport_syncs_the_same_weights(r, tiny):
             assert_greedy_matches(model, prompts, greedy(r, prompts))
         assert stats.replayed_tensors == stats.ntensors
     finally:
-        r.sync_transport = "socket"
         r.set_bucket_bytes(256 << 10)            # the listener stops with the old bridge

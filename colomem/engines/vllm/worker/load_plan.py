@@ -1,9 +1,9 @@
 """Where a model's `load_weights` puts each named tensor, recorded once and replayed as plain copies.
 
 vLLM's `load_weights` maps HF names to its fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj),
-narrows to the tensor-parallel shard and copies, one Python weight loader call per tensor. For a 7B model that
-Python costs tens of milliseconds per sync, more than the copies themselves. The copies it makes are the same
-every sync, so `LoadPlan.record` runs `load_weights` once under a TorchDispatchMode that sees every aten op,
+narrows to the tensor-parallel shard and copies, one Python weight loader call per tensor. On a large model
+that Python costs more per sync than the copies themselves (docs/performance.md). The copies it makes are
+the same every sync, so `LoadPlan.record` runs `load_weights` once under a TorchDispatchMode that sees every aten op,
 and keeps, per source name, the copies from that source into the model's parameters (plus constant fills such
 as the zeroed padding rows of a vocab embedding). Later syncs of the same names `replay` those copies.
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Trainer -> vLLM weight sync on one GPU: colomem's bridge against vLLM's own ways, and sleep/wake modes.
 
-  python runners/bench_sync.py --out benchmarks/sync [--sizes 1.5b,7b] [--reps 10] [--buckets 512MiB,1GiB]
+  python benchmarks/bench_sync.py --out OUT/sync [--sizes 1.5b,7b] [--reps 10] [--buckets 512MiB,1GiB]
 
 For Qwen2-1.5B- and Qwen2-7B-shaped bf16 models (config only; vLLM loads load_format="dummy" weights), the
 "trainer" holds random weights on the same GPU and sends them to vLLM with:
-  bridge      colomem WeightBridge -> ColomemWorkerExtension.colomem_receive: one collective_rpc per sync, buckets
-              announced and ACKed over the bridge socket, recorded load_weights copies replayed (load_plan);
-              the best bucket size again with the listener transport (the default: no RPC per sync), and
-              once the old way (one collective_rpc per bucket, load_weights every time)
+  bridge      colomem WeightBridge -> the listener thread in vLLM's worker (sync_transport="listener", the
+              default): no RPC per sync, buckets announced and ACKed over the bridge socket, recorded
+              load_weights copies replayed (load_plan); the best bucket size once more with fast_load=False
+              (load_weights every sync), for what the replay is worth
+  direct      vLLM's engine inside this process (sync_transport="direct"), a second engine started last
   torch_ipc   per-tensor CUDA IPC: torch's reduce_tensor in the trainer, rebuild_cuda_tensor in the worker,
               one collective_rpc carrying every handle (vLLM's non-packed IPC weight transfer, the fast case)
   reload      vLLM's collective_rpc("reload_weights") from a safetensors directory written once (page cache warm)
@@ -17,8 +18,11 @@ vLLM sleeps at level 2) and against level 2 + a full bridge sync. Every method i
 the trainer's tensors against vLLM's parameters), then timed: median of --reps after --warmup, GB/s of
 payload bytes, and the ratio to a device-to-device copy measured in the same run.
 
-Each size runs in its own process with one engine. Writes <out>/bench_sync.json (top level: sync_7b_ms_median,
-sync_7b_baseline_ms = the fastest baseline, ...) and <out>/sync_<size>.json, and prints a table last.
+The baselines need two RPCs the product's worker does not have (colomem_ping, colomem_apply_torch_ipc): vLLM
+runs the benchmark's worker extension (sync_worker.BenchWorkerExtension), with this folder put on PYTHONPATH
+for vLLM's processes. Each size runs in its own process with one engine. Writes <out>/bench_sync.json (top
+level: sync_7b_ms_median, sync_7b_baseline_ms = the fastest baseline, ...) and <out>/sync_<size>.json, and
+prints a table last.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ import traceback
 GiB = 1 << 30
 MiB = 1 << 20
 T0 = time.perf_counter()
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BENCH_WORKER = "sync_worker.BenchWorkerExtension"   # benchmarks/sync_worker.py
 
 # Qwen2 configs (HF transformers names); Qwen2-7B and Qwen2-1.5B as published.
 SHAPES = {
@@ -60,6 +67,14 @@ def env_defaults():
     for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                  "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}.items():
         os.environ.setdefault(k, v)
+    # vLLM's worker imports the benchmark's extension by name, and the checkout's colomem before any other;
+    # spawned processes read PYTHONPATH, this one (the in-process engine) sys.path.
+    paths = [ROOT, HERE]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p and p not in paths])
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
 
 def summary(seconds: list, nbytes: int, d2d_gbps: float) -> dict:
@@ -209,55 +224,29 @@ def bench_bridge(r, items, nbytes, a, d2d, res):
         r.check()
         seconds = timed_syncs(sync, a.warmup, a.reps)
         st, bs = r.last_sync, r._bridge.last_stats
-        # load_weights returns at the last ACK; vLLM's RPC returns after it and is collected by the next
-        # engine call. Timed here together, for the record:
-        with_rpc = timed_syncs(lambda: (sync(), r._collect_receive()), 0, a.reps)
         check_new_bytes_arrive(r, items, sync)
         out[b] = {**summary(seconds, nbytes, d2d), "buckets": st.nbuckets, "buffers": r.bucket_buffers,
-                  "ms_median_with_rpc_return": round(statistics.median(with_rpc) * 1e3, 3),
                   "verified": True, "bridge_ms": round(st.bridge_seconds * 1e3, 2),
-                  "rpc_wait_ms": round(st.rpc_wait_seconds * 1e3, 2),
                   "worker_apply_ms": round(st.apply_seconds * 1e3, 2), "replayed_tensors": st.replayed_tensors,
                   "pack_wait_ms": round(bs.pack_wait_seconds * 1e3, 2) if bs else None}
         log(f"bridge {b}: {out[b]}")
     best = min(out, key=lambda k: out[k]["ms_median"])
     res["bridge_best"] = {"bucket": best, **out[best]}
-    if a.listener:  # the same bucket size, served by a thread in vLLM's worker: no RPC per sync
-        r.sync_transport = "listener"
-        try:
-            use_buckets(r, best)
-            sync = next_version_sync(r, items)
-            sync()
-            r.check(reference=items)
-            seconds = timed_syncs(sync, a.warmup, a.reps)
-            st = r.last_sync
-            check_new_bytes_arrive(r, items, sync)
-            res["bridge_listener"] = {"bucket": best, **summary(seconds, nbytes, d2d), "buckets": st.nbuckets,
-                                      "verified": True, "bridge_ms": round(st.bridge_seconds * 1e3, 2),
-                                      "worker_apply_ms": round(st.apply_seconds * 1e3, 2),
-                                      "replayed_tensors": st.replayed_tensors}
-            log(f"bridge {best}, listener transport: {res['bridge_listener']}")
-        except Exception as exc:  # noqa: BLE001 - an opt-in transport must not cost the other figures
-            res["errors"].append(f"listener: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-        finally:
-            r.sync_transport = "socket"
-            use_buckets(r, best)
-    # What the two speed-ups are worth: the same bucket size with one RPC per bucket and load_weights each time
+    # What the replay of recorded copies is worth: the same bucket size with load_weights every sync
     if a.ablation:
-        r.sync_transport, r.fast_load = "rpc", False
+        r.fast_load = False
         try:
-            use_buckets(r, best)
+            use_buckets(r, best)                     # the worker attaches again, without a load plan
             slow_sync = next_version_sync(r, items)
             slow_sync()
             r.check(reference=items)
             seconds = timed_syncs(slow_sync, 1, max(2, a.reps // 2))
-            res["bridge_per_bucket_rpc_load_weights"] = {
+            res["bridge_load_weights"] = {
                 "bucket": best, **summary(seconds, nbytes, d2d), "buckets": r.last_sync.nbuckets,
                 "worker_apply_ms": round(r.last_sync.apply_seconds * 1e3, 2), "verified": True}
-            log(f"bridge {best}, rpc per bucket + load_weights: {res['bridge_per_bucket_rpc_load_weights']}")
+            log(f"bridge {best}, load_weights every sync: {res['bridge_load_weights']}")
         finally:
-            r.sync_transport, r.fast_load = "socket", True
+            r.fast_load = True
             use_buckets(r, best)
 
 
@@ -269,7 +258,7 @@ def bench_direct(d, items, nbytes, a, d2d, res) -> None:
     t = time.perf_counter()
     r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
                     enforce_eager=True, engine_in_process=True, sync_transport="direct",
-                    llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
+                    worker_extension=BENCH_WORKER, llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
     try:
         start_s = round(time.perf_counter() - t, 1)
         sync = next_version_sync(r, items)
@@ -387,7 +376,7 @@ def run_size(size: str, a, path: str) -> dict:
         t = time.perf_counter()
         r = VLLMRollout(d, gpu_memory_utilization=a.gpu_util, max_model_len=1024, max_num_seqs=8, seed=0,
                         enforce_eager=True, bucket_bytes=a.buckets.split(",")[0].partition("x")[0],
-                        sync_transport="socket",     # the listener (the default) is timed beside it
+                        worker_extension=BENCH_WORKER,
                         llm_kwargs=dict(load_format="dummy", skip_tokenizer_init=True))
         res["engine_start_s"] = round(time.perf_counter() - t, 1)
         log(f"{size}: engine up in {res['engine_start_s']} s; {nbytes / GiB:.2f} GiB of weights, {len(items)} tensors")
@@ -436,25 +425,19 @@ def headline(sizes: dict) -> dict:
     for size, r in sizes.items():
         k = KEY[size]
         best = r.get("bridge_best")
-        listener = r.get("bridge_listener")
         if best:
-            transport = "socket"
-            if listener and listener["ms_median"] < best["ms_median"]:
-                best, transport = listener, "listener"
             top[f"sync_{k}_ms_median"] = best["ms_median"]
             top[f"sync_{k}_gbps"] = best["gbps"]
             top[f"sync_{k}_ratio_to_d2d"] = best["ratio_to_d2d"]
             top[f"sync_{k}_bucket"] = best["bucket"]
-            top[f"sync_{k}_transport"] = transport
-        if listener:
-            top[f"sync_{k}_listener_ms"] = listener["ms_median"]
+            top[f"sync_{k}_transport"] = "listener"
         if "direct_in_process" in r:  # another deployment (vLLM inside the trainer's process): beside, not instead
             top[f"sync_{k}_direct_in_process_ms"] = r["direct_in_process"]["ms_median"]
         if "rpc_roundtrip_ms" in r:
             top[f"rpc_roundtrip_{k}_ms"] = r["rpc_roundtrip_ms"]["ms_median"]
-        old = r.get("bridge_per_bucket_rpc_load_weights")
+        old = r.get("bridge_load_weights")
         if old:
-            top[f"sync_{k}_per_bucket_rpc_load_weights_ms"] = old["ms_median"]
+            top[f"sync_{k}_load_weights_ms"] = old["ms_median"]
         base = {n: r[n]["ms_median"] for n in ("torch_ipc", "reload") if "ms_median" in r.get(n, {})}
         if base:
             name = min(base, key=base.get)
@@ -482,9 +465,8 @@ def table(sizes: dict) -> str:
         d2d = r.get("d2d", {})
         for b, x in r.get("bridge", {}).items():
             row(size, f"colomem bridge, {b} buckets", x)
-        for key, label in (("bridge_listener", "bridge {bucket}, listener (no RPC)"),
-                           ("direct_in_process", "direct, vLLM in this process"),
-                           ("bridge_per_bucket_rpc_load_weights", "bridge {bucket}, RPC/bucket + load_weights"),
+        for key, label in (("direct_in_process", "direct, vLLM in this process"),
+                           ("bridge_load_weights", "bridge {bucket}, load_weights each sync"),
                            ("torch_ipc", "torch per-tensor CUDA IPC"),
                            ("reload", "vLLM reload_weights (safetensors)")):
             x = r.get(key) or {}
@@ -529,8 +511,6 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for bench_sync.json, sync_<size>.json")
     p.add_argument("--sizes", default="1.5b,7b")
-    p.add_argument("--no-listener", dest="listener", action="store_false",
-                   help="skip timing the best bucket size with sync_transport='listener'")
     p.add_argument("--buckets", default="256MiB,512MiB,1GiB", help="bridge bucket sizes to time (comma-separated; '2GiBx1': one buffer, no double buffering)")
     p.add_argument("--reps", type=int, default=10, help="timed bridge syncs per bucket size")
     p.add_argument("--warmup", type=int, default=2)
@@ -539,7 +519,7 @@ def parse_args(argv=None):
     p.add_argument("--sw-reps", type=int, default=3, help="timed sleep/wake cycles per mode (after a first one)")
     p.add_argument("--gpu-util", type=float, default=0.3, help="vLLM gpu_memory_utilization")
     p.add_argument("--no-ablation", dest="ablation", action="store_false",
-                   help="skip timing the bridge with one RPC per bucket and load_weights every sync")
+                   help="skip timing the best bucket size with load_weights every sync (fast_load=False)")
     p.add_argument("--skip", default="", help="sections to skip: rpc,bridge,torch_ipc,sleep_wake,reload,direct "
                                               "(the last starts a second engine, inside this process)")
     p.add_argument("--scratch", default=None, help="where the safetensors baseline is written (default: $TMPDIR)")
@@ -570,7 +550,7 @@ def main(argv=None) -> int:
         sizes[size] = json.load(open(path)) if os.path.exists(path) else {"errors": []}
         if rc != 0:
             sizes[size].setdefault("errors", []).append(f"the {size} process ended with {rc}")
-    out = {"command": "python runners/bench_sync.py " + " ".join(argv), **headline(sizes), "sizes": sizes}
+    out = {"command": "python benchmarks/bench_sync.py " + " ".join(argv), **headline(sizes), "sizes": sizes}
     with open(os.path.join(a.out, "bench_sync.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(table(sizes), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the time of a bridge sync goes, without vLLM: a producer process and a consumer process on one GPU.
 
-    python runners/diag_bridge.py --out DIR [--reps 5] [--bucket 1GiB] [--buffers 2]
+    python benchmarks/diag_bridge.py --out DIR [--reps 5] [--bucket 1GiB] [--buffers 2]
 
 The producer sends a Qwen2-7B-shaped bf16 set (15.2 GB) over the socket transport; for each mode the
 consumer does a different part of the work, so the differences isolate each cost:

@@ -1,0 +1,210 @@
+"""Every call into vLLM, with a bound on how long it may take, and the engine's death detected and reported.
+
+vLLM's synchronous client has no timeout of its own (a dead engine can leave a call waiting forever), so
+calls run one at a time on a daemon thread and the caller waits with a timeout: a hung or dead engine raises
+TransferTimeoutError / PeerError instead of blocking, and `shutdown` kills the engine's processes if they do
+not exit in time. A daemon thread stuck in such a call does not keep the interpreter from exiting.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+from colomem.errors import ColomemError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    """Runs engine calls one at a time on a daemon thread."""
+
+    def __init__(self, init: Optional[Callable[[], None]] = None):
+        self._q: "queue.Queue" = queue.Queue()
+        self._init = init
+        self._t = threading.Thread(target=self._loop, name="colomem-vllm-calls", daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        if self._init is not None:
+            try:
+                self._init()
+            except Exception as exc:  # noqa: BLE001 - every call then reports it
+                log.warning("engine-call thread set-up failed: %s", exc)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001  (delivered to the caller)
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+class EngineCalls:
+    """The vllm.LLM and the calls into it. Once a wait ran out or the engine died, it is `broken`: every
+    later call fails at once (the rollout must be closed and started again)."""
+
+    def __init__(self, rpc_timeout_s: float, init: Optional[Callable[[], None]] = None):
+        self.llm: Any = None
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.broken: Optional[str] = None
+        self.closed = False
+        self.pids: list = []
+        self._thread = EngineThread(init)
+
+    def attach(self, llm: Any) -> None:
+        """The engine was built: remember it and the processes it started (killed at shutdown if needed)."""
+        self.llm = llm
+        self.pids = engine_pids(llm)
+
+    def engine_dead(self) -> bool:
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        res = getattr(core, "resources", None)
+        return bool(getattr(res, "engine_dead", False))
+
+    def start(self, fn: Callable[[Any], Any], what: str) -> concurrent.futures.Future:
+        """Queues fn(llm) without waiting for it (collect it with wait)."""
+        if self.closed:
+            raise PoolClosedError(f"VLLMRollout is closed; cannot {what}")
+        if self.broken:
+            raise PeerError(f"the vLLM engine is unusable ({self.broken}); close() it and start a new one")
+        if self.engine_dead():
+            self.broken = "engine process died"
+            raise PeerError(f"vLLM's engine process died before {what}; close() and start a new VLLMRollout")
+        llm = self.llm
+        return self._thread.submit(lambda: fn(llm))
+
+    def wait(self, fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
+        try:
+            return fut.result(timeout=timeout)
+        except BaseException as exc:
+            if isinstance(exc, TimeoutError) and not fut.done():  # our wait ran out, not the call
+                self.broken = f"{what} timed out after {timeout:.0f} s"
+                raise TransferTimeoutError(
+                    f"vLLM did not finish {what} within {timeout:.0f} s; the engine is stuck or dead. close() "
+                    f"kills it (raise the timeout if the work is just slow)") from None
+            if isinstance(exc, ColomemError):
+                raise
+            if type(exc).__name__ == "EngineDeadError" or self.engine_dead():
+                self.broken = "engine process died"
+                raise PeerError(f"vLLM's engine process died during {what}: {exc}") from exc
+            raise
+
+    def call(self, fn: Callable[[Any], Any], timeout: float, what: str) -> Any:
+        return self.wait(self.start(fn, what), timeout, what)
+
+    def rpc(self, method: str, *args: Any, timeout: Optional[float] = None) -> list:
+        """Calls the worker extension's <method>(*args) on every vLLM worker; one result per worker, an
+        error in a worker raised as its colomem class (colomem.errors.raise_payload)."""
+        t = self.rpc_timeout_s if timeout is None else float(timeout)
+        results = self.call(lambda llm: llm.collective_rpc(method, args=tuple(args)), t, method)
+        return [raise_payload(r, method, where="vLLM's worker") for r in results]
+
+    def shutdown(self, timeout: float) -> None:
+        """Shuts the engine down within `timeout` seconds, then SIGKILLs what is left of its processes."""
+        self.closed = True
+        pids = _with_children(self.pids)
+        llm, self.llm = self.llm, None
+        try:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                t = threading.Thread(target=_quiet(core.shutdown), args=(timeout,), daemon=True,
+                                     name="colomem-vllm-shutdown")
+                t.start()
+                t.join(timeout + 2.0)
+        finally:
+            _kill(pids)
+            self._thread.stop()
+
+
+def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
+    """vllm.LLM(**kwargs); with in_process, EngineCore and its worker run in this process."""
+    from vllm import LLM
+
+    # The runner touches CUDA (pool, trainer) before vLLM starts its engine process; a forked engine
+    # then cannot initialise CUDA, so spawn unless the user chose otherwise.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if not in_process:
+        return LLM(**kwargs)
+    from vllm import envs as vllm_envs
+
+    # vLLM reads this when it builds the engine: 0 keeps EngineCore and its worker in this process. An
+    # in-process EngineCore also freezes vLLM's environment reads (enable_envs_cache): undone after, so
+    # a later engine of this process is not built in-process too.
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    was_cached = getattr(vllm_envs, "_is_envs_cache_enabled", lambda: False)()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        set_device()
+        return LLM(**kwargs)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+        if not was_cached and hasattr(vllm_envs, "disable_envs_cache"):
+            vllm_envs.disable_envs_cache()
+
+
+def engine_pids(llm: Any) -> list:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    mgr = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(mgr, "processes", []) or [] if getattr(p, "pid", None)]
+
+
+def _quiet(fn: Callable) -> Callable:
+    def run(*a):
+        try:
+            fn(*a)
+        except Exception as exc:  # noqa: BLE001  (shutdown of a dying engine may raise; we kill it next)
+            log.debug("vLLM shutdown: %s", exc)
+    return run
+
+
+def _with_children(pids: list) -> list:
+    try:
+        import psutil
+    except ImportError:
+        return list(pids)
+    out = []
+    for pid in pids:
+        try:
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except Exception:  # noqa: BLE001  (already gone)
+            pass
+        out.append(pid)
+    return out
+
+
+def _kill(pids: list) -> None:
+    """SIGKILL what is still alive among the engine processes this adapter started."""
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("killed vLLM process %d that did not exit in time", pid)
+        except OSError:
+            pass
+
+
+__all__ = ["EngineCalls", "EngineThread", "build_llm", "engine_pids"]

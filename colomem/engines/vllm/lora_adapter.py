@@ -1,0 +1,143 @@
+"""lora_mode="adapter": the trainer's LoRA tensors served through vLLM's LoRA support.
+
+Tensors named *lora_A* / *lora_B* are written as a peft adapter (safetensors in /dev/shm) and registered
+with vLLM's LoRA manager under a fresh id per version; the rest are base weights, synced as usual. The
+adapter is registered again after every wake (a wake can drop it). This module imports neither torch nor
+vLLM at module level (the config validates LoRA ranks with it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from colomem.errors import ColomemError
+
+if TYPE_CHECKING:
+    from .engine_calls import EngineCalls
+
+log = logging.getLogger(__name__)
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM 0.24 LoRAConfig.max_lora_rank choices
+
+
+def lora_attr(lora: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` on a LoraSpec-like object or dict (r, alpha / lora_alpha, target_modules)."""
+    for n in names:
+        if hasattr(lora, n):
+            return getattr(lora, n)
+        if isinstance(lora, dict) and n in lora:
+            return lora[n]
+    return default
+
+
+def vllm_lora_rank(lora: Any) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds the adapter's rank."""
+    r = int(lora_attr(lora, "r"))
+    return next(x for x in LORA_RANKS if x >= r)
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_embedding_A", ".lora_embedding_B"))
+
+
+def peft_adapter_name(name: str) -> str:
+    """A peft state-dict name vLLM's LoRA loader parses: `base_model.model.` prefix, no adapter segment."""
+    for part in (".lora_A.", ".lora_B."):
+        if part in name:
+            head, tail = name.split(part, 1)
+            if tail.count(".") >= 1 and not tail.startswith("weight"):  # lora_A.default.weight -> lora_A.weight
+                tail = tail.split(".", 1)[1]
+            name = head + part + tail
+    return name if name.startswith("base_model.model.") else "base_model.model." + name
+
+
+def hf_base_name(name: str) -> str:
+    """A peft base-layer name back to the plain HF name vLLM's load_weights expects."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+def split_adapter(named_tensors: Iterable) -> tuple[list, list]:
+    """(base weights under HF names, adapter tensors under peft names)."""
+    base, adapter = [], []
+    for name, t in named_tensors:
+        if is_lora_name(name):
+            adapter.append((peft_adapter_name(name), t))
+        else:
+            base.append((hf_base_name(name), t))
+    return base, adapter
+
+
+class LoraAdapter:
+    """The adapter vLLM serves now: its request (passed to generate), its files, the next id."""
+
+    def __init__(self, lora: Any, calls: "EngineCalls", timeout: float):
+        self.lora, self._calls, self._timeout = lora, calls, timeout
+        self.request: Any = None
+        self.path: Optional[str] = None
+        self._next_id = 1
+
+    def load(self, adapter: list, version: int) -> None:
+        """Writes the adapter tensors as a peft adapter and registers it for `version`."""
+        from safetensors.torch import save_file
+
+        d = tempfile.mkdtemp(prefix=f"colomem-lora-v{version}-", dir=_shm_dir())
+        try:
+            save_file({n: t.detach().to("cpu").contiguous() for n, t in adapter},
+                      os.path.join(d, "adapter_model.safetensors"))
+            cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_attr(self.lora, "r")),
+                   "lora_alpha": lora_attr(self.lora, "alpha", "lora_alpha"),
+                   "target_modules": list(lora_attr(self.lora, "target_modules", default=[])),
+                   "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False}
+            with open(os.path.join(d, "adapter_config.json"), "w") as f:
+                json.dump(cfg, f)
+            self.register(d, version)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+
+    def register(self, d: str, version: int) -> None:
+        """Adds the adapter in `d` under a fresh id (so no cached copy is reused) and drops the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        lid = self._next_id
+        self._next_id += 1
+        req = LoRARequest(lora_name=f"colomem-v{version}-{lid}", lora_int_id=lid, lora_path=d)
+        self._calls.call(lambda llm: llm.llm_engine.add_lora(req), self._timeout, "add_lora")
+        old, old_dir = self.request, self.path
+        self.request, self.path = req, d
+        if old is not None:
+            try:
+                self._calls.call(lambda llm: llm.llm_engine.remove_lora(old.lora_int_id), self._timeout,
+                                 "remove_lora")
+            except ColomemError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (already evicted by the LRU of one slot)
+                log.debug("remove_lora(%s): %s", old.lora_int_id, exc)
+            if old_dir and old_dir != d:
+                shutil.rmtree(old_dir, ignore_errors=True)
+
+    def register_again(self, version: int) -> None:
+        """After a wake: the same files under a fresh id (a wake may have dropped the adapter)."""
+        if self.request is not None and self.path is not None:
+            self.register(self.path, version)
+
+    def remove_files(self) -> None:
+        if self.path:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+def _shm_dir() -> Optional[str]:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else None
+
+
+__all__ = ["LORA_RANKS", "LoraAdapter", "hf_base_name", "is_lora_name", "lora_attr", "peft_adapter_name",
+           "split_adapter", "vllm_lora_rank"]

@@ -1,0 +1,508 @@
+"""VLLMRollout: vLLM as the rollout side of a colocated step (colomem.engines.protocols.Rollout).
+
+The phases, the guards (version, phase order, weights discarded by a sleep), sleep / wake with their
+out-of-memory handling, the sync's bookkeeping and the post-sync check live here; the engine calls, the
+transports and the LoRA adapter files live in the modules beside this one (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
+from colomem.engines.reports import SyncStats
+from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, PeerError,
+                            PhaseOrderError, PoolClosedError, StaleWeightsError, TransferTimeoutError,
+                            WeightCheckError, is_oom)
+from colomem.units import format_bytes
+
+from .checks import checksum_parts, finish_checksums, hashed_pick, same_layout, tensor_checksum
+from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
+from .engine_calls import EngineCalls, build_llm
+from .lora_adapter import LoraAdapter, split_adapter
+from .sampling import completions, requests
+from .transports import ListenerTransport, Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+_WAKE_MARGIN = 256 << 20                                 # headroom kept free beyond what a wake maps
+
+
+class VLLMRollout:
+    """vLLM with sleep mode, weight sync through the bridge, a version guard and a post-wake check.
+
+    VLLMRollout(model_path, **options) or VLLMRollout(model_path, config=VLLMConfig(...)); the options and
+    their defaults are VLLMConfig's fields.
+    """
+
+    def __init__(self, model_path: str, config: Optional[VLLMConfig] = None, **options: Any):
+        if not isinstance(model_path, (str, os.PathLike)) or not str(model_path):
+            raise InvalidArgumentError(f"model_path must be a path or a model name, got {model_path!r}")
+        if config is None:
+            config = VLLMConfig(**options)
+        elif options:
+            raise InvalidArgumentError(f"pass config=VLLMConfig(...) or keyword options, not both (got "
+                                       f"{sorted(options)} beside config)")
+        c = self.config = config
+        self.model_path = str(model_path)
+        self.lora = c.lora
+        self.lora_mode = c.effective_lora_mode
+        self.device = int(c.device)
+        self.bucket_bytes = int(c.bucket_bytes)
+        self.bucket_buffers = int(c.bucket_buffers)
+        self.tensor_parallel_size = int(c.tensor_parallel_size)
+        self.verify = c.verify
+        self.check_sample = int(c.check_sample)
+        self.engine_in_process = bool(c.engine_in_process)
+        self._sync_transport = c.sync_transport
+        self.fast_load = bool(c.fast_load)
+        self.generate_timeout_s = float(c.generate_timeout_s)
+        self.wake_timeout_s = float(c.wake_timeout_s)
+        self.shutdown_timeout_s = float(c.shutdown_timeout_s)
+        self._sleep_level, self._weights_backup = c.sleep_level, c.weights_backup
+        self._slept_with = (c.sleep_level, c.weights_backup)
+        self.llm_kwargs = c.llm_arguments(self.model_path)
+
+        # state the guards read
+        self.weight_version = 0              # version of the weights in vLLM (0: as loaded at start)
+        self._expected_version = 0           # newest version the trainer announced
+        self._phase = AWAKE
+        self._weights_valid = True           # False after a level-2 sleep without backup, until a full sync
+        self._expected: list = []            # per worker rank: {vLLM param name: checksum check() must find}
+        self._expected_from = "start"
+        self._param_info: Optional[dict] = None
+        self._tag_bytes: dict = {}
+        self._transports: dict[str, Transport] = {}
+        self.last_sync: Optional[SyncStats] = None
+        self.timings: dict[str, float] = {}
+
+        # An in-process engine runs its CUDA work on the engine-call thread: that thread must use its GPU.
+        self._calls = EngineCalls(c.rpc_timeout_s, self._set_device if self.engine_in_process else None)
+        self._adapter = (LoraAdapter(self.lora, self._calls, c.rpc_timeout_s)
+                         if self.lora_mode == "adapter" else None)
+        t0 = time.perf_counter()
+        self._calls.attach(self._build_llm(self.llm_kwargs))
+        self.timings["start_s"] = time.perf_counter() - t0
+        self._refresh_tag_bytes()
+
+    # ------------------------------------------------------------------------------------ construction
+    def _set_device(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
+
+    def _build_llm(self, kwargs: dict) -> Any:
+        """Creates vllm.LLM (overridden by the CPU tests with a fake engine)."""
+        return build_llm(kwargs, self.engine_in_process, self._set_device)
+
+    def _make_bridge(self) -> Any:
+        from colomem.bridge import WeightBridge
+
+        # The producer must checksum at least as thoroughly as the worker verifies.
+        checksum = {"full": "full", "none": "none"}.get(self.verify, "sampled")
+        return WeightBridge(bucket_bytes=self.bucket_bytes, buffers=self.bucket_buffers, device=self.device,
+                            checksum=checksum)
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    @sleep_level.setter
+    def sleep_level(self, level: int) -> None:
+        level = int(check_choice("sleep_level", level))
+        check_adapter_mode(self.lora_mode, level, self._weights_backup)
+        self._sleep_level = level
+
+    @property
+    def weights_backup(self) -> str:
+        return self._weights_backup
+
+    @weights_backup.setter
+    def weights_backup(self, backup: str) -> None:
+        backup = str(check_choice("weights_backup", backup))
+        check_adapter_mode(self.lora_mode, self._sleep_level, backup)
+        self._weights_backup = backup
+
+    @property
+    def sync_transport(self) -> str:
+        return self._sync_transport
+
+    @sync_transport.setter
+    def sync_transport(self, transport: str) -> None:
+        self._sync_transport = check_sync_transport(transport, self.engine_in_process)
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        return self._calls.rpc_timeout_s
+
+    @rpc_timeout_s.setter
+    def rpc_timeout_s(self, seconds: float) -> None:
+        if not float(seconds) > 0:
+            raise InvalidArgumentError(f"rpc_timeout_s must be positive, got {seconds}")
+        self._calls.rpc_timeout_s = float(seconds)
+
+    # ------------------------------------------------------------------------------ engine call plumbing
+    @property
+    def llm(self) -> Any:
+        """The vllm.LLM (for what the adapter does not wrap; keep phases in order yourself)."""
+        return self._calls.llm
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    def rpc(self, method: str, *args: Any, timeout: Optional[float] = None) -> list:
+        """Calls the worker extension's <method>(*args) on every vLLM worker; returns one result per worker.
+
+        An error in the worker comes back as its colomem class (WeightCheckError, CudaOutOfMemoryError...).
+        """
+        return self._calls.rpc(method, *args, timeout=timeout)
+
+    # ---------------------------------------------------------------------------------------- the guard
+    def expect_version(self, version: int) -> None:
+        """The trainer announces its newest weights; generate() refuses older ones from now on."""
+        if int(version) < self._expected_version:
+            raise InvalidArgumentError(f"announced version {version} is older than {self._expected_version}")
+        self._expected_version = int(version)
+
+    @property
+    def expected_version(self) -> int:
+        return self._expected_version
+
+    def _require(self, phases: Sequence[str], what: str, hint: str) -> None:
+        if self._phase == CLOSED:
+            raise PoolClosedError(f"VLLMRollout is closed; cannot {what}")
+        if self._phase not in phases:
+            raise PhaseOrderError(f"{what} while vLLM is {self._phase!r}: {hint}")
+
+    # ------------------------------------------------------------------------------------------- generate
+    def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: Optional[int] = 0, stop_token_ids: Optional[list] = None,
+                 ignore_eos: bool = False, logprobs: bool = True) -> list:
+        """Samples n completions per prompt. Returns list[list[Completion]] with vLLM's sampled-token logprobs.
+
+        Prompt i uses seed + i (None: unseeded). Refuses (StaleWeightsError) when the weights are older
+        than the version the trainer announced, or were discarded by a sleep and not synced since.
+        """
+        self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")
+        if not self._weights_valid:
+            raise StaleWeightsError(
+                "vLLM's weights were discarded by a level-2 sleep and no sync wrote every parameter since: call "
+                "load_weights(all named weights, version) before generating")
+        if self.weight_version < self._expected_version:
+            raise StaleWeightsError(
+                f"vLLM holds weights version {self.weight_version} but the trainer announced version "
+                f"{self._expected_version}: sync with load_weights(..., version={self._expected_version}) first")
+        if not isinstance(prompt_ids, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)
+                for p in prompt_ids):
+            raise InvalidArgumentError("prompt_ids must be a list of non-empty lists of token ids (ints)")
+        if int(n) < 1 or int(max_new_tokens) < 1:
+            raise InvalidArgumentError(f"n and max_new_tokens must be >= 1, got n={n}, "
+                                       f"max_new_tokens={max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if not prompt_ids:
+            return []
+        kw: dict = {"use_tqdm": False}
+        if self._adapter is not None and self._adapter.request is not None:
+            kw["lora_request"] = self._adapter.request
+        params, prompts = requests(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                                   logprobs=logprobs)
+        outs = self._calls.call(lambda llm: llm.generate(prompts, params, **kw), self.generate_timeout_s,
+                                "generate")
+        return completions(outs, logprobs)
+
+    # ---------------------------------------------------------------------------------------- sleep / wake
+    def sleep(self) -> None:
+        """Frees the GPU: KV cache dropped; weights kept in host memory (level 1 / pool) or dropped (level 2)."""
+        self._require((AWAKE, WEIGHTS_ONLY), "sleep", "vLLM is already asleep")
+        t0 = time.perf_counter()
+        keep = self._weights_valid and (self._weights_backup == "pool" or self._sleep_level == 1)
+        if keep and not any(self._expected):
+            self._snapshot("before sleep")  # what check() must find after the wake
+        if self._weights_backup == "pool":
+            r = self.rpc("colomem_save_weights_to_pool", self.wake_timeout_s, timeout=self.wake_timeout_s)
+            self.timings["pool_save_s"] = max(x["seconds"] for x in r)
+            self.timings["pool_bytes"] = max(x["nbytes"] for x in r)
+            level = 2
+        else:
+            level = self._sleep_level
+        self._calls.call(lambda llm: llm.sleep(level=level), self.wake_timeout_s, f"sleep(level={level})")
+        self._phase = ASLEEP
+        self._slept_with = (level, self._weights_backup)
+        if level == 2 and self._weights_backup != "pool":
+            self._weights_valid = False
+            self._expected = []
+        self.timings["sleep_s"] = time.perf_counter() - t0
+
+    def wake_weights(self, restore: Optional[bool] = None) -> None:
+        """Maps the weights again (KV cache stays asleep, so old weights, new weights and KV never coexist).
+
+        With weights_backup="pool" the saved bytes are copied back unless restore=False (a full sync follows).
+        """
+        self._require((ASLEEP,), "wake_weights", "call sleep() first")
+        t0 = time.perf_counter()
+        self._wake(("weights",))
+        self._phase = WEIGHTS_ONLY
+        if self._slept_with[1] == "pool":
+            if restore is None or restore:
+                r = self.rpc("colomem_restore_weights_from_pool", self.wake_timeout_s, timeout=self.wake_timeout_s)
+                self.timings["pool_restore_s"] = max(x["seconds"] for x in r)
+            else:
+                self._weights_valid = False
+                self._expected = []
+        if self._adapter is not None:
+            self._adapter.register_again(self.weight_version)
+        self.timings["wake_weights_s"] = time.perf_counter() - t0
+
+    def wake_kv(self) -> None:
+        """Maps the KV cache again; vLLM can generate after this."""
+        self._require((WEIGHTS_ONLY,), "wake_kv", "call wake_weights() (and sync) first")
+        t0 = time.perf_counter()
+        self._wake(("kv_cache",))
+        self._phase = AWAKE
+        self.timings["wake_kv_s"] = time.perf_counter() - t0
+
+    def wake(self) -> None:
+        """wake_weights() then wake_kv(), for when no sync happens in between."""
+        self.wake_weights()
+        self.wake_kv()
+
+    def _wake(self, tags: tuple) -> None:
+        need = sum(self._tag_bytes.get(t, 0) for t in tags)
+        free = self._free_bytes()
+        if need and free is not None and free < need + _WAKE_MARGIN:
+            raise CudaOutOfMemoryError(self._oom_message(tags, need, free, "before waking (vLLM still asleep)"))
+        try:
+            self._calls.call(lambda llm: llm.wake_up(tags=list(tags)), self.wake_timeout_s,
+                             f"wake_up({list(tags)})")
+        except (TransferTimeoutError, PeerError):
+            raise
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            keep = tags == ("weights",) and self._slept_with == (1, "vllm")
+            try:
+                self.rpc("colomem_rollback_wake", list(tags), keep, self.wake_timeout_s,
+                         timeout=self.wake_timeout_s)
+            except ColomemError as rb:
+                log.error("rolling back the partial wake failed: %s", rb)
+            raise CudaOutOfMemoryError(self._oom_message(tags, need, self._free_bytes(),
+                                                         "vLLM was put back to sleep")) from exc
+
+    def _oom_message(self, tags: tuple, need: int, free: Optional[int], state: str) -> str:
+        what = "weights" if "weights" in tags else "KV cache"
+        knobs = ("offload more of the trainer first (it must be offloaded before the wake) or use a smaller "
+                 "model/tensor_parallel_size" if what == "weights" else
+                 "lower gpu_memory_utilization (--gpu-memory-utilization) or max_model_len (--max-model-len), "
+                 "or offload more of the trainer (smaller micro-batch)")
+        free_s = "unknown" if free is None else format_bytes(free)
+        return (f"waking vLLM's {what} needs {format_bytes(need)} but {free_s} is free on cuda:{self.device}; "
+                f"{state}. To fit: {knobs}.")
+
+    def _free_bytes(self) -> Optional[int]:
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def _refresh_tag_bytes(self) -> None:
+        try:
+            r = self.rpc("colomem_memory")
+            self._tag_bytes = dict(r[0].get("cumem_bytes_by_tag", {})) if r else {}
+        except ColomemError as exc:
+            log.warning("could not read vLLM's memory layout: %s", exc)
+            self._tag_bytes = {}
+
+    # -------------------------------------------------------------------------------------------- weights
+    def load_weights(self, named_tensors: Iterable, version: int) -> SyncStats:
+        """Sends the trainer's (name, tensor) pairs (HF names, GPU tensors) to vLLM as weights `version`.
+
+        In lora_mode="adapter", names with lora_A/lora_B go to vLLM's LoRA manager; the rest are base weights.
+        """
+        self._require((WEIGHTS_ONLY, AWAKE), "load_weights", "call wake_weights() first (KV may stay asleep)")
+        version = int(version)
+        if version < self.weight_version:
+            raise InvalidArgumentError(f"version {version} is older than the weights vLLM holds "
+                                       f"({self.weight_version}); versions never go backwards")
+        adapter: list = []
+        items: Iterable = named_tensors
+        if self._adapter is not None:
+            items, adapter = split_adapter(named_tensors)
+        stats = SyncStats(version=version)
+        sampled: dict = {}
+        t0 = time.perf_counter()
+        snapshots: list = []
+        if self._adapter is None or items:
+            stats = self._sync_base(items, version, sampled, snapshots)
+        if adapter and self._adapter is not None:
+            ta = time.perf_counter()
+            self._adapter.load(adapter, version)
+            stats.adapter_tensors = len(adapter)
+            stats.adapter_seconds = time.perf_counter() - ta
+        if stats.ntensors == 0 and not adapter:
+            raise InvalidArgumentError("load_weights got no tensors")
+        if stats.ntensors and not self._weights_valid and not stats.complete:
+            what = (f"{stats.nmissing} parameters missing, e.g. {list(stats.missing[:4])}"
+                    if stats.complete is False else "vLLM's load_weights did not say which it wrote")
+            raise WeightCheckError(
+                f"vLLM's weights were discarded by a level-2 sleep but version {version} may not have written "
+                f"all of them ({what}); send every parameter after such a sleep, or sleep with sleep_level=1 / "
+                f"weights_backup='pool'")
+        if stats.ntensors:
+            self._weights_valid = True
+            # what check() must find: the trainer's bytes for unfused names, the worker's right after the sync
+            self._expected = [{**snap, **sampled} for snap in snapshots] or [dict(sampled)]
+            self._expected_from = f"version {version}"
+        self.weight_version = version
+        self._expected_version = max(self._expected_version, version)
+        stats.seconds = time.perf_counter() - t0
+        self.last_sync = stats
+        return stats
+
+    def _transport(self) -> Transport:
+        name = self._sync_transport
+        if name not in self._transports:
+            self._transports[name] = make_transport(name, self._calls, self, self._make_bridge)
+        return self._transports[name]
+
+    @property
+    def _bridge(self) -> Any:
+        """The listener transport's WeightBridge (None before the first listener sync)."""
+        t = self._transports.get("listener")
+        return t.bridge if isinstance(t, ListenerTransport) else None
+
+    def set_bucket_bytes(self, bucket_bytes: Any, buffers: Optional[int] = None) -> None:
+        """Re-creates the bridge with another bucket size (the worker re-attaches on the next sync)."""
+        c = VLLMConfig(bucket_bytes=bucket_bytes, bucket_buffers=self.bucket_buffers if buffers is None else buffers)
+        self.bucket_bytes, self.bucket_buffers = int(c.bucket_bytes), c.bucket_buffers
+        self._close_bridge()
+
+    def _close_bridge(self) -> None:
+        t = self._transports.get("listener")
+        if t is not None:
+            t.close()
+
+    def _direct_names(self) -> dict:
+        """vLLM parameter names that equal an HF name with the same shape (checkable against the trainer)."""
+        if self._param_info is None:
+            self._param_info = self.rpc("colomem_param_info")[0]
+        return self._param_info
+
+    def _sync_base(self, items: Iterable, version: int, sampled: dict, snapshots: list) -> SyncStats:
+        transport = self._transport()
+        info = self._direct_names()
+        stats = SyncStats(version=version)
+        k = self.check_sample
+        pending: dict = {}
+
+        def watched() -> Iterator:
+            for name, t in items:
+                if not isinstance(t, torch.Tensor):
+                    raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a tensor")
+                if len(pending) < k and hashed_pick(name) and same_layout(t, info.get(name)):
+                    pending[name] = checksum_parts(t)  # queued: no wait inside the pack pipeline
+                stats.ntensors += 1
+                stats.nbytes += t.numel() * t.element_size()
+                yield name, t
+
+        t0 = time.perf_counter()
+        acks = transport.sync(watched(), version, stats)
+        stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
+        sampled.update(finish_checksums(pending))
+        stats.seconds = time.perf_counter() - t0
+        if acks:
+            flags = [a.get("complete") for a in acks]
+            stats.complete = None if None in flags else all(flags)
+            stats.nmissing = max(int(a.get("nmissing", 0)) for a in acks)
+            stats.missing = tuple(acks[0].get("missing", ()))
+            snapshots.extend(dict(a.get("snapshot", {})) for a in acks)
+            stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
+        return stats
+
+    def _snapshot(self, why: str) -> None:
+        """Records checksums of a spread sample of vLLM's parameters (per worker) for check() to find again."""
+        self._expected = [r["checksums"] for r in self.rpc("colomem_param_checksums", None, self.check_sample)]
+        self._expected_from = why
+
+    def check(self, reference: Optional[Iterable] = None) -> None:
+        """Cheap post-wake / post-sync check: checksums of sampled parameters against what they must be.
+
+        Without `reference`: the trainer's tensors recorded at the last sync (direct names) plus a sample
+        taken right after it (or before the last sleep). With `reference` (HF (name, tensor) pairs): those
+        tensors, for the names vLLM holds unfused. Raises WeightCheckError on any difference.
+        """
+        self._require((WEIGHTS_ONLY, AWAKE), "check", "call wake_weights() first")
+        if not self._weights_valid:
+            raise WeightCheckError("vLLM's weights were discarded by a level-2 sleep and not synced since; "
+                                   "call load_weights(...) with every parameter")
+        if reference is not None:
+            info = self._direct_names()
+            expected = {n: tensor_checksum(t) for n, t in reference if same_layout(t, info.get(n))}
+            if not expected:
+                raise InvalidArgumentError("no reference tensor matches a vLLM parameter's name, shape and dtype")
+            source = "the reference tensors"
+            per_rank = None
+        else:
+            per_rank, source = [dict(e) for e in self._expected], self._expected_from
+            if not any(per_rank):
+                return
+            expected = per_rank[0]
+        names = sorted(set().union(*per_rank) if per_rank else expected)
+        for rank, got in enumerate(self.rpc("colomem_param_checksums", names, 0)):
+            want = per_rank[rank] if per_rank and rank < len(per_rank) else expected
+            bad = [n for n, c in got["checksums"].items() if n in want and c != want[n]]
+            if bad:
+                raise WeightCheckError(
+                    f"{len(bad)} of {len(want)} sampled vLLM parameters on worker {rank} differ from {source} "
+                    f"(e.g. {bad[:3]}); the weights are not what they must be: sync them again "
+                    f"(load_weights) before generating")
+
+    # -------------------------------------------------------------------------------------------- report
+    def memory(self) -> dict:
+        """Free/total GPU memory seen from this process (mem_get_info) and what vLLM's workers hold."""
+        out: dict = {"phase": self._phase, "weight_version": self.weight_version}
+        if torch.cuda.is_available():
+            f, t = torch.cuda.mem_get_info(self.device)
+            out.update(free_bytes=int(f), total_bytes=int(t), used_bytes=int(t - f))
+        if self._phase != CLOSED and not self._calls.broken:
+            out["workers"] = self.rpc("colomem_memory")
+        return out
+
+    # --------------------------------------------------------------------------------------------- close
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Shuts vLLM down within `timeout` seconds (default shutdown_timeout_s), killing it if it must."""
+        if self._phase == CLOSED:
+            return
+        timeout = self.shutdown_timeout_s if timeout is None else float(timeout)
+        try:
+            # The worker's bridge mapping and pool backup go now; an in-process worker outlives the engine.
+            if (self._bridge is not None or self.engine_in_process or self._weights_backup == "pool") \
+                    and not self._calls.broken:
+                try:
+                    self.rpc("colomem_close", timeout=min(10.0, timeout))
+                except ColomemError as exc:
+                    log.warning("colomem_close in vLLM's worker failed: %s", exc)
+            for t in self._transports.values():
+                t.close(detach=False)  # colomem_close detached the worker already
+        finally:
+            self._phase = CLOSED
+            self._calls.shutdown(timeout)
+            if self._adapter is not None:
+                self._adapter.remove_files()
+            gc.collect()
+
+    def __enter__(self) -> "VLLMRollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["VLLMRollout"]

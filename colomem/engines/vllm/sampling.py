@@ -1,0 +1,63 @@
+"""vLLM's sampling requests for VLLMRollout.generate, and its outputs as colomem Completions."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from colomem.errors import ColomemError
+
+
+def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+             seed: Optional[int], stop_token_ids: Optional[list], ignore_eos: bool,
+             logprobs: bool) -> tuple[list, list]:
+    """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
+                             top_p=float(top_p), seed=None if seed is None else int(seed) + i,
+                             logprobs=0 if logprobs else None, detokenize=False,
+                             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                             ignore_eos=bool(ignore_eos))
+              for i in range(len(prompt_ids))]
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+    return params, prompts
+
+
+def completions(outs: Any, logprobs: bool) -> list:
+    """list[list[Completion]] from vLLM's RequestOutputs, each prompt's completions in index order."""
+    from colomem.grpo.batch import Completion
+
+    result = []
+    for ro in outs:
+        comps = []
+        for c in sorted(ro.outputs, key=lambda c: c.index):
+            finish = c.finish_reason
+            if finish not in ("stop", "length"):
+                raise ColomemError(f"vLLM ended a completion with finish_reason={finish!r} (aborted?)")
+            ids = list(c.token_ids)
+            comps.append(Completion(ids, _sampled_logprobs(c, ids) if logprobs else None, finish))
+        result.append(comps)
+    return result
+
+
+def _sampled_logprobs(c: Any, ids: list) -> list:
+    lps = c.logprobs
+    if lps is None:
+        return [float("nan")] * len(ids)
+    if hasattr(lps, "start_indices"):  # FlatLogprobs
+        out = []
+        for i, tok in enumerate(ids):
+            lo, hi = lps.start_indices[i], lps.end_indices[i]
+            vals = [lps.logprobs[j] for j in range(lo, hi) if lps.token_ids[j] == tok]
+            out.append(float(vals[0]) if vals else float("nan"))
+        return out
+    out = []
+    for i, tok in enumerate(ids):
+        pos = lps[i] if i < len(lps) else None
+        lp = pos.get(tok) if pos else None
+        out.append(float(lp.logprob) if lp is not None else float("nan"))
+    return out
+
+
+__all__ = ["completions", "requests"]

@@ -1,0 +1,77 @@
+"""What colomem keeps inside vLLM's worker between RPCs, and the device helpers every worker module uses."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class SyncState:
+    """One version being received."""
+    version: int = -1
+    next_seq: int = 0
+    loaded: set = field(default_factory=set)
+    ntensors: int = 0
+    nbytes: int = 0
+    apply_s: float = 0.0
+    layerwise: bool = False
+    replayed: int = 0
+
+
+@dataclass
+class PoolBackup:
+    """weights_backup="pool": vLLM's weight allocations saved into a colomem pinned pool."""
+    pool: Any = None
+    blocks: list = field(default_factory=list)          # Block per saved allocation, kept between cycles
+    layout: list = field(default_factory=list)          # [(device address, nbytes)] they were saved from
+    saved: bool = False
+    save_s: float = 0.0
+    restore_s: float = 0.0
+
+
+@dataclass
+class WorkerState:
+    importer: Any = None
+    address: Optional[str] = None
+    verify: str = "sampled"
+    snapshot_k: int = 8
+    fast_load: bool = True                               # replay recorded load_weights copies (load_plan)
+    plan: Any = None                                     # LoadPlan of the model, made at the first sync
+    sync: SyncState = field(default_factory=SyncState)
+    backup: PoolBackup = field(default_factory=PoolBackup)
+    last_ack: dict = field(default_factory=dict)
+    listener: Any = None                                 # Listener while the bridge is served by a thread
+
+
+def torch_device(worker: Any) -> torch.device:
+    """The device of vLLM's worker (its `device` attribute), else the current CUDA device, else the CPU."""
+    dev = getattr(worker, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    if dev is not None:
+        return torch.device(dev)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_copy(device: torch.device, direction: str, copies: list, timeout: float) -> float:
+    """[(dst, src, nbytes)] through colomem's copy engine ("d2h" or "h2d"), after the device's queued work
+    finished; returns the seconds it took."""
+    from colomem import _torch
+
+    engine = _torch.engine_for(device)
+    synchronize(device)  # kernels that still read or write these bytes finish first
+    t0 = time.perf_counter()
+    engine.submit(direction, copies, 0, 0, False).wait(float(timeout))
+    return time.perf_counter() - t0
+
+
+__all__ = ["PoolBackup", "SyncState", "WorkerState", "device_copy", "synchronize", "torch_device"]
