@@ -34,7 +34,7 @@ MODES = ("ack", "verify", "copy", "full", "ranges")
 def ranges_for(msg: dict, dst: dict, compiled: dict) -> torch.Tensor:
     """Raw (destination, offset in the bucket, bytes) copies of a bucket's entries into `dst`'s tensors,
     computed once per bucket layout."""
-    from colomem._bucket import BucketMessage, dtype_from_name
+    from colomem.bridge.buckets import BucketMessage, dtype_from_name
     from colomem._torch import ranges_tensor
 
     key = (msg["buffer"], msg["layout"])

@@ -230,3 +230,7 @@ def pin_range(address: int, nbytes: int) -> None:
     ...
 def unpin_range(address: int) -> None:
     ...
+def pointer_is_mapped(ptr: int) -> bool:
+    """
+    True when the driver knows `ptr` as mapped device memory (False for an address it does not know). CudaError for other driver failures; NotAvailableError in the host-only build or without a driver.
+    """

@@ -435,12 +435,10 @@ def test_abort_and_close_say_which_they_are(make):
     conn.send(wire.encode(wire.ABORT, tag=None, version=1, error="trainer failed"), [], 5.0)
     with pytest.raises(PeerAbortedError, match="abandoned version 1: trainer failed") as exc:
         imp.receive(timeout=10)
-    assert exc.value.kind == "abort"             # this version only: the connection stays usable
     assert isinstance(exc.value, PeerError) and not isinstance(exc.value, PeerClosedError)
     conn.send(wire.encode(wire.CLOSED, pid=1), [], 5.0)
     with pytest.raises(PeerClosedError, match="closed the weight bridge") as exc:
         imp.receive(timeout=10)
-    assert exc.value.kind == "closed"
     assert isinstance(exc.value, PeerError) and not isinstance(exc.value, PeerAbortedError)
 
 

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from colomem._bucket import Entry, Reassembler, entry_view, pack_bucket, plan_buckets
+from colomem.bridge.buckets import Entry, Reassembler, entry_view, pack_bucket, plan_buckets
 from colomem.engines.vllm.worker.load_plan import LoadPlan
 
 H, V, PAD = 8, 10, 16          # hidden size, vocab rows sent, vocab rows held (padded like vLLM)

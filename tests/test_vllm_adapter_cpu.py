@@ -439,9 +439,8 @@ def test_listener_refusal_fails_the_sync_and_keeps_serving():
         raise WeightCheckError("bucket looked wrong")
 
     worker._colomem_apply = broken
-    # TODO(bridge merge): the refusal then carries the error payload and the producer raises its class:
-    # tighten to pytest.raises(WeightCheckError, ...). The same class over RPC / direct: the test above.
-    with pytest.raises(PeerError, match="bucket looked wrong"):
+    # the worker's class arrives intact over the listener too (the refusal's ACK carries the error payload)
+    with pytest.raises(WeightCheckError, match="bucket looked wrong"):
         r.load_weights(trainer_weights(2).items(), version=2)
     worker._colomem_apply = original
     w = trainer_weights(3)

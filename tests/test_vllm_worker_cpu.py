@@ -81,11 +81,9 @@ def test_ping_is_a_round_trip_that_does_nothing(monkeypatch):
     assert not hasattr(ColomemWorkerExtension, "colomem_ping")     # benchmark-only: not in the product
 
 
-def test_peer_end_is_told_by_class_or_by_the_older_kind_attribute():
+def test_peer_end_is_told_by_class():
     assert peer_ended(PeerClosedError("closed")) == "closed" and peer_ended(PeerAbortedError("x")) == "abort"
-    old = PeerError("exporter closed the weight bridge")
-    old.kind = "closed"
-    assert peer_ended(old) == "closed" and peer_ended(PeerError("other")) is None
+    assert peer_ended(PeerError("exporter closed the weight bridge")) is None
 
 
 def test_rollback_backs_up_then_unmaps_only_what_the_failed_wake_mapped(monkeypatch):

@@ -94,6 +94,4 @@ def peer_gone(kind: str, d: dict, producer_pid: int) -> Optional[PeerError]:
                                f"{d.get('error', 'no reason given')}")
     else:
         return None
-    # Callers that still read `.kind` ("closed"/"abort") keep working until they catch the classes instead.
-    setattr(exc, "kind", kind)
     return exc

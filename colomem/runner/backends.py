@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from colomem.engines.protocols import Rollout, Trainer
 from colomem.errors import InvalidArgumentError, NotAvailableError
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,19 @@ GPU_NEEDS = ("a CUDA GPU visible to torch, vllm==0.24.0 and deepspeed==0.19.8 (p
 
 @dataclass
 class Engines:
-    rollout: Any
-    trainer: Any
+    """What a run trains with; typed by protocol, so the type checker holds every engine to its protocol."""
+    rollout: Optional[Rollout]
+    trainer: Optional[Trainer]
     pool: Any = None
     backend: str = "cpu"
     tokenizer: Any = None
     notes: tuple = ()
+
+    def require(self) -> tuple[Rollout, Trainer]:
+        """(rollout, trainer), both still open."""
+        if self.rollout is None or self.trainer is None:
+            raise InvalidArgumentError("the engines were closed (or never built); build them again")
+        return self.rollout, self.trainer
 
 
 def gpu_path_missing() -> list[str]:
@@ -85,7 +93,9 @@ def _pool(cfg, *, cpu: bool):
 def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_accum: int,
                   log_fn=print) -> Engines:
     """Rollout (asleep) + trainer (resident) + pool for `backend`; closes what it built if a later part fails."""
-    pool = rollout = trainer = None
+    pool = None
+    rollout: Optional[Rollout] = None
+    trainer: Optional[Trainer] = None
     try:
         if backend == "gpu":
             if cfg.tensor_parallel_size > 1:
@@ -98,15 +108,9 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             pool = _pool(cfg, cpu=False)
             from colomem.engines.vllm import VLLMRollout
 
-            rkw = dict(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
-                       tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
-                       enforce_eager=cfg.enforce_eager, lora=cfg.lora, sleep_level=cfg.effective_sleep_level,
-                       weights_backup=cfg.effective_weights_backup, trust_remote_code=cfg.trust_remote_code,
-                       bucket_bytes=cfg.bucket_bytes, sync_transport=cfg.sync_transport,
-                       engine_in_process=cfg.engine_in_process, dtype=cfg.dtype,
-                       device=ranks.local_rank)
-            rollout = VLLMRollout(model_path, **rkw)
-            rollout.sleep()                      # DeepSpeed initialises while vLLM sleeps
+            vllm_rollout = VLLMRollout(model_path, config=cfg.vllm_config(device=ranks.local_rank))
+            rollout = vllm_rollout
+            vllm_rollout.sleep()                 # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer
 
             trainer = DeepSpeedTrainer(model_path, config=cfg.deepspeed_config(grad_accum), lora=cfg.lora,
@@ -115,9 +119,10 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             pool = _pool(cfg, cpu=True)
             from colomem.engines.stand_ins import HFRollout, TorchTrainer
 
-            rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code)
-            rollout.sleep()
+            hf_rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code)
+            rollout = hf_rollout
+            hf_rollout.sleep()
             trainer = TorchTrainer(model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum,
                                    grpo=cfg.grpo, lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay,
                                    max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,

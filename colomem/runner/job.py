@@ -109,7 +109,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         engines = factory(cfg, backend, model_path, tokenizer, ranks, grad_accum)
         summary["build_s"] = time.perf_counter() - t_build
         device = ranks.local_rank if backend == "gpu" else None
-        runner = ColocatedRunner(cfg, rollout=engines.rollout, trainer=engines.trainer, pool=engines.pool,
+        rollout, trainer = engines.require()
+        runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
                                  grad_accum=grad_accum, print_fn=print_fn)

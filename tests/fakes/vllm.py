@@ -20,11 +20,12 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from colomem._bucket import BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket, plan_buckets
+from colomem.bridge.buckets import BucketMessage, Reassembler, entry_view, layout_digest, pack_bucket, plan_buckets
 from colomem._torch import copy_ranges
 from colomem.engines.vllm.rollout import VLLMRollout
 from colomem.engines.vllm.worker import ColomemWorkerExtension
-from colomem.errors import PeerError, TransferTimeoutError, error_payload
+from colomem.bridge import wire
+from colomem.errors import PeerAbortedError, PeerClosedError, PeerError, TransferTimeoutError, error_payload
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUFFERS: dict = {}   # address -> {buffer index: {name: tensor}}: what the fake bridge "maps"
@@ -67,15 +68,11 @@ class FakeImporter:
             except queue.Empty:
                 raise TransferTimeoutError("no bucket in time") from None
             if kind == "closed":
-                exc = PeerError("exporter closed the weight bridge")
-                exc.kind = "closed"   # what the bridge raises until it raises PeerClosedError
-                raise exc
+                raise PeerClosedError("exporter closed the weight bridge")
             if tag is not None and d.get("tag") != tag:
                 continue
             if kind == "abort":
-                exc = PeerError(f"exporter abandoned version {d['version']}: {d['error']}")
-                exc.kind = "abort"
-                raise exc
+                raise PeerAbortedError(f"exporter abandoned version {d['version']}: {d['error']}")
             return d
 
     def ack(self, msg, ok=True, error=None, timeout=None, report=None):
@@ -134,11 +131,7 @@ class FakeBridge:
                 if ack.get("hung_up"):
                     raise PeerError("importer process closed the connection")
                 if not ack["ok"]:
-                    # TODO(bridge merge): the bridge then raises the payload's class
-                    # (colomem.errors.payload_error); today it raises PeerError with the text, as here.
-                    err = ack["error"]
-                    text = err["message"] if isinstance(err, dict) else err
-                    raise PeerError(f"importer refused bucket {msg.seq}: {text}")
+                    raise wire.refusal(ack["error"], msg, "importer process")   # the real bridge's rule
                 if msg.last:
                     self.last_reports = [ack.get("report")]
         except BaseException as exc:

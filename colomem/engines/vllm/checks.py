@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from colomem._bucket import dtype_name
+from colomem.bridge.buckets import dtype_name
 
 # Words (4 bytes) read per tensor by tensor_checksum: enough to catch garbage, cheap on a large model.
 CHECKSUM_SAMPLE_WORDS = 1 << 16

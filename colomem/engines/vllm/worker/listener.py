@@ -21,14 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def peer_ended(exc: BaseException) -> Optional[str]:
-    """"closed" when the producer closed the bridge, "abort" when it abandoned one version, else None.
-
-    The bridge raises PeerClosedError / PeerAbortedError; older bridges raise a PeerError whose `.kind`
-    says which. Once every bridge raises the typed classes, this is the two isinstance tests.
-    """
-    if isinstance(exc, PeerClosedError) or getattr(exc, "kind", None) == "closed":
+    """"closed" when the producer closed the bridge, "abort" when it abandoned one version, else None."""
+    if isinstance(exc, PeerClosedError):
         return "closed"
-    if isinstance(exc, PeerAbortedError) or getattr(exc, "kind", None) == "abort":
+    if isinstance(exc, PeerAbortedError):
         return "abort"
     return None
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from colomem._bucket import Entry, dtype_name
+from colomem.bridge.buckets import Entry, dtype_name
 from colomem._torch import ranges_tensor
 
 _aten = torch.ops.aten

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from colomem._bucket import Entry, dtype_name
+from colomem.bridge.buckets import Entry, dtype_name
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError
 
 from ..checks import checksum_parts, coverage, finish_checksums, spread_sample
