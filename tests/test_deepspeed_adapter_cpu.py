@@ -469,13 +469,14 @@ def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch)
     stack: list = []
     monkeypatch.setattr(ds_state, "zero3_global_holders", lambda: (stack, CACHES))
     eng = fake_zero3_engine(stack)
-    opt = weakref.ref(eng.optimizer)
+    opt, module = weakref.ref(eng.optimizer), weakref.ref(eng.module)
     t = closable_trainer(eng)
     del eng
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         t.close()
-    assert opt() is None and stack == [] and t.engine is None
+    # nothing of the trainer (its weight export included) keeps the module's parameters alive
+    assert opt() is None and module() is None and stack == [] and t.engine is None
     held = fake_zero3_engine(stack).optimizer                          # the caller keeps the optimizer
     t = closable_trainer(SimpleNamespace(module=None, optimizer=held, destroy=lambda: None))
     with pytest.warns(RuntimeWarning, match="FakeZero3Optimizer is still referenced"):

@@ -268,7 +268,7 @@ def test_producer_killed_mid_sync_is_a_peer_error_not_a_hang(peer):
     finally:
         if child.poll() is None:
             child.kill()
-    del want, first  # this test's own tensors sit in torch's cache, not in the bridge's mappings
+    del want  # this test's own tensors sit in torch's cache, not in the bridge's mappings
     gc.collect()
     torch.cuda.empty_cache()
     assert free_bytes() >= free0 - SLACK

@@ -401,6 +401,7 @@ class DeepSpeedTrainer:
             opt_ref = _weakref_or_none(getattr(engine, "optimizer", None))
         del engine                         # a local reference would keep it alive through the collection below
         self.engine = self.model = self._ref_fn = None
+        self.__dict__.pop("_weights", None)   # the weight export holds the model: it would keep the engine alive
         self._fwd_stack = None
         if self._owns_pool and self._pool is not None and not self._pool.closed:
             self._pool.close(force=True)
