@@ -271,6 +271,31 @@ def test_cleanup_and_metrics_when_a_reward_fn_raises(cache_env, tmp_path):
     assert summary["status"] == "error" and summary["steps_done"] == 1 and "flaky" in summary["error"]
 
 
+def test_a_hanging_reward_is_bounded_by_the_phase_timeout(cache_env, tmp_path):
+    import threading
+    import time
+
+    from colomem.runner import PhaseTimeoutError
+
+    release = threading.Event()
+
+    def hangs(prompt, completion, **meta):
+        release.wait(60)                          # a remote verifier that never answers (blocked in C)
+        return 0.0
+    held = {}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PhaseTimeoutError, match="score phase.*phase_timeout_s=5"):
+            run_job(small_cfg(tmp_path / "hang", phase_timeout_s=5.0), reward_fns=[hangs],
+                    engines_factory=spy_factory(held), print_fn=lambda *_: None)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 45          # not the reward's 60 s: the step stopped waiting at 5 s
+    assert held["calls"].count("close") == 2 and held["pool"].closed
+    recs = read_jsonl(tmp_path / "hang" / "metrics.jsonl")
+    assert recs[1]["failed"] == "score" and "phase_timeout_s" in recs[1]["error"]
+
+
 def test_metrics_already_written_stay_intact(cache_env, tmp_path):
     out = tmp_path / "reused"
     out.mkdir()

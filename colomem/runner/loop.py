@@ -26,7 +26,7 @@ from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import Ranks
-from .scoring import encode, score_step
+from .scoring import encode, run_bounded, score_step
 from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,12 @@ class ColocatedRunner:
         return encode(self.tokenizer, text)
 
     def _score(self, samples, gen_idx, train_idx, completions):
-        return score_step(self.cfg, self.tokenizer, self.ranks, self.reward_specs, self.metric_specs, samples,
-                          gen_idx, train_idx, completions)
+        """score_step, bounded by phase_timeout_s like every phase: rewards may call remote verifiers, and a
+        call blocked in C (a socket read) cannot be interrupted, so it runs on a helper thread the step
+        stops waiting for."""
+        return run_bounded(lambda: score_step(self.cfg, self.tokenizer, self.ranks, self.reward_specs,
+                                              self.metric_specs, samples, gen_idx, train_idx, completions),
+                           self.cfg.phase_timeout_s, "the score phase (the reward functions)")
 
     def _switch_details(self, sync: Optional[SyncStats]) -> dict:
         out: dict[str, Any] = {}

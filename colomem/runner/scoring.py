@@ -2,8 +2,35 @@
 from __future__ import annotations
 
 import math
+import threading
+from typing import Any, Callable
 
 from colomem.errors import ColomemError
+
+from .phases import PhaseTimeoutError
+
+
+def run_bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """fn() on a daemon thread; its result or its exception, or PhaseTimeoutError after timeout_s (the thread
+    is left behind: the run stops, and a daemon thread does not keep the process alive)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="colomem-score", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise PhaseTimeoutError(f"{what} ran past phase_timeout_s={timeout_s:g} s; a reward function hangs (a "
+                                "remote verifier that does not answer?): bound its own waits, or raise "
+                                "--phase-timeout-s if it is just slow")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def encode(tokenizer, text: str) -> list[int]:
