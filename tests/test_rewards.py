@@ -117,3 +117,24 @@ def test_resolve_builtins_and_module_function(monkeypatch):
         resolve("no_such_module_xyz:fn")
     with pytest.raises(InvalidArgumentError, match="no reward functions"):
         compute_rewards([], [], [], [])
+
+
+def test_user_rewards_from_the_working_directory_and_from_a_file(tmp_path, monkeypatch):
+    import sys
+
+    from colomem.grpo.rewards import resolve
+
+    (tmp_path / "my_rewards_cwd.py").write_text("def short_and_right(prompt, completion, **meta):\n"
+                                                "    return 1.0 if len(completion) < 5 else 0.0\n")
+    sub = tmp_path / "elsewhere"
+    sub.mkdir()
+    (sub / "file_rewards.py").write_text("def longer(prompt, completion, **meta):\n    return float(len(completion))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert resolve("my_rewards_cwd:short_and_right")("p", "abc") == 1.0          # the guide's example
+    assert resolve(str(sub / "file_rewards.py") + ":longer")("p", "abc") == 3.0   # an absolute file path
+    assert resolve("./elsewhere/file_rewards.py:longer")("p", "ab") == 2.0        # a relative one
+    with pytest.raises(InvalidArgumentError, match="has no 'nope'"):
+        resolve("./elsewhere/file_rewards.py:nope")
+    with pytest.raises(InvalidArgumentError, match="cannot import"):
+        resolve("./missing.py:fn")

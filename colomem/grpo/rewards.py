@@ -16,10 +16,14 @@ the wrong number of values stops the run with a RewardFunctionError naming the f
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import numbers
+import os
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from colomem.errors import ColomemError, InvalidArgumentError
@@ -89,22 +93,48 @@ BUILTINS: dict[str, Callable[[], RewardFn]] = {
 
 
 def resolve(spec: str | RewardFn) -> RewardFn:
-    """A built-in name, "module:function", or a callable -> the callable."""
+    """A built-in name, "module:function" (importable, or a module in the working directory), a file path
+    "path/to/file.py:function", or a callable -> the callable."""
     if callable(spec):
         return spec
     if spec in BUILTINS:
         return BUILTINS[spec]()
     if ":" in spec:
-        mod, _, attr = spec.partition(":")
+        mod, _, attr = spec.rpartition(":")
         try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise InvalidArgumentError(f"reward {spec!r}: cannot import it ({e}); give 'package.module:function' "
-                                       "importable from the working directory") from None
+            module = _load_module(mod)
+        except (ImportError, OSError, SyntaxError) as e:
+            raise InvalidArgumentError(f"reward {spec!r}: cannot import {mod!r} ({type(e).__name__}: {e}); give "
+                                       "'package.module:function', a module in the working directory, or "
+                                       "'path/to/file.py:function'") from None
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise InvalidArgumentError(f"reward {spec!r}: {mod!r} has no {attr!r}")
         if not callable(fn):
             raise InvalidArgumentError(f"reward {spec!r} is not callable")
         return fn
-    raise InvalidArgumentError(f"unknown reward {spec!r}; built-ins: {sorted(BUILTINS)}, or 'module:function'")
+    raise InvalidArgumentError(f"unknown reward {spec!r}; built-ins: {sorted(BUILTINS)}, 'module:function' or "
+                               "'file.py:function'")
+
+
+def _load_module(mod: str):
+    """A module by dotted name (the working directory searched too, as `python -m` would) or by file path."""
+    if mod.endswith(".py") or os.sep in mod:
+        path = Path(mod).expanduser().resolve()
+        if not path.is_file():
+            raise ImportError(f"no file {str(path)!r}")
+        name = f"colomem_user_rewards_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{str(path)!r} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module          # pickling and dataclasses in the file need it registered
+        spec.loader.exec_module(module)
+        return module
+    cwd = os.getcwd()
+    if cwd not in sys.path:                 # the runner's folder is on sys.path, the working directory is not
+        sys.path.append(cwd)
+    return importlib.import_module(mod)
 
 
 def fn_name(fn: RewardFn) -> str:
