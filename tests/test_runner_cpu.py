@@ -413,3 +413,18 @@ def test_tensor_parallel_engines_are_refused_before_anything_starts():
     cfg = config_from_dict({"tensor_parallel_size": 2, "backend": "gpu"})
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1"):
         build_engines(cfg, "gpu", "/nonexistent", None, Ranks(), grad_accum=1)
+
+
+def test_a_float32_checkpoint_trains_on_the_cpu(cache_env, tmp_path):
+    """A checkpoint saved in float32 (most small ones are) loads as safetensors' read-only file mapping on the
+    CPU; the trainer must still offload and reload it (it used to raise ForeignTensorError)."""
+    from safetensors.torch import load_file
+
+    from colomem.grpo.tasks import make_task
+    from colomem.grpo.tiny_model import model_dir
+
+    path = model_dir("tiny", make_task("successor").alphabet, dtype="float32", cache_dir=tmp_path / "models",
+                     log=lambda *_: None)
+    assert all(t.dtype == torch.float32 for t in load_file(str(path / "model.safetensors")).values())
+    res = run_job(small_cfg(tmp_path / "fp32", model=str(path), steps=2), print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok" and res.summary["steps_done"] == 2

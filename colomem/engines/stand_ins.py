@@ -40,8 +40,26 @@ def _load_model(model_path, dtype, trust_remote_code: bool):
 
     if isinstance(model_path, torch.nn.Module):
         return model_path
-    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype,
-                                                trust_remote_code=bool(trust_remote_code))
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype,
+                                                 trust_remote_code=bool(trust_remote_code))
+    own_memory(model)
+    return model
+
+
+def own_memory(model: torch.nn.Module) -> int:
+    """Copies every parameter and buffer whose storage cannot be resized into memory torch owns; returns how
+    many storages it copied. A checkpoint loaded in its own dtype on the CPU keeps safetensors' read-only
+    file mapping as its storage, which a SwapSet cannot free and re-grow (the trainer offloads it)."""
+    copied: dict[int, Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        st = t.untyped_storage()
+        if st.resizable() or st.nbytes() == 0:
+            continue
+        key = st.data_ptr()
+        if key not in copied:
+            copied[key] = t.data.clone()
+        t.data = copied[key] if copied[key].shape == t.shape else t.data.clone()
+    return len(copied)
 
 
 def _fingerprint(t: Tensor) -> tuple:
