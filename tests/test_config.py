@@ -109,7 +109,8 @@ def test_model_path_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         load_run_config(["--model", str(tmp_path / "empty")])
     (tmp_path / "ok").mkdir()
-    (tmp_path / "ok" / "config.json").write_text("{}")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / "ok" / name).write_text("{}")
     assert load_run_config(["--model", str(tmp_path / "ok")]).model == str((tmp_path / "ok").resolve())
 
 
@@ -150,3 +151,24 @@ def test_direct_sync_goes_with_the_in_process_engine():
         with pytest.raises(ConfigError) as e:
             config_from_dict(bad)
         assert ("sync_transport" in str(e.value)) or ("zero_stage" in str(e.value)), str(e.value)
+
+
+def test_a_model_dir_missing_weights_or_tokenizer_is_refused_with_the_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="has no weights"):
+        config_from_dict({"model": str(tmp_path)})
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="has no tokenizer.*tokenizer.save_pretrained"):
+        config_from_dict({"model": str(tmp_path)})
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert config_from_dict({"model": str(tmp_path)}).model == str(tmp_path.resolve())
+
+
+def test_out_naming_a_file_is_a_config_error_not_a_traceback(tmp_path):
+    from colomem.runner import run_job
+
+    f = tmp_path / "taken"
+    f.write_text("keep me")
+    with pytest.raises(ConfigError, match="is a file"):
+        run_job(config_from_dict({"backend": "cpu", "out": str(f)}), print_fn=lambda *_: None)
+    assert f.read_text() == "keep me"

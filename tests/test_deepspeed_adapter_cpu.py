@@ -148,11 +148,15 @@ def test_model_dir_checks(tmp_path):
     with pytest.raises(InvalidArgumentError, match="no config.json"):
         _check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    _check_model_dir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="no weights"):
+        _check_model_dir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    _check_model_dir(tmp_path)                     # the trainer needs no tokenizer
 
 
 def test_trainer_without_gpu_or_deepspeed_says_what_it_needs(tmp_path):
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the GPU tests cover construction")
     with pytest.raises(NotAvailableError, match="needs a CUDA GPU"):

@@ -75,7 +75,14 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                            backend="gloo" if cfg.backend == "cpu" else _dist_backend())
     say = print_fn if ranks.is_main else (lambda *_: None)
     out = Path(out_dir or cfg.out or default_out_dir())
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"output directory {str(out)!r} is a file (or lies below one); choose another --out") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"cannot create the output directory {str(out)!r}: {e.strerror}; choose another --out") \
+            from None
     writer = rank_writer = None
     engines: Optional[Engines] = None
     runner: Optional[ColocatedRunner] = None

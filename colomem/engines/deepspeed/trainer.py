@@ -431,6 +431,6 @@ def _weakref_or_none(obj: Any) -> Optional[weakref.ref]:
 
 
 def _check_model_dir(model_path: Any) -> None:
-    problem = checkpoint_problem(model_path)
+    problem = checkpoint_problem(model_path, tokenizer=False)     # the trainer reads no tokenizer
     if problem:
         raise InvalidArgumentError(problem)
