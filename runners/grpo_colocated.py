@@ -3,7 +3,7 @@
 
     python runners/grpo_colocated.py                      # the embedded tiny job (short CPU run without a GPU)
     python runners/grpo_colocated.py --config configs/grpo_1p5b_full.yaml --out runs/1p5b
-    torchrun --nproc-per-node 2 runners/grpo_colocated.py --tensor-parallel-size 2
+    torchrun --nproc-per-node 2 runners/grpo_colocated.py --prompts-per-step 64   # one engine per GPU
 
 All logic lives in colomem.runner; `--help` lists every option, docs/colocated-training.md explains them.
 """

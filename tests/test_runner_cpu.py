@@ -428,3 +428,21 @@ def test_a_float32_checkpoint_trains_on_the_cpu(cache_env, tmp_path):
     assert all(t.dtype == torch.float32 for t in load_file(str(path / "model.safetensors")).values())
     res = run_job(small_cfg(tmp_path / "fp32", model=str(path), steps=2), print_fn=lambda *_: None)
     assert res.summary["status"] == "ok" and res.summary["steps_done"] == 2
+
+
+def test_ctrl_c_is_reported_as_interrupted(cache_env, tmp_path):
+    calls = {"n": 0}
+
+    def stop_at_second_step(prompt, completion, **meta):
+        calls["n"] += 1
+        if calls["n"] > 16:
+            raise KeyboardInterrupt
+        return 0.5
+    held = {}
+    with pytest.raises(KeyboardInterrupt):
+        run_job(small_cfg(tmp_path / "int"), reward_fns=[stop_at_second_step], engines_factory=spy_factory(held),
+                print_fn=lambda *_: None)
+    assert held["pool"].closed
+    summary = json.loads((tmp_path / "int" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] == 1
+    assert read_jsonl(tmp_path / "int" / "metrics.jsonl")[-1]["status"] == "interrupted"

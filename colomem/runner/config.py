@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from colomem._checkpoint import checkpoint_problem
 from colomem.errors import ConfigError, InvalidArgumentError
@@ -227,9 +227,21 @@ def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
     return raw
 
 
+def _help_text(field: Any, path: tuple[str, ...]) -> str:
+    """The field's description and its default: flags default to "unset" in argparse (so a YAML value is not
+    overridden by a default), which hides the real default from --help."""
+    text = field.description or ""
+    if path[0] == "lora" and len(path) == 1:
+        return text
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, BaseModel):
+        return text
+    shown = "unset" if default is None else ",".join(map(str, default)) if isinstance(default, list) else default
+    return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
 def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with RunConfig fields (flags override it)")
     p.add_argument("--lora", dest="lora_on", action="store_const", const=True, default=None,
                    help="train a LoRA adapter (--lora-r/--lora-alpha/... set it up)")
@@ -237,7 +249,8 @@ def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentPa
     for flag, path in _flag_table().items():
         ann, _ = _unwrap(_annotation(path))
         model: type[_Strict] = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
-        help_ = model.model_fields[path[-1]].description or ""
+        field = model.model_fields[path[-1]]
+        help_ = _help_text(field, path)
         dest = "f__" + "__".join(path)
         if ann is bool:
             p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_,
@@ -245,7 +258,9 @@ def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentPa
             p.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="false",
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
-            p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_, metavar=path[-1].upper())
+            choices = typing.get_args(ann) if typing.get_origin(ann) is Literal else ()
+            metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else path[-1].upper()
+            p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_, metavar=metavar)
     return p
 
 

@@ -125,7 +125,11 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         summary["status"] = "ok"
     except BaseException as e:  # recorded, then raised again after cleanup
         error = e
-        summary["error"] = f"{type(e).__name__}: {e}"
+        if isinstance(e, KeyboardInterrupt):
+            summary["status"] = "interrupted"     # Ctrl-C: the user stopped it, nothing failed
+            summary["error"] = "interrupted (KeyboardInterrupt)"
+        else:
+            summary["error"] = f"{type(e).__name__}: {e}"
     finally:
         if runner is not None:
             summary.update(runner.summary())
