@@ -446,3 +446,28 @@ def test_ctrl_c_is_reported_as_interrupted(cache_env, tmp_path):
     summary = json.loads((tmp_path / "int" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps_done"] == 1
     assert read_jsonl(tmp_path / "int" / "metrics.jsonl")[-1]["status"] == "interrupted"
+
+
+def test_a_gpu_sized_config_on_the_cpu_says_it_needs_a_gpu(cache_env, tmp_path):
+    import time
+    from pathlib import Path
+
+    from colomem.errors import NotAvailableError
+    from colomem.runner.config import load_run_config
+    from colomem.runner.host_memory import check_cpu_fits
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(["--config", str(root / "configs" / "grpo_1p5b_full.yaml"), "--backend", "cpu",
+                           "--out", str(tmp_path / "big")])
+    t0 = time.monotonic()
+    with pytest.raises(NotAvailableError, match=r"1\.54 B parameters.*GPU path"):
+        check_cpu_fits({"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960,
+                        "vocab_size": 151936, "num_attention_heads": 12, "num_key_value_heads": 2},
+                       "a 1.5B model", available=16 << 30)
+    check_cpu_fits({"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 64}, "tiny", available=16 << 30)
+    from colomem.runner.host_memory import available_host_bytes
+    if (available_host_bytes() or 0) < 24e9 * 1.25:     # machines like CI's: the run is refused before building
+        with pytest.raises(NotAvailableError, match="GPU path"):
+            run_job(cfg, print_fn=lambda *_: None)
+        assert time.monotonic() - t0 < 60                              # refused before any model was built
+        assert not list((cache_env / "models").glob("qwen2-1.5b*"))

@@ -97,6 +97,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         task = make_task(cfg.task, cfg.task_options)
         ranks.check_split(cfg.prompts_per_step)
         grad_accum = _grad_accum(cfg, ranks.world_size)
+        if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
+            _check_cpu_fits(cfg)
         model_path = _model_path(cfg, task, ranks, say)
         tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
         reward_specs, metric_specs = _rewards(cfg, task, reward_fns)
@@ -161,6 +163,17 @@ def _dist_backend() -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     except ImportError:
         return "gloo"
+
+
+def _check_cpu_fits(cfg) -> None:
+    from colomem.grpo.tiny_model import SHAPES
+
+    from .host_memory import check_cpu_fits, model_config
+
+    if cfg.model:
+        check_cpu_fits(model_config(cfg.model), f"the model {cfg.model}")
+    elif SHAPES.get(cfg.model_shape, {}).get("vocab_size"):     # tiny takes its tokenizer's small vocabulary
+        check_cpu_fits(SHAPES[cfg.model_shape], f"the config-built {cfg.model_shape} model")
 
 
 def _model_path(cfg, task, ranks: Ranks, say) -> str:
