@@ -34,6 +34,13 @@ class RunConfig(_Strict):
     model_shape: str = Field("tiny", description="shape of the config-built model when --model is unset")
     task: str = Field("successor", description="built-in task (colomem.grpo.tasks)")
     task_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: Optional[str] = Field(None, description="prompts from a dataset instead of the task: .jsonl, .json, "
+                                                     ".parquet or a save_to_disk folder (needs --rewards and "
+                                                     "--max-new-tokens)")
+    prompt_key: str = Field("prompt", description="the dataset's prompt column: a string or chat messages; every "
+                                                  "other column reaches the rewards as a keyword")
+    chat_template: str = Field("auto", description="chat prompts: auto (the tokenizer's template), none (refuse "
+                                                   "them), or a Jinja file")
     rewards: Optional[list[str]] = Field(None, description="reward fns: built-in names or module:function; "
                                                            "unset = the task's reward")
     trust_remote_code: bool = False
@@ -116,6 +123,10 @@ class RunConfig(_Strict):
                 build()
             except InvalidArgumentError as e:
                 raise ValueError(f"{side} options: {e}") from None
+        if self.dataset is not None and not self.rewards:
+            raise ValueError("a dataset job needs --rewards (built-in names, module:function or file.py:function)")
+        if self.dataset is not None and self.grpo.max_new_tokens is None:
+            raise ValueError("a dataset job needs --max-new-tokens (the longest completion to sample)")
         if (self.sync_transport == "direct") != self.engine_in_process:
             raise ValueError("sync_transport direct goes with engine_in_process true (the trainer's tensors are "
                              "handed to vLLM's worker in the same process), listener with false")

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 from colomem.errors import ConfigError, InvalidArgumentError
 
+from colomem.grpo.dataset_task import DatasetTask
+
 from .loop import ColocatedRunner, RunResult
 from .ranks import Ranks
 from .timeline import MetricsWriter, memory_table, phase_table
@@ -65,7 +67,6 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
 
     engines_factory(cfg, backend, model_path, tokenizer, ranks, grad_accum) -> Engines replaces the
     built-in backends (tests use it to inject faults)."""
-    from colomem.grpo.tasks import make_task
 
     from .backends import Engines, build_engines, close_engines, resolve_backend
 
@@ -94,13 +95,16 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         steps = cfg.steps_for(backend)
         if steps != cfg.steps:
             say(f"[colomem] CPU run: {steps} steps instead of {cfg.steps} (cpu_steps; pass --steps N to choose)")
-        task = make_task(cfg.task, cfg.task_options)
+        task = _task(cfg)
         ranks.check_split(cfg.prompts_per_step)
         grad_accum = _grad_accum(cfg, ranks.world_size)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
         model_path = _model_path(cfg, task, ranks, say)
         tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
+        if isinstance(task, DatasetTask):
+            task.bind(tokenizer, chat_template=cfg.chat_template,
+                      max_prompt_tokens=cfg.max_model_len - task.max_new_tokens, log=say)
         reward_specs, metric_specs = _rewards(cfg, task, reward_fns)
         _check_lengths(cfg, task, tokenizer)
         summary.update(backend=backend, switch=cfg.switch, world_size=ranks.world_size, model=model_path,
@@ -163,6 +167,15 @@ def _dist_backend() -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     except ImportError:
         return "gloo"
+
+
+def _task(cfg):
+    """The built-in task, or the user's dataset (read and checked here, before any engine starts)."""
+    if cfg.dataset:
+        return DatasetTask(cfg.dataset, prompt_key=cfg.prompt_key, max_new_tokens=cfg.grpo.max_new_tokens)
+    from colomem.grpo.tasks import make_task
+
+    return make_task(cfg.task, cfg.task_options)
 
 
 def _check_cpu_fits(cfg) -> None:
