@@ -109,3 +109,17 @@ def test_bad_datasets_are_clear_errors_before_anything_starts(tmp_path):
 
     with pytest.raises(ConfigError, match="no chat template"):
         DatasetTask(str(data), max_new_tokens=3).bind(NoTemplate(), log=lambda *_: None)
+
+
+def test_a_trl_reward_file_with_unscorable_samples_runs(cache_env, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", successor_rows(16, chat=False))
+    rewards = tmp_path / "trl_rewards.py"
+    rewards.write_text("def accuracy(prompts, completions, answer, **kwargs):\n"
+                       "    return [None if i % 4 == 3 else float(c.strip() == a)\n"
+                       "            for i, (c, a) in enumerate(zip(completions, answer))]\n")
+    cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
+                            "progress": False, "out": str(tmp_path / "run"), "dataset": str(data),
+                            "rewards": [f"{rewards}:accuracy"], "grpo": {"group_size": 4, "max_new_tokens": 3}})
+    res = run_job(cfg, print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok"
+    assert all(r.metrics["unscorable_frac"] == 0.25 for r in res.records)

@@ -63,7 +63,7 @@ def test_raising_reward_fn_names_function_and_sample():
     assert isinstance(ei.value, ColomemError) and isinstance(ei.value.__cause__, KeyError)
 
 
-@pytest.mark.parametrize("value,what", [("1.0", "str"), (None, "NoneType"), ([1.0], "list")])
+@pytest.mark.parametrize("value,what", [("1.0", "str"), ({"r": 1.0}, "dict"), ([1.0], "list")])  # None: not scorable
 def test_non_float_return_is_refused(value, what):
     def bad(prompt, completion, **meta):
         return value
@@ -138,3 +138,37 @@ def test_user_rewards_from_the_working_directory_and_from_a_file(tmp_path, monke
         resolve("./elsewhere/file_rewards.py:nope")
     with pytest.raises(InvalidArgumentError, match="cannot import"):
         resolve("./missing.py:fn")
+
+
+def test_a_trl_reward_function_works_unchanged_and_none_means_not_scorable():
+    from colomem.grpo.rewards import compute_rewards, is_batched
+
+    calls = []
+
+    def trl_style(prompts, completions, **kwargs):        # TRL's signature, no marker
+        calls.append(sorted(kwargs))
+        return [None if c == "?" else float(len(c)) for c in completions]
+
+    def per_sample(prompt, completion, **meta):
+        return None if completion in ("?", "x") else 1.0
+
+    assert is_batched(trl_style) and not is_batched(per_sample)
+    metas = [{"answer": "1", "solution": "a"}] * 3
+    total, parts = compute_rewards([RewardSpec(trl_style), RewardSpec(per_sample, weight=2.0)],
+                                   ["p"] * 3, ["ab", "?", "x"], metas)
+    assert calls == [["answer", "solution"]]            # the dataset's columns arrive as keywords
+    assert total == [2.0 + 2.0, None, 1.0]              # a None leaves its function out; all None: not scorable
+    assert parts["trl_style"] == [2.0, None, 1.0]
+
+
+def test_unscorable_samples_get_zero_advantage_and_leave_the_group_statistics():
+    import torch
+
+    from colomem.grpo.advantages import group_advantages
+
+    full = group_advantages([0.0, 1.0, 1.0], 3)
+    masked = group_advantages([0.0, 1.0, 1.0, 123.0], 4, scorable=[True, True, True, False])
+    assert torch.allclose(masked[:3], full) and masked[3] == 0
+    assert torch.equal(group_advantages([1.0, 1.0, 5.0, 2.0], 4, scorable=[True, True, False, False]),
+                       torch.zeros(4))                   # the scorable ones agree: no signal
+    assert torch.equal(group_advantages([0.0, 1.0], 2, scorable=[True, True]), group_advantages([0.0, 1.0], 2))

@@ -9,7 +9,7 @@ Rows are ordered group by group: prompt i, completion j -> row i * group_size + 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -18,8 +18,13 @@ from colomem.errors import InvalidArgumentError
 
 
 def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-4) -> Tensor:
-    """[B] rewards (B = groups * group_size) -> [B] float32 advantages."""
+                     eps: float = 1e-4, scorable: Optional[Sequence[bool]] = None) -> Tensor:
+    """[B] rewards (B = groups * group_size) -> [B] float32 advantages.
+
+    scorable: False for samples no reward function could score (a reward returned None, TRL's convention):
+    they get advantage 0 and are left out of their group's mean and std (their reward value is ignored)."""
+    if scorable is not None and not all(scorable):
+        return _masked_advantages(rewards, group_size, scorable, scale_by_std=scale_by_std, eps=eps)
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if group_size < 1:
         raise InvalidArgumentError(f"group_size must be >= 1, got {group_size}")
@@ -34,6 +39,29 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scal
     centred = torch.where(flat, torch.zeros_like(centred), centred)
     if scale_by_std:
         centred = centred / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.flatten()
+
+
+def _masked_advantages(rewards, group_size: int, scorable: Sequence[bool], *, scale_by_std: bool,
+                       eps: float) -> Tensor:
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    w = torch.as_tensor(list(scorable), dtype=torch.bool).flatten()
+    if r.numel() != w.numel() or r.numel() % group_size:
+        raise InvalidArgumentError(f"{r.numel()} rewards and {w.numel()} scorable flags for groups of {group_size}")
+    r = torch.where(w, r, torch.zeros_like(r))
+    if not torch.isfinite(r).all():
+        raise InvalidArgumentError("rewards must be finite (got NaN or inf)")
+    g, m = r.view(-1, group_size), w.view(-1, group_size).float()
+    n = m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    mean = (g * m).sum(dim=1, keepdim=True) / n
+    centred = (g - mean) * m
+    first = torch.where(w.view(-1, group_size), g, torch.full_like(g, float("nan")))
+    ref = first.nan_to_num(0.0).sum(dim=1, keepdim=True) / n      # all scorable values equal: no signal
+    flat = (((g - ref).abs() * m).amax(dim=1, keepdim=True) == 0)
+    centred = torch.where(flat, torch.zeros_like(centred), centred)
+    if scale_by_std:
+        std = (((g - mean) ** 2 * m).sum(dim=1, keepdim=True) / n).sqrt()
+        centred = centred / (std + eps)
     return centred.flatten()
 
 

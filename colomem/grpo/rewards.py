@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -153,7 +154,9 @@ class RewardSpec:
         return self.name or fn_name(self.fn)
 
 
-def _check_value(value: Any, label: str, i: int, prompt: str, completion: str) -> float:
+def _check_value(value: Any, label: str, i: int, prompt: str, completion: str) -> Optional[float]:
+    if value is None:
+        return None         # not scorable by this function (TRL's convention)
     where = f"sample {i} (prompt {prompt!r}, completion {completion!r})"
     if hasattr(value, "numel") and hasattr(value, "item"):
         raise RewardFunctionError(f"reward function {label!r} returned a tensor for {where}; return a float "
@@ -167,14 +170,27 @@ def _check_value(value: Any, label: str, i: int, prompt: str, completion: str) -
     return v
 
 
+def is_batched(fn: RewardFn) -> bool:
+    """Batched: marked with @batched, or TRL's signature fn(prompts, completions, **columns) (so a TRL
+    reward file works unchanged)."""
+    if getattr(fn, "colomem_batched", False):
+        return True
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return names[:2] == ["prompts", "completions"]
+
+
 def score(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
-          metas: Sequence[dict]) -> list[float]:
-    """Values of one reward function for every sample, validated."""
+          metas: Sequence[dict]) -> list[Optional[float]]:
+    """Values of one reward function for every sample, validated; None where it could not score one."""
     n = len(completions)
     if len(prompts) != n or len(metas) != n:
         raise InvalidArgumentError(f"{len(prompts)} prompts, {n} completions, {len(metas)} metas: must be equal")
     label = spec.label
-    if getattr(spec.fn, "colomem_batched", False):
+    if is_batched(spec.fn):
         keys = sorted({k for m in metas for k in m})
         cols = {k: [m.get(k) for m in metas] for k in keys}
         try:
@@ -206,14 +222,17 @@ def score(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
 
 
 def compute_rewards(specs: Sequence[RewardSpec], prompts: Sequence[str], completions: Sequence[str],
-                    metas: Sequence[dict]) -> tuple[list[float], dict[str, list[float]]]:
-    """Weighted sum of the reward functions per sample, and each function's own values (for the metrics)."""
+                    metas: Sequence[dict]) -> tuple[list[Optional[float]], dict[str, list[Optional[float]]]]:
+    """Weighted sum of the reward functions per sample, and each function's own values (for the metrics).
+
+    A function's None leaves it out of that sample's sum; a sample none of them scored is None (not
+    scorable: the runner gives it advantage 0)."""
     if not specs:
         raise InvalidArgumentError("no reward functions configured")
     parts = {}
-    total = [0.0] * len(completions)
+    total: list[Optional[float]] = [None] * len(completions)
     for spec in specs:
         vals = score(spec, prompts, completions, metas)
         parts[spec.label] = vals
-        total = [t + spec.weight * v for t, v in zip(total, vals)]
+        total = [t if v is None else (t or 0.0) + spec.weight * v for t, v in zip(total, vals)]
     return total, parts

@@ -60,35 +60,42 @@ def score_step(cfg, tokenizer, ranks, reward_specs, metric_specs, samples, gen_i
             texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
             metas.append(samples[i].meta)
             comps.append(c)
-    rewards, parts = compute_rewards(reward_specs, prompts, texts, metas)
+    scored, parts = compute_rewards(reward_specs, prompts, texts, metas)
+    scorable = [r is not None for r in scored]            # None: no reward function could score it
+    rewards = [r if r is not None else 0.0 for r in scored]
     extras = {}
     for name, spec in metric_specs:
         extras[name] = score(spec, prompts, texts, metas)
-    adv = group_advantages(rewards, n, scale_by_std=cfg.grpo.scale_rewards, eps=cfg.grpo.adv_eps)
+    adv = group_advantages(rewards, n, scale_by_std=cfg.grpo.scale_rewards, eps=cfg.grpo.adv_eps,
+                           scorable=scorable)
     groups = [completions[pos[i]] for i in mine]
     batch = build_batch([encode(tokenizer, samples[i].prompt) for i in mine], groups, adv,
                         pad_id=tokenizer.pad_token_id, mask_truncated=cfg.grpo.mask_truncated,
                         rewards=rewards)
-    # global statistics: sums over ranks (train groups partition all groups)
+    # global statistics: sums over ranks (train groups partition all groups); rewards over scorable samples
     flat = [r for r in rewards]
     lens = [len(c.token_ids) for c in comps]
     trunc = [1.0 if c.truncated else 0.0 for c in comps]
-    g = [flat[j:j + n] for j in range(0, len(flat), n)]
-    no_signal = sum(1.0 for grp in g if max(grp) == min(grp))
-    vec = [len(flat), sum(flat), sum(r * r for r in flat), sum(lens), sum(trunc), len(g), no_signal]
+    sc = [1.0 if s else 0.0 for s in scorable]
+    groups_r = [[r for r, s in zip(flat[j:j + n], scorable[j:j + n]) if s] for j in range(0, len(flat), n)]
+    no_signal = sum(1.0 for grp in groups_r if len(grp) < 2 or max(grp) == min(grp))
+    vec = [len(flat), sum(flat), sum(r * r for r in flat), sum(lens), sum(trunc), len(groups_r), no_signal,
+           sum(sc)]
     names_p = sorted(parts)
     names_e = sorted(extras)
-    vec += [sum(parts[p]) for p in names_p] + [sum(extras[e]) for e in names_e]
+    vec += [sum(v or 0.0 for v in parts[p]) for p in names_p] + [sum(v or 0.0 for v in extras[e]) for e in names_e]
     tot = ranks.sum(vec)
     cnt = max(tot[0], 1.0)
-    mean = tot[1] / cnt
-    stats = {"reward_mean": mean, "reward_std": math.sqrt(max(tot[2] / cnt - mean * mean, 0.0)),
+    scored_cnt = max(tot[7], 1.0)
+    mean = tot[1] / scored_cnt
+    stats = {"reward_mean": mean, "reward_std": math.sqrt(max(tot[2] / scored_cnt - mean * mean, 0.0)),
              "completion_len_mean": tot[3] / cnt, "truncated_frac": tot[4] / cnt,
-             "groups_no_signal": tot[6] / max(tot[5], 1.0), "samples_total": int(tot[0])}
+             "groups_no_signal": tot[6] / max(tot[5], 1.0), "samples_total": int(tot[0]),
+             "unscorable_frac": 1.0 - tot[7] / cnt}
     for j, p in enumerate(names_p):
-        stats[f"reward/{p}"] = tot[7 + j] / cnt
+        stats[f"reward/{p}"] = tot[8 + j] / cnt
     for j, e in enumerate(names_e):
-        stats[e] = tot[7 + len(names_p) + j] / cnt
+        stats[e] = tot[8 + len(names_p) + j] / cnt
     shown = []
     if cfg.log_samples and ranks.is_main:
         for j in range(0, min(len(texts), cfg.log_samples * n), n):
