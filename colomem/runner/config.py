@@ -88,6 +88,10 @@ class RunConfig(_Strict):
     # output
     out: Optional[str] = Field(None, description="output directory; unset = runs/<timestamp>")
     plots: bool = True
+    report_to: list[str] = Field(default_factory=lambda: ["auto"],
+                                 description="metrics besides metrics.jsonl: auto (tensorboard when installed), "
+                                             "tensorboard, wandb (WANDB_MODE=offline works without a network), "
+                                             "none; a comma list")
     progress: bool = True
     memory_alarm_mib: float = Field(256.0, ge=0, description="alarm when memory left after sleep grows more")
     log_samples: int = Field(2, ge=0, description="completions printed per step by rank 0 (verbose)")
@@ -123,6 +127,12 @@ class RunConfig(_Strict):
                 build()
             except InvalidArgumentError as e:
                 raise ValueError(f"{side} options: {e}") from None
+        from .reporters import resolve as resolve_reporters
+
+        try:
+            resolve_reporters(self.report_to)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if self.dataset is not None and not self.rewards:
             raise ValueError("a dataset job needs --rewards (built-in names, module:function or file.py:function)")
         if self.dataset is not None and self.grpo.max_new_tokens is None:

@@ -17,6 +17,8 @@ from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.grpo.dataset_task import DatasetTask
 
 from .loop import ColocatedRunner, RunResult
+from .reporters import make_reporters
+from .reporters import resolve as resolve_reporters
 from .ranks import Ranks
 from .timeline import MetricsWriter, memory_table, phase_table
 
@@ -85,6 +87,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         raise ConfigError(f"cannot create the output directory {str(out)!r}: {e.strerror}; choose another --out") \
             from None
     writer = rank_writer = None
+    reporters: list = []
     engines: Optional[Engines] = None
     runner: Optional[ColocatedRunner] = None
     summary: dict[str, Any] = {"status": "error", "out_dir": str(out)}
@@ -115,6 +118,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                           "world_size": ranks.world_size, "config": cfg.model_dump(mode="json")})
         if ranks.world_size > 1:
             rank_writer = MetricsWriter(out / "ranks" / f"rank{ranks.rank}.jsonl")
+        if ranks.is_main:
+            reporters = make_reporters(resolve_reporters(cfg.report_to), out, cfg.model_dump(mode="json"))
         say(f"[colomem] model {model_path}; task {cfg.task}; {steps} steps x {cfg.prompts_per_step} prompts x "
             f"{cfg.grpo.group_size} completions; switch={cfg.switch}; out {out}")
         factory = engines_factory or (lambda c, b, m, t, r, g: build_engines(c, b, m, t, r, grad_accum=g))
@@ -126,6 +131,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
+                                 reporters=reporters,
                                  grad_accum=grad_accum, print_fn=print_fn)
         runner.run(steps, progress=cfg.progress)
         summary["status"] = "ok"
@@ -153,6 +159,11 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             writer.close()
         if rank_writer is not None:
             rank_writer.close()
+        for r in reporters:
+            try:
+                r.close()
+            except Exception as e:  # noqa: BLE001 - a reporter must not hide the run's own outcome
+                summary.setdefault("cleanup_errors", []).append(f"closing a metrics reporter failed: {e}")
         if ranks.is_main:
             _finish_outputs(cfg, out, runner, summary, say)
         ranks.close(timeout_s=5.0 if error is not None else 60.0)
@@ -229,6 +240,8 @@ def _finish_outputs(cfg, out: Path, runner: Optional[ColocatedRunner], summary: 
                     files["rewards_png"] = str(out / "rewards.png")
             except Exception as e:  # noqa: BLE001  (plots are not worth losing the summary for)
                 summary["plot_error"] = f"{type(e).__name__}: {e}"
+    if (out / "tensorboard").is_dir():
+        files["tensorboard"] = str(out / "tensorboard")
     summary["files"] = files
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")

@@ -26,6 +26,7 @@ from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import Ranks
+from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot
 
@@ -49,12 +50,13 @@ class ColocatedRunner:
 
     def __init__(self, cfg, *, rollout: Rollout, trainer: Trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
                  metric_specs=(), writer: Optional[MetricsWriter] = None, rank_writer: Optional[MetricsWriter] = None,
-                 device: Optional[int] = None, grad_accum: int = 1, print_fn: Callable[[str], None] = print):
+                 device: Optional[int] = None, grad_accum: int = 1, reporters: Sequence[Reporter] = (), print_fn: Callable[[str], None] = print):
         self.cfg = cfg
         self.rollout, self.trainer, self.pool = rollout, trainer, pool
         self.task, self.tokenizer, self.ranks = task, tokenizer, ranks
         self.reward_specs, self.metric_specs = list(reward_specs), list(metric_specs)
         self.writer, self.rank_writer = writer, rank_writer
+        self.reporters = list(reporters)           # TensorBoard / wandb: rank 0 only
         self.device = device
         self.grad_accum = grad_accum
         self.print = print_fn if ranks.is_main else (lambda *_: None)
@@ -246,6 +248,8 @@ class ColocatedRunner:
             self.writer.write(line)
         if self.rank_writer is not None:
             self.rank_writer.write(line)
+        for r in self.reporters:
+            r.log(k, line)
         return rec
 
     def _encode(self, text: str) -> list[int]:
