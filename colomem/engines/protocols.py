@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:      # the protocols import nothing heavy at run time
+    from pathlib import Path
+
     from torch import Tensor
 
     from colomem.grpo.batch import Completion, GRPOBatch
@@ -117,4 +119,17 @@ class Trainer(Protocol):
         ...
 
 
-__all__ = ["ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A trainer whose state can be saved and loaded (checkpoints and resume)."""
+
+    def save_state(self, path: "Path") -> None:
+        """Everything training needs to continue exactly (weights, optimizer, steps, RNG), and the model in
+        Hugging Face format under path / "model"; the trainer is resident."""
+        ...
+
+    def load_state(self, path: "Path") -> None:
+        ...
+
+
+__all__ = ["Checkpointable", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]

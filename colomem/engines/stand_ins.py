@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -384,6 +385,33 @@ class TorchTrainer:
         """Waits for optimizer state that overlap_reload left in flight (train_step does before the step);
         returns the seconds it blocked."""
         return self._pending.wait(self.swap_timeout_s if timeout is None else timeout)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save_state(self, path: Path) -> None:
+        """Writes everything training needs to continue exactly: weights, AdamW state, step, RNG
+        (`trainer.pt`), and the model in Hugging Face format (`model/`: the peft adapter with LoRA)."""
+        self._check("save_state")
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "steps": self.steps, "torch_rng": torch.get_rng_state()}, path / "trainer.pt")
+        self.model.save_pretrained(path / "model", safe_serialization=True)
+
+    def load_state(self, path: Path) -> None:
+        """The state save_state wrote, into this trainer (built from the same model)."""
+        self._check("load_state")
+        state = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if missing or unexpected:
+            raise InvalidArgumentError(f"checkpoint {str(path)!r} is of another model: {len(missing)} weights "
+                                       f"missing (e.g. {missing[:2]}), {len(unexpected)} unknown "
+                                       f"(e.g. {unexpected[:2]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for st in self.optimizer.state.values():      # torch.load's storages cannot be resized: own them
+            for k, v in st.items():
+                if isinstance(v, Tensor) and not v.untyped_storage().resizable():
+                    st[k] = v.clone()
+        self.steps = int(state["steps"])
+        torch.set_rng_state(state["torch_rng"])
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, tensor) for the rollout sync, LoRA merged. Offloaded: the pool copies prepared by offload()."""

@@ -24,7 +24,6 @@ from colomem.units import parse_bytes
 if TYPE_CHECKING:
     from colomem.engines.deepspeed.config import DeepSpeedConfig
     from colomem.engines.vllm.config import VLLMConfig
-    from colomem.engines.vllm.config import VLLMConfig
 
 
 class RunConfig(_Strict):
@@ -88,6 +87,11 @@ class RunConfig(_Strict):
     # output
     out: Optional[str] = Field(None, description="output directory; unset = runs/<timestamp>")
     plots: bool = True
+    save_every: Optional[int] = Field(None, gt=0, description="checkpoint every N steps and after the last, "
+                                                              "into <out>/checkpoints/step-<N> (CPU backend)")
+    keep_checkpoints: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
+    resume: Optional[str] = Field(None, description="continue from a checkpoint: a step-<N> folder, or auto (the "
+                                                    "newest under --out)")
     report_to: list[str] = Field(default_factory=lambda: ["auto"],
                                  description="metrics besides metrics.jsonl: auto (tensorboard when installed), "
                                              "tensorboard, wandb (WANDB_MODE=offline works without a network), "

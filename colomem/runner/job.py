@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from colomem.errors import ConfigError, InvalidArgumentError
+from colomem.engines.protocols import Checkpointable
+from colomem.errors import ConfigError, InvalidArgumentError, NotAvailableError
 
 from colomem.grpo.dataset_task import DatasetTask
 
+from . import checkpoints
+from .checkpoints import Checkpointer
 from .loop import ColocatedRunner, RunResult
 from .reporters import make_reporters
 from .reporters import resolve as resolve_reporters
@@ -101,6 +104,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         task = _task(cfg)
         ranks.check_split(cfg.prompts_per_step)
         grad_accum = _grad_accum(cfg, ranks.world_size)
+        start, resume_from, resumed = _resume_point(cfg, backend, out, steps)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
         model_path = _model_path(cfg, task, ranks, say)
@@ -128,12 +132,23 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         summary["build_s"] = time.perf_counter() - t_build
         device = ranks.local_rank if backend == "gpu" else None
         rollout, trainer = engines.require()
+        checkpointer = None
+        if cfg.save_every or resume_from is not None:
+            if not isinstance(trainer, Checkpointable):
+                raise NotAvailableError(f"checkpoints: the {type(trainer).__name__} cannot save or load its state")
+            if resume_from is not None:
+                trainer.load_state(resume_from)
+                say(f"[colomem] resumed from {resume_from} (step {start})")
+            if cfg.save_every and ranks.is_main:
+                checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, checkpoints.identity(cfg),
+                                            cfg.save_every, cfg.keep_checkpoints, steps, log=say)
         runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
                                  reporters=reporters,
                                  grad_accum=grad_accum, print_fn=print_fn)
-        runner.run(steps, progress=cfg.progress)
+        runner.version = resumed
+        runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
         summary["status"] = "ok"
     except BaseException as e:  # recorded, then raised again after cleanup
         error = e
@@ -187,6 +202,21 @@ def _task(cfg):
     from colomem.grpo.tasks import make_task
 
     return make_task(cfg.task, cfg.task_options)
+
+
+def _resume_point(cfg, backend: str, out: Path, steps: int) -> tuple[int, Optional[Path], int]:
+    """(first step, checkpoint folder or None, weight version), checked before any engine starts."""
+    if (cfg.save_every or cfg.resume) and backend != "cpu":
+        raise NotAvailableError("--save-every and --resume are not available with the GPU trainer yet (the CPU "
+                                "backend has them); leave them out")
+    if not cfg.resume:
+        return 0, None, 0
+    path = checkpoints.find(cfg.resume, out / "checkpoints")
+    state = checkpoints.load_state(path, checkpoints.identity(cfg))
+    if int(state["step"]) >= steps:
+        raise ConfigError(f"checkpoint {str(path)!r} is at step {state['step']}, and --steps is {steps}: nothing "
+                          "is left to run; raise --steps")
+    return int(state["step"]), path, int(state["weight_version"])
 
 
 def _check_cpu_fits(cfg) -> None:

@@ -26,6 +26,7 @@ from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import Ranks
+from .checkpoints import Checkpointer
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot
@@ -280,7 +281,8 @@ class ColocatedRunner:
         return out
 
     # -- the run ------------------------------------------------------------------------------------------
-    def run(self, steps: int, progress: bool = True) -> None:
+    def run(self, steps: int, progress: bool = True, *, start: int = 0,
+            checkpointer: Optional[Checkpointer] = None) -> None:
         bar = None
         if progress and self.ranks.is_main and sys.stderr.isatty():     # lines only when logging to a file
             try:
@@ -290,8 +292,10 @@ class ColocatedRunner:
                 bar = None
         say = (bar.write if bar is not None else self.print) if self.ranks.is_main else (lambda *_: None)
         try:
-            for k in range(steps):
+            for k in range(start, steps):
                 rec = self.step(k)
+                if checkpointer is not None:      # after train: the trainer is resident
+                    checkpointer.after_step(k + 1, self.version)
                 m = rec.metrics
                 acc = f" acc {m['accuracy']:.2f}" if "accuracy" in m else ""
                 ent = f"  entropy {m['train/entropy']:.2f}" if "train/entropy" in m else ""
