@@ -75,3 +75,25 @@ def test_bad_resumes_are_clear_errors_before_anything_starts(cache_env, tmp_path
     (ckpt / "state.json").write_text(json.dumps({**state, "format": 99}))
     with pytest.raises(ConfigError, match="format 99.*upgrade colomem"):
         run_job(cfg(tmp_path / "r3", resume=str(ckpt)), print_fn=lambda *_: None)
+
+
+def test_sigterm_finishes_the_step_saves_and_stops_as_interrupted(cache_env, tmp_path):
+    import os
+    import signal
+
+    calls = {"n": 0}
+
+    def term_in_step_two(prompt, completion, **meta):
+        calls["n"] += 1
+        if calls["n"] == 17:                         # first sample of the second step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 0.5
+    res = run_job(cfg(tmp_path / "t"), reward_fns=[term_in_step_two], print_fn=lambda *_: None)
+    assert res.summary["status"] == "interrupted" and "SIGTERM" in res.summary["error"]
+    assert [r.step for r in res.records] == [0, 1]             # the step under way finished
+    ckpts = sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir())
+    assert ckpts == ["step-2"]                                  # saved although --save-every was not reached
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # handlers given back
+    again = run_job(cfg(tmp_path / "t", resume="auto", steps=3), reward_fns=[lambda p, c, **m: 0.5],
+                    print_fn=lambda *_: None)
+    assert again.summary["status"] == "ok" and [r.step for r in again.records] == [2]

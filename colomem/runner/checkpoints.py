@@ -103,8 +103,10 @@ class Checkpointer:
         self.every, self.keep, self.total, self.log = every, keep, total_steps, log
         self.saved: list[Path] = []
 
-    def after_step(self, done: int, version: int) -> Optional[Path]:
-        if not ((self.every and done % self.every == 0) or done == self.total):
+    def after_step(self, done: int, version: int, final: bool = False) -> Optional[Path]:
+        """Saves when `done` is a multiple of `every` or the last step (with `every` set), or when the run
+        stops here on a signal (`final`, always)."""
+        if not ((self.every and (done % self.every == 0 or done == self.total)) or final):
             return None
         path = save(self.root, step=done, version=version, trainer=self.trainer, tokenizer=self.tokenizer,
                     ident=self.ident, keep=self.keep)

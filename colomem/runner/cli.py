@@ -37,7 +37,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        run_job(cfg)
+        result = run_job(cfg)
+        if result.summary.get("status") == "interrupted":
+            print(f"interrupted: {result.summary.get('error')}; outputs in {result.out_dir}", file=sys.stderr)
+            return 130
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

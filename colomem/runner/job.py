@@ -5,9 +5,12 @@ writes metrics.jsonl, summary.json and the plots into the output directory whate
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -139,17 +142,20 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             if resume_from is not None:
                 trainer.load_state(resume_from)
                 say(f"[colomem] resumed from {resume_from} (step {start})")
-            if cfg.save_every and ranks.is_main:
-                checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, checkpoints.identity(cfg),
-                                            cfg.save_every, cfg.keep_checkpoints, steps, log=say)
+        if isinstance(trainer, Checkpointable) and ranks.is_main:   # also saves when a signal stops the run
+            checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, checkpoints.identity(cfg),
+                                        cfg.save_every, cfg.keep_checkpoints, steps, log=say)
         runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
                                  reporters=reporters,
                                  grad_accum=grad_accum, print_fn=print_fn)
         runner.version = resumed
-        runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
-        summary["status"] = "ok"
+        with _stop_on_signals(runner, say):
+            runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
+        summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
+        if runner.stop_requested is not None:
+            summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}"
     except BaseException as e:  # recorded, then raised again after cleanup
         error = e
         if isinstance(e, KeyboardInterrupt):
@@ -202,6 +208,35 @@ def _task(cfg):
     from colomem.grpo.tasks import make_task
 
     return make_task(cfg.task, cfg.task_options)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(runner: ColocatedRunner, say):
+    """SIGINT / SIGTERM finish the step under way (and its checkpoint), then the run stops as interrupted; a
+    second signal interrupts at once. Only the main thread can take signals: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if runner.watchdog.fired:                   # the phase watchdog's interrupt (interrupt_main): as before
+            raise KeyboardInterrupt(name)
+        if runner.stop_requested is not None:       # the second one: stop now
+            for s, h in previous.items():
+                signal.signal(s, h)
+            raise KeyboardInterrupt(name)
+        runner.stop_requested = name
+        say(f"[colomem] {name}: finishing this step, then saving and stopping (again to stop at once)")
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _resume_point(cfg, backend: str, out: Path, steps: int) -> tuple[int, Optional[Path], int]:

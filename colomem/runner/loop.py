@@ -58,6 +58,7 @@ class ColocatedRunner:
         self.reward_specs, self.metric_specs = list(reward_specs), list(metric_specs)
         self.writer, self.rank_writer = writer, rank_writer
         self.reporters = list(reporters)           # TensorBoard / wandb: rank 0 only
+        self.stop_requested: Optional[str] = None  # a signal's name: finish this step, then stop
         self.device = device
         self.grad_accum = grad_accum
         self.print = print_fn if ranks.is_main else (lambda *_: None)
@@ -295,7 +296,10 @@ class ColocatedRunner:
             for k in range(start, steps):
                 rec = self.step(k)
                 if checkpointer is not None:      # after train: the trainer is resident
-                    checkpointer.after_step(k + 1, self.version)
+                    checkpointer.after_step(k + 1, self.version, final=self.stop_requested is not None)
+                if self.stop_requested is not None:
+                    say(f"[colomem] {self.stop_requested}: stopped after step {k + 1}")
+                    break
                 m = rec.metrics
                 acc = f" acc {m['accuracy']:.2f}" if "accuracy" in m else ""
                 ent = f"  entropy {m['train/entropy']:.2f}" if "train/entropy" in m else ""
