@@ -224,19 +224,19 @@ def _stop_on_signals(runner: ColocatedRunner, say):
         if runner.watchdog.fired:                   # the phase watchdog's interrupt (interrupt_main): as before
             raise KeyboardInterrupt(name)
         if runner.stop_requested is not None:       # the second one: stop now
-            for s, h in previous.items():
-                signal.signal(s, h)
+            for sig, h in previous.items():
+                signal.signal(sig, h)
             raise KeyboardInterrupt(name)
         runner.stop_requested = name
         say(f"[colomem] {name}: finishing this step, then saving and stopping (again to stop at once)")
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        previous[s] = signal.signal(s, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 def _resume_point(cfg, backend: str, out: Path, steps: int) -> tuple[int, Optional[Path], int]:
