@@ -217,7 +217,7 @@ def _stop_on_signals(runner: ColocatedRunner, say):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
 
     def handler(signum, frame):
         name = signal.Signals(signum).name
