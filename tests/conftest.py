@@ -41,3 +41,12 @@ def pytest_collection_modifyitems(config, items):
         for mod, reason in missing.items():
             if mod in kw:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def job_env(tmp_path_factory, monkeypatch):
+    """A run's environment for CPU job tests: the config-built model cached once for the session's tests,
+    no torch.distributed variables from an earlier test."""
+    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)

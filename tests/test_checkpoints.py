@@ -10,13 +10,6 @@ from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 
 
-@pytest.fixture
-def cache_env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path_factory.getbasetemp() / "colomem-cache-ckpt"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-
-
 def cfg(out, **kw):
     data = {"backend": "cpu", "steps": 6, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
             "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4}, **kw}
@@ -27,7 +20,7 @@ def final_weights(out, step):
     return torch.load(out / "checkpoints" / f"step-{step}" / "trainer.pt", weights_only=True)
 
 
-def test_resume_continues_the_run_bit_for_bit(cache_env, tmp_path):
+def test_resume_continues_the_run_bit_for_bit(job_env, tmp_path):
     whole = run_job(cfg(tmp_path / "whole", save_every=6), print_fn=lambda *_: None)
     assert whole.summary["status"] == "ok"
     first = run_job(cfg(tmp_path / "split", steps=3, save_every=3), print_fn=lambda *_: None)
@@ -46,7 +39,7 @@ def test_resume_continues_the_run_bit_for_bit(cache_env, tmp_path):
     assert state["step"] == 6 and state["weight_version"] == 6
 
 
-def test_saved_model_loads_in_transformers_and_old_checkpoints_are_dropped(cache_env, tmp_path):
+def test_saved_model_loads_in_transformers_and_old_checkpoints_are_dropped(job_env, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_job(cfg(tmp_path / "r", steps=4, save_every=1, keep_checkpoints=2), print_fn=lambda *_: None)
@@ -60,7 +53,7 @@ def test_saved_model_loads_in_transformers_and_old_checkpoints_are_dropped(cache
     assert tok.eos_token_id is not None
 
 
-def test_bad_resumes_are_clear_errors_before_anything_starts(cache_env, tmp_path):
+def test_bad_resumes_are_clear_errors_before_anything_starts(job_env, tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint under"):
         run_job(cfg(tmp_path / "none", resume="auto"), print_fn=lambda *_: None)
     with pytest.raises(ConfigError, match="not a checkpoint folder"):
@@ -77,7 +70,7 @@ def test_bad_resumes_are_clear_errors_before_anything_starts(cache_env, tmp_path
         run_job(cfg(tmp_path / "r3", resume=str(ckpt)), print_fn=lambda *_: None)
 
 
-def test_sigterm_finishes_the_step_saves_and_stops_as_interrupted(cache_env, tmp_path):
+def test_sigterm_finishes_the_step_saves_and_stops_as_interrupted(job_env, tmp_path):
     import os
     import signal
 

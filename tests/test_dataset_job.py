@@ -30,14 +30,7 @@ def successor_rows(n, chat=True, seed=0):
     return rows
 
 
-@pytest.fixture
-def cache_env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path_factory.getbasetemp() / "colomem-cache-dataset"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-
-
-def test_a_chat_dataset_job_runs_and_its_columns_reach_the_rewards(cache_env, tmp_path):
+def test_a_chat_dataset_job_runs_and_its_columns_reach_the_rewards(job_env, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", successor_rows(24))
     tpl = tmp_path / "chat.jinja"
     tpl.write_text(TEMPLATE)
@@ -111,7 +104,7 @@ def test_bad_datasets_are_clear_errors_before_anything_starts(tmp_path):
         DatasetTask(str(data), max_new_tokens=3).bind(NoTemplate(), log=lambda *_: None)
 
 
-def test_a_trl_reward_file_with_unscorable_samples_runs(cache_env, tmp_path):
+def test_a_trl_reward_file_with_unscorable_samples_runs(job_env, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", successor_rows(16, chat=False))
     rewards = tmp_path / "trl_rewards.py"
     rewards.write_text("def accuracy(prompts, completions, answer, **kwargs):\n"

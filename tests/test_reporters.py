@@ -9,14 +9,7 @@ from colomem.runner.reporters import resolve, scalars
 from colomem.runner.timeline import read_jsonl
 
 
-@pytest.fixture
-def cache_env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path_factory.getbasetemp() / "colomem-cache-reporters"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-
-
-def test_tensorboard_events_hold_the_metrics_of_every_step(cache_env, tmp_path):
+def test_tensorboard_events_hold_the_metrics_of_every_step(job_env, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard comes with colomem[grpo]")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
