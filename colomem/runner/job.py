@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 
 from colomem.engines.protocols import Checkpointable
 from colomem.errors import ConfigError, InvalidArgumentError, NotAvailableError
-
 from colomem.grpo.dataset_task import DatasetTask
 
 from . import checkpoints
@@ -117,16 +116,16 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                       max_prompt_tokens=cfg.max_model_len - task.max_new_tokens, log=say)
         reward_specs, metric_specs = _rewards(cfg, task, reward_fns)
         _check_lengths(cfg, task, tokenizer)
+        config_json = cfg.model_dump(mode="json")
         summary.update(backend=backend, switch=cfg.switch, world_size=ranks.world_size, model=model_path,
-                       task=cfg.task, steps=steps, config=cfg.model_dump(mode="json"))
+                       task=cfg.task, steps=steps, config=config_json)
         if ranks.is_main:
             writer = MetricsWriter(out / "metrics.jsonl")
             writer.write({"event": "start", "time": t_start, "backend": backend, "steps": steps,
-                          "world_size": ranks.world_size, "config": cfg.model_dump(mode="json")})
+                          "world_size": ranks.world_size, "config": config_json})
+            reporters = make_reporters(resolve_reporters(cfg.report_to), out, config_json)
         if ranks.world_size > 1:
             rank_writer = MetricsWriter(out / "ranks" / f"rank{ranks.rank}.jsonl")
-        if ranks.is_main:
-            reporters = make_reporters(resolve_reporters(cfg.report_to), out, cfg.model_dump(mode="json"))
         say(f"[colomem] model {model_path}; task {cfg.task}; {steps} steps x {cfg.prompts_per_step} prompts x "
             f"{cfg.grpo.group_size} completions; switch={cfg.switch}; out {out}")
         factory = engines_factory or (lambda c, b, m, t, r, g: build_engines(c, b, m, t, r, grad_accum=g))
@@ -136,12 +135,11 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         device = ranks.local_rank if backend == "gpu" else None
         rollout, trainer = engines.require()
         checkpointer = None
-        if cfg.save_every or resume_from is not None:
-            if not isinstance(trainer, Checkpointable):
-                raise NotAvailableError(f"checkpoints: the {type(trainer).__name__} cannot save or load its state")
-            if resume_from is not None:
-                trainer.load_state(resume_from)
-                say(f"[colomem] resumed from {resume_from} (step {start})")
+        if (cfg.save_every or resume_from is not None) and not isinstance(trainer, Checkpointable):
+            raise NotAvailableError(f"checkpoints: the {type(trainer).__name__} cannot save or load its state")
+        if resume_from is not None and isinstance(trainer, Checkpointable):
+            trainer.load_state(resume_from)
+            say(f"[colomem] resumed from {resume_from} (step {start})")
         if isinstance(trainer, Checkpointable) and ranks.is_main:   # also saves when a signal stops the run
             checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, checkpoints.identity(cfg),
                                         cfg.save_every, cfg.keep_checkpoints, steps, log=say)
