@@ -51,7 +51,8 @@ class ColocatedRunner:
 
     def __init__(self, cfg, *, rollout: Rollout, trainer: Trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
                  metric_specs=(), writer: Optional[MetricsWriter] = None, rank_writer: Optional[MetricsWriter] = None,
-                 device: Optional[int] = None, grad_accum: int = 1, reporters: Sequence[Reporter] = (), print_fn: Callable[[str], None] = print):
+                 device: Optional[int] = None, grad_accum: int = 1, reporters: Sequence[Reporter] = (),
+                 print_fn: Callable[[str], None] = print):
         self.cfg = cfg
         self.rollout, self.trainer, self.pool = rollout, trainer, pool
         self.task, self.tokenizer, self.ranks = task, tokenizer, ranks
