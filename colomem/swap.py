@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Union, cast
 
 import torch
@@ -399,13 +399,20 @@ class SwapSet:
     def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """A CPU tensor over the pool copy of `t` (same dtype, shape, strides), valid while offloaded;
         None when `t` has no offloaded copy here. Read it, e.g. to sync weights without a reload."""
+        raw = self.host_storage(t)
+        if raw is None:
+            return None
+        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def host_storage(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The pool copy of `t`'s whole storage as CPU uint8 (checkpoints save storages byte for byte),
+        valid while offloaded; None when `t` has no offloaded copy here."""
         if self.state != OFFLOADED:
             return None
         key = t.untyped_storage()._cdata
         for e in self._entries:
             if e.storage._cdata == key and e.block is not None:
-                raw = e.block.as_tensor(e.nbytes)
-                return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+                return e.block.as_tensor(e.nbytes)
         return None
 
     def discard(self) -> None:

@@ -123,12 +123,15 @@ class Trainer(Protocol):
 class Checkpointable(Protocol):
     """A trainer whose state can be saved and loaded (checkpoints and resume)."""
 
-    def save_state(self, path: "Path") -> None:
+    def save_state(self, path: "Path", *, merged: bool = False) -> None:
         """Everything training needs to continue exactly (weights, optimizer, steps, RNG), and the model in
-        Hugging Face format under path / "model"; the trainer is resident."""
+        Hugging Face format under path / "model" (with LoRA the adapter, and with merged the merged model
+        under path / "model-merged"). Resident or offloaded (then read from the offloaded copies); every
+        rank calls it and writes its own part."""
         ...
 
     def load_state(self, path: "Path") -> None:
+        """What save_state wrote, into this resident trainer built from the same model."""
         ...
 
 

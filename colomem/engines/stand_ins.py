@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
+from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
 from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
 from colomem.engines.reports import SwitchReport, SyncStats
@@ -387,17 +388,49 @@ class TorchTrainer:
         return self._pending.wait(self.swap_timeout_s if timeout is None else timeout)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def save_state(self, path: Path) -> None:
+    def save_state(self, path: Path, *, merged: bool = False) -> None:
         """Writes everything training needs to continue exactly: weights, AdamW state, step, RNG
-        (`trainer.pt`), and the model in Hugging Face format (`model/`: the peft adapter with LoRA)."""
-        self._check("save_state")
+        (`trainer.pt`), and the model in Hugging Face format (`model/`: the peft adapter with LoRA; with
+        merged, also `model-merged/`: the full model with the adapter merged). Offloaded, it reads the
+        pool's copies (nothing is reloaded). Ranks hold the same state: only rank 0 writes."""
+        if self._closed:
+            raise PhaseOrderError("this TorchTrainer was closed; cannot save_state()")
+        self.wait_reload()
+        if self.world_size > 1 and self.process_group is not None:
+            import torch.distributed as dist
+
+            if dist.get_rank(self.process_group) != 0:
+                return
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "steps": self.steps, "torch_rng": torch.get_rng_state()}, path / "trainer.pt")
-        self.model.save_pretrained(path / "model", safe_serialization=True)
+        host = self._host_tensor
+        model_sd = {k: host(v) for k, v in self.model.state_dict().items()}
+        opt_sd = self.optimizer.state_dict()
+        opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in st.items()}
+                           for i, st in opt_sd["state"].items()}
+        torch.save({"model": model_sd, "optimizer": opt_sd, "steps": self.steps,
+                    "torch_rng": torch.get_rng_state()}, path / "trainer.pt")
+        if self.lora is not None:
+            save_adapter(self.model, {adapter_key(k): v for k, v in model_sd.items() if ".lora_" in k},
+                         path / "model")
+            if merged:
+                save_full_model(self.model, self.named_weights(), path / "model-merged")
+        else:
+            save_full_model(self.model, model_sd.items(), path / "model")
+
+    def _host_tensor(self, t: Tensor) -> Tensor:
+        """t itself while resident; offloaded, the view of its pool copy (or t, when it was not moved)."""
+        if not self._offloaded:
+            return t
+        for s in self._swaps:
+            view = s.host_view(t)
+            if view is not None:
+                return view
+        if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
+            raise ColomemError("TorchTrainer: a tensor of the offloaded state has no pool copy to save from")
+        return t
 
     def load_state(self, path: Path) -> None:
-        """The state save_state wrote, into this trainer (built from the same model)."""
+        """The state save_state wrote, into this trainer (built from the same model, resident)."""
         self._check("load_state")
         state = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)

@@ -3,32 +3,40 @@
     <out>/checkpoints/step-<N>/
         model/          the policy in Hugging Face format (from_pretrained loads it; the peft adapter with
                         LoRA) and the tokenizer
-        trainer.pt      what training needs to continue exactly (weights, optimizer, steps, RNG)
+        model-merged/   with --save-merged and LoRA: the full model, the adapter merged
+        trainer*.pt     what training needs to continue exactly (weights, optimizer, steps, RNG): trainer.pt
+                        from the CPU trainer, trainer-rank<R>.pt per rank from the DeepSpeed trainer
         state.json      format, step, weight version, what model and data the run trained on
 
 A checkpoint is written into a temporary folder and renamed into place, so a crash or a full disk never
 leaves a half checkpoint under a step-<N> name, and the previous ones stay intact; only the last
-`keep` are kept. `--resume auto` continues from the newest one under the output directory.
+`keep` are kept. The runner saves while the trainer is offloaded (right after the next step's offload, or
+after offloading it once more at the end), so the trainer state is read from the pool's host copies.
+`--resume auto` continues from the newest one under the output directory.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 from colomem.engines.protocols import Checkpointable
-from colomem.errors import ConfigError
+from colomem.errors import ColomemError, ConfigError
 
 FORMAT = 1
 PREFIX = "step-"
 
 
-def identity(cfg: Any) -> dict:
-    """What a checkpoint must match to be resumed by this run."""
+def identity(cfg: Any, backend: str = "cpu", world_size: int = 1) -> dict:
+    """What a checkpoint must match to be resumed by this run (the trainer's layout included: the DeepSpeed
+    trainer's state is one file per rank, sharded by ZeRO)."""
+    trainer = "deepspeed" if backend == "gpu" else "torch"
     return {"model": cfg.model or f"config-built:{cfg.model_shape}", "lora": cfg.lora is not None,
-            "data": cfg.dataset or f"task:{cfg.task}", "seed": cfg.seed}
+            "data": cfg.dataset or f"task:{cfg.task}", "seed": cfg.seed, "trainer": trainer,
+            "world_size": world_size, **({"zero_stage": cfg.zero_stage} if trainer == "deepspeed" else {})}
 
 
 def _steps(root: Path) -> list[tuple[int, Path]]:
@@ -40,27 +48,58 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save(root: Path, *, step: int, version: int, trainer: Checkpointable, tokenizer: Any, ident: dict,
-         keep: int) -> Path:
-    """Writes step-<step> atomically and drops all but the newest `keep`; returns its path."""
-    root.mkdir(parents=True, exist_ok=True)
+class CheckpointError(ColomemError):
+    """A checkpoint could not be written (full disk, permissions); the earlier ones are intact."""
+
+
+def _tmp(root: Path, step: int) -> Path:
+    return root / f".tmp-{PREFIX}{step}"
+
+
+def _finish(root: Path, tmp: Path, *, step: int, version: int, tokenizer: Any, ident: dict, keep: int) -> Path:
     final = root / f"{PREFIX}{step}"
-    tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        trainer.save_state(tmp)
-        tokenizer.save_pretrained(tmp / "model")
-        (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "weight_version": version,
-                                                    **ident}, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)      # the earlier checkpoints are untouched
-        raise
+    for sub in ("model", "model-merged"):
+        if sub == "model" or (tmp / sub).is_dir():
+            tokenizer.save_pretrained(tmp / sub)
+    (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "weight_version": version,
+                                                **ident}, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
     for _, old in _steps(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save(root: Path, *, step: int, version: int, trainer: Checkpointable, tokenizer: Any, ident: dict,
+         keep: int, ranks: Any = None, merged: bool = False) -> Optional[Path]:
+    """Writes step-<step> atomically (every rank its part of the trainer state into a temporary folder, then
+    rank 0 renames it into place) and drops all but the newest `keep`; returns its path on rank 0.
+    CheckpointError when writing fails: the temporary folder is removed, the earlier checkpoints stay."""
+    main = ranks is None or ranks.is_main
+    tmp = _tmp(root, step)
+    try:
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if ranks is not None:
+            ranks.barrier(f"checkpoint step-{step}: folder ready")
+        trainer.save_state(tmp, merged=merged)
+        if ranks is not None:
+            ranks.barrier(f"checkpoint step-{step}: every rank wrote its part")
+        return _finish(root, tmp, step=step, version=version, tokenizer=tokenizer, ident=ident, keep=keep) \
+            if main else None
+    except OSError as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = [p.name for _, p in _steps(root)]
+        raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {e.strerror or e} "
+                              f"({e.filename or 'a checkpoint file'}); free disk space or choose another --out. "
+                              f"Earlier checkpoints are intact: {', '.join(kept) or 'none'}") from e
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)     # the earlier checkpoints are untouched
+        raise
 
 
 def find(resume: str, root: Path) -> Path:
@@ -95,24 +134,31 @@ def load_state(path: Path, ident: dict) -> dict:
 
 
 class Checkpointer:
-    """Saves every `every` steps and after the last; the runner calls after_step(k) with the steps done."""
+    """When to save (every `every` steps, after the last, and when a signal stops the run) and the saving;
+    every rank has one (each writes its part of the trainer state)."""
 
     def __init__(self, root: Path, trainer: Checkpointable, tokenizer: Any, ident: dict, every: Optional[int],
-                 keep: int, total_steps: int, log=print):
+                 keep: int, total_steps: int, ranks: Any = None, merged: bool = False, log=print):
         self.root, self.trainer, self.tokenizer, self.ident = root, trainer, tokenizer, ident
         self.every, self.keep, self.total, self.log = every, keep, total_steps, log
+        self.ranks, self.merged = ranks, merged
         self.saved: list[Path] = []
+        self.seconds: list[float] = []
 
-    def after_step(self, done: int, version: int, final: bool = False) -> Optional[Path]:
-        """Saves when `done` is a multiple of `every` or the last step (with `every` set), or when the run
-        stops here on a signal (`final`, always)."""
-        if not ((self.every and (done % self.every == 0 or done == self.total)) or final):
-            return None
+    def due(self, done: int, final: bool = False) -> bool:
+        """After `done` steps: a multiple of `every` or the last step (with `every` set), or the run stops
+        here on a signal (`final`, always)."""
+        return bool((self.every and (done % self.every == 0 or done == self.total)) or final)
+
+    def save(self, done: int, version: int) -> Optional[Path]:
+        t0 = time.perf_counter()
         path = save(self.root, step=done, version=version, trainer=self.trainer, tokenizer=self.tokenizer,
-                    ident=self.ident, keep=self.keep)
-        self.saved.append(path)
-        self.log(f"[colomem] checkpoint {path}")
+                    ident=self.ident, keep=self.keep, ranks=self.ranks, merged=self.merged)
+        self.seconds.append(time.perf_counter() - t0)
+        if path is not None:
+            self.saved.append(path)
+            self.log(f"[colomem] checkpoint {path} ({self.seconds[-1]:.2f} s)")
         return path
 
 
-__all__ = ["Checkpointer", "FORMAT", "find", "identity", "load_state", "save"]
+__all__ = ["CheckpointError", "Checkpointer", "FORMAT", "find", "identity", "load_state", "save"]

@@ -88,7 +88,9 @@ class RunConfig(_Strict):
     out: Optional[str] = Field(None, description="output directory; unset = runs/<timestamp>")
     plots: bool = True
     save_every: Optional[int] = Field(None, gt=0, description="checkpoint every N steps and after the last, "
-                                                              "into <out>/checkpoints/step-<N> (CPU backend)")
+                                                              "into <out>/checkpoints/step-<N>")
+    save_merged: bool = Field(False, description="with LoRA: checkpoints also hold the full model with the "
+                                                 "adapter merged (model-merged/)")
     keep_checkpoints: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
     resume: Optional[str] = Field(None, description="continue from a checkpoint: a step-<N> folder, or auto (the "
                                                     "newest under --out)")

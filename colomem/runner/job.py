@@ -106,7 +106,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         task = _task(cfg)
         ranks.check_split(cfg.prompts_per_step)
         grad_accum = _grad_accum(cfg, ranks.world_size)
-        start, resume_from, resumed = _resume_point(cfg, backend, out, steps)
+        ident = checkpoints.identity(cfg, backend, ranks.world_size)
+        start, resume_from, resumed = _resume_point(cfg, ident, out, steps)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
         model_path = _model_path(cfg, task, ranks, say)
@@ -140,9 +141,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if resume_from is not None and isinstance(trainer, Checkpointable):
             trainer.load_state(resume_from)
             say(f"[colomem] resumed from {resume_from} (step {start})")
-        if isinstance(trainer, Checkpointable) and ranks.is_main:   # also saves when a signal stops the run
-            checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, checkpoints.identity(cfg),
-                                        cfg.save_every, cfg.keep_checkpoints, steps, log=say)
+        if isinstance(trainer, Checkpointable):     # every rank writes its part; also saves on a signal
+            checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, ident, cfg.save_every,
+                                        cfg.keep_checkpoints, steps, ranks=ranks,
+                                        merged=cfg.save_merged, log=say)
         runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
@@ -237,15 +239,12 @@ def _stop_on_signals(runner: ColocatedRunner, say):
             signal.signal(sig, h)
 
 
-def _resume_point(cfg, backend: str, out: Path, steps: int) -> tuple[int, Optional[Path], int]:
+def _resume_point(cfg, ident: dict, out: Path, steps: int) -> tuple[int, Optional[Path], int]:
     """(first step, checkpoint folder or None, weight version), checked before any engine starts."""
-    if (cfg.save_every or cfg.resume) and backend != "cpu":
-        raise NotAvailableError("--save-every and --resume are not available with the GPU trainer yet (the CPU "
-                                "backend has them); leave them out")
     if not cfg.resume:
         return 0, None, 0
     path = checkpoints.find(cfg.resume, out / "checkpoints")
-    state = checkpoints.load_state(path, checkpoints.identity(cfg))
+    state = checkpoints.load_state(path, ident)
     if int(state["step"]) >= steps:
         raise ConfigError(f"checkpoint {str(path)!r} is at step {state['step']}, and --steps is {steps}: nothing "
                           "is left to run; raise --steps")

@@ -70,6 +70,12 @@ class ColocatedRunner:
         self.records: list[StepRecord] = []
         self.rollout_awake = False
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
+        self.checkpointer: Optional[Checkpointer] = None
+        # colomem's offload keeps the trainer state readable in the pool: a checkpoint due after step k is
+        # written right after step k+1's offload (no reload, no GPU memory); other switches save resident
+        self.save_from_pool = cfg.switch == "colomem"
+        self._save_due: Optional[int] = None
+        self.final_checkpoint: dict[str, Any] = {}
 
     # -- phases -------------------------------------------------------------------------------------------
     def _memory(self) -> dict:
@@ -154,7 +160,7 @@ class ColocatedRunner:
             return self._step(k, rec, t_step)
         except BaseException as e:
             rec.step_s = time.perf_counter() - t_step
-            rec.metrics["failed"] = self.machine.failed or self.machine.current or "score"
+            rec.metrics.setdefault("failed", self.machine.failed or self.machine.current or "score")
             rec.metrics["error"] = f"{type(e).__name__}: {e}"
             for w in (self.writer, self.rank_writer):
                 if w is not None:
@@ -174,6 +180,9 @@ class ColocatedRunner:
 
         with self.phase(rec, "offload"):
             self.trainer.offload()
+        if self._save_due is not None:
+            with self.timed(rec, "checkpoint"):
+                self._save(rec, self._save_due)
         with self.phase(rec, "barrier_wake"):
             ranks.barrier(f"before wake, step {k}")
         current = "wake_weights"
@@ -282,6 +291,33 @@ class ColocatedRunner:
                 out[f"rollout/{k}"] = v
         return out
 
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def _save(self, rec: StepRecord, done: int) -> None:
+        assert self.checkpointer is not None
+        self._save_due = None
+        try:
+            self.checkpointer.save(done, self.version)
+        except BaseException:
+            rec.metrics["failed"] = "checkpoint"
+            raise
+        rec.metrics["checkpoint/step"] = done
+        rec.metrics["checkpoint/seconds"] = self.checkpointer.seconds[-1]
+
+    def _after_step(self, done: int, last: bool) -> None:
+        """Saves now (the last step, or a signal), or marks the save for the next offload."""
+        cp = self.checkpointer
+        if cp is None or not cp.due(done, final=self.stop_requested is not None):
+            return
+        if self.save_from_pool and not last:
+            self._save_due = done
+            return
+        t0 = time.perf_counter()
+        if self.save_from_pool:          # once more, so the state is read from the pool as in the run
+            self.trainer.offload()
+        offload_s = time.perf_counter() - t0
+        cp.save(done, self.version)
+        self.final_checkpoint = {"step": done, "offload_s": offload_s, "seconds": cp.seconds[-1]}
+
     # -- the run ------------------------------------------------------------------------------------------
     def run(self, steps: int, progress: bool = True, *, start: int = 0,
             checkpointer: Optional[Checkpointer] = None) -> None:
@@ -294,10 +330,10 @@ class ColocatedRunner:
                 bar = None
         say = (bar.write if bar is not None else self.print) if self.ranks.is_main else (lambda *_: None)
         try:
+            self.checkpointer = checkpointer
             for k in range(start, steps):
                 rec = self.step(k)
-                if checkpointer is not None:      # after train: the trainer is resident
-                    checkpointer.after_step(k + 1, self.version, final=self.stop_requested is not None)
+                self._after_step(k + 1, last=k + 1 == steps or self.stop_requested is not None)
                 if self.stop_requested is not None:
                     say(f"[colomem] {self.stop_requested}: stopped after step {k + 1}")
                     break
@@ -345,5 +381,7 @@ class ColocatedRunner:
             "pinned_host_max": max([v.get("pinned_host") or 0 for r in recs for v in r.memory.values()
                                     if isinstance(v, dict)], default=None) or None,
             "memory_alarms": self.alarm.alarms,
+            "checkpoint_s": list(self.checkpointer.seconds) if self.checkpointer else [],
+            "final_checkpoint": self.final_checkpoint or None,
             "weight_version": self.version,
         }

@@ -24,7 +24,9 @@ CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", 
 # backward (overlap_reload); a switch cost, so it is taken out of train and counted here.
 SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "sleep",
                  "barrier_train", "reload", "reload_wait")
-REPORT_ORDER = CYCLE[:7] + ("score",) + CYCLE[7:10] + ("reload_wait",) + CYCLE[10:]   # tables and plots
+# checkpoint: a save due after the previous step, written from the pool right after this step's offload
+REPORT_ORDER = (CYCLE[:1] + ("checkpoint",) + CYCLE[1:7] + ("score",) + CYCLE[7:10] + ("reload_wait",)
+                + CYCLE[10:])   # tables and plots
 WORK_PHASES = ("rollout", "score", "train")
 
 WHY = {

@@ -157,6 +157,17 @@ class ColomemOffload:
         """A CPU tensor over the pool copy of t (same dtype, shape, strides), valid while offloaded."""
         return self.swapset.host_view(t)
 
+    def host_storage(self, t: Tensor) -> Optional[Tensor]:
+        """The pool copy of t's whole storage (uint8, either set), valid while offloaded."""
+        raw = self.swapset.host_storage(t)
+        return raw if raw is not None else self.late.host_storage(t)
+
+    def offloaded_items(self) -> Optional[list[tuple[str, str, Tensor]]]:
+        """(category, name, tensor) of what the last offload moved; None while resident."""
+        if self._state is None:
+            return None
+        return [(c, n, t) for c in CATEGORIES for n, t in self._state.groups.get(c, ())]
+
     def close(self) -> None:
         for s in (self.swapset, self.late):
             if s.state == "offloaded":

@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -366,6 +367,46 @@ class DeepSpeedTrainer:
                 raise PhaseOrderError("lora_state() on an offloaded trainer needs offload(prepare_sync=True)")
             return dict(self._lora_cache)
         return self._weights.lora_tensors(copy=True)
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save_state(self, path: Path, *, merged: bool = False) -> None:
+        """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`) and, on rank 0, the model in
+        Hugging Face format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too: the
+        full model with the adapter merged). Offloaded by the colomem method, everything is read from the
+        pool's host copies: no reload, no GPU memory. Every rank calls it (ZeRO-3 gathers collectively)."""
+        from colomem.engines.hf_export import save_adapter, save_full_model
+
+        from . import checkpoint
+
+        self._check_open()
+        self.wait_reload()
+        strategy = self._strategies.get(self._offloaded_by or "") if self._offloaded else None
+        if self._offloaded and not isinstance(strategy, ColomemOffload):
+            raise PhaseOrderError(f"save_state() on a trainer offloaded by {self._offloaded_by!r}: only the colomem "
+                                  "offload keeps readable copies; save while resident")
+        if isinstance(strategy, ColomemOffload):
+            checkpoint.save_state(self, path, strategy.host_storage, strategy.offloaded_items())
+        else:
+            checkpoint.save_state(self, path, None, None)
+        lora = self.lora is not None
+        if lora:
+            adapter = self.lora_state()
+            if self.rank == 0:
+                save_adapter(self.model, adapter, path / "model")
+        if not lora or merged:
+            weights = self.named_weights(merged=True)           # collective on ZeRO-3 with several ranks
+            if self.rank == 0:
+                save_full_model(self.model, weights, path / ("model-merged" if lora else "model"))
+            else:
+                for _ in weights:
+                    pass
+
+    def load_state(self, path: Path) -> None:
+        """A checkpoint's state into this freshly built, resident trainer (same model and layout)."""
+        from . import checkpoint
+
+        self._check_resident("load_state()")
+        checkpoint.load_state(self, path)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -9,7 +9,6 @@ else (merged LoRA weights, gathered ZeRO-3 weights) into one page-locked host bu
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor
 
 from colomem.engines import lora
+from colomem.engines.hf_export import adapter_key
 from colomem.errors import ColomemError
 
 from .state import storage_nbytes
@@ -108,8 +108,7 @@ class WeightExport:
         out = {}
         with self.full_params([p for _, p in named]) as full:
             for (n, _), t in zip(named, full):
-                key = re.sub(r"\.(lora_[A-Za-z_]+)\.[^.]+\.", r".\1.", n)     # drop the adapter name
-                out[key] = t.detach().to("cpu", copy=True) if copy else t
+                out[adapter_key(n)] = t.detach().to("cpu", copy=True) if copy else t
         return out
 
     def plan_sync(self, merged: bool, views_ok: bool, staging: Staging, pool: Any = None) -> tuple[list, int]:

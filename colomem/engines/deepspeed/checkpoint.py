@@ -1,0 +1,164 @@
+"""DeepSpeedTrainer checkpoints: the engine's state byte for byte, read from the pool while offloaded.
+
+DeepSpeed's own `save_checkpoint` reads the engine's GPU tensors, which the colomem offload has emptied; it
+would need a reload (and the GPU memory vLLM is using) for every save. This writes the equivalent from the
+pool's host copies instead, one file per rank:
+
+    trainer-rank<R>.pt   every storage the engine keeps between steps (the bf16 parameters, the fp32 master
+                         partitions, module buffers) as raw bytes under the names collect_engine_state gives
+                         them; the inner optimizer's state_dict (Adam moments, step); the engine's counters;
+                         the lr scheduler; the CPU and CUDA RNG states; the layout (ZeRO stage, world size,
+                         DeepSpeed version) a resume must match.
+
+Resident, the same bytes are copied from the GPU. Loading writes them into a freshly built engine of the same
+model and layout, in place (the tensors DeepSpeed's hooks and views point at stay the same objects), so the
+state after load_state equals the state saved, bit for bit. Gradients and scratch buffers are not saved: a
+step overwrites them before reading them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from colomem.errors import ConfigError
+
+from .state import CATEGORIES, collect_engine_state
+
+FORMAT = 1
+SAVED_CATEGORIES = tuple(c for c in CATEGORIES if c not in ("grads", "optim"))   # optim: via its state_dict
+REQUIRED_CATEGORIES = ("params", "master")          # must match exactly; "other" is restored where it does
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    return path / f"trainer-rank{rank}.pt"
+
+
+def _gpu_bytes(t: Tensor) -> Tensor:
+    """t's whole storage as uint8 on its own device."""
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+
+
+def layout(trainer: Any) -> dict:
+    return {"zero_stage": trainer.zero_stage, "world_size": trainer.world_size,
+            "lora": trainer.lora is not None}
+
+
+def save_state(trainer: Any, path: Path, host_storage: Optional[Callable[[Tensor], Optional[Tensor]]],
+               items: Optional[list[tuple[str, str, Tensor]]]) -> int:
+    """Writes this rank's file; returns its bytes. host_storage(t): the pool copy of t's storage while
+    offloaded (None: resident); items: (category, name, tensor) of the offloaded state (None: collected now)."""
+    engine = trainer.engine
+    if items is None:
+        st = collect_engine_state(engine, trainer.device)
+        items = [(c, n, t) for c in CATEGORIES for n, t in st.groups.get(c, ())]
+
+    def read(t: Tensor) -> Tensor:
+        raw = host_storage(t) if host_storage is not None else None
+        return raw if raw is not None else _gpu_bytes(t).cpu()
+
+    def host(t: Tensor) -> Tensor:
+        raw = host_storage(t) if host_storage is not None else None
+        if raw is None:
+            return t.detach().cpu()
+        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    storages = {n: read(t) for c, n, t in items if c in SAVED_CATEGORIES}
+    categories = {n: c for c, n, _ in items if c in SAVED_CATEGORIES}
+    inner = engine.optimizer.optimizer
+    opt_sd = inner.state_dict()
+    opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in s.items()}
+                       for i, s in opt_sd["state"].items()}
+    sched = getattr(engine, "lr_scheduler", None)
+    blob = {"format": FORMAT, "layout": layout(trainer), "deepspeed": trainer.deepspeed_version,
+            "steps": trainer.steps, "storages": storages, "categories": categories, "optimizer": opt_sd,
+            "counters": {k: getattr(engine, k) for k in _COUNTERS if isinstance(getattr(engine, k, None), int)},
+            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None}
+    path.mkdir(parents=True, exist_ok=True)
+    out = rank_file(path, trainer.rank)
+    torch.save(blob, out)
+    return out.stat().st_size
+
+
+def load_state(trainer: Any, path: Path) -> None:
+    """This rank's file into the (resident, freshly built) trainer; ConfigError when it does not fit."""
+    f = rank_file(path, trainer.rank)
+    if not f.is_file():
+        raise ConfigError(f"checkpoint {str(path)!r} has no {f.name}: it was written by another trainer or "
+                          "another number of ranks; resume with the same backend and world size")
+    blob = torch.load(f, map_location="cpu", weights_only=True)
+    if int(blob.get("format", 0)) > FORMAT:
+        raise ConfigError(f"{f} has format {blob.get('format')}; this colomem reads format {FORMAT} and older: "
+                          "upgrade colomem")
+    here = layout(trainer)
+    if blob["layout"] != here:
+        diff = "; ".join(f"{k} {blob['layout'].get(k)!r} there, {v!r} here" for k, v in here.items()
+                         if blob["layout"].get(k) != v)
+        raise ConfigError(f"checkpoint {str(path)!r} was written by another trainer layout ({diff}); resume with "
+                          "the same ZeRO stage, world size and LoRA setting")
+    engine = trainer.engine
+    state = collect_engine_state(engine, trainer.device)
+    live = {n: (c, t) for c in SAVED_CATEGORIES for n, t in state.groups.get(c, ())}
+    saved, cats = blob["storages"], blob["categories"]
+    for cat in REQUIRED_CATEGORIES:
+        want = {n for n, c in cats.items() if c == cat}
+        have = {n for n, (c, _) in live.items() if c == cat}
+        if want != have:
+            raise ConfigError(f"checkpoint {str(path)!r} is of another model or DeepSpeed version: its {cat} "
+                              f"storages differ (missing here: {sorted(want - have)[:3]}, not there: "
+                              f"{sorted(have - want)[:3]})")
+    for name, raw in saved.items():
+        if name not in live:
+            continue                                  # an "other" storage this engine does not keep
+        dst = _gpu_bytes(live[name][1])
+        if dst.numel() != raw.numel():
+            if live[name][0] in REQUIRED_CATEGORIES:
+                raise ConfigError(f"checkpoint {str(path)!r}: {name} holds {raw.numel()} bytes there and "
+                                  f"{dst.numel()} here; it is of another model")
+            continue
+        dst.copy_(raw)
+    _load_optimizer(engine.optimizer.optimizer, blob["optimizer"])
+    for k, v in blob["counters"].items():
+        setattr(engine, k, v)
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is not None and blob["lr_scheduler"] is not None:
+        sched.load_state_dict(blob["lr_scheduler"])
+    trainer.steps = int(blob["steps"])
+    torch.set_rng_state(blob["torch_rng"])
+    if blob["cuda_rng"] is not None and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(blob["cuda_rng"], trainer.device)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+
+
+def _load_optimizer(inner: Any, sd: dict) -> None:
+    """The inner optimizer's state in place where a tensor of that shape exists (ZeRO builds the Adam state
+    at initialisation, and its views of it stay valid), by torch's load_state_dict otherwise."""
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if len(sd["param_groups"]) != len(inner.param_groups) or len(params) < len(sd["state"]):
+        raise ConfigError("the checkpoint's optimizer has another layout of parameter groups; it is of another "
+                          "model or configuration")
+    in_place = all(params[i] in inner.state and all(
+        isinstance(inner.state[params[i]].get(k), Tensor) and inner.state[params[i]][k].shape == v.shape
+        for k, v in s.items() if isinstance(v, Tensor)) for i, s in sd["state"].items())
+    if not in_place:
+        inner.load_state_dict(sd)
+        return
+    for i, s in sd["state"].items():
+        cur = inner.state[params[i]]
+        for k, v in s.items():
+            if isinstance(v, Tensor):
+                cur[k].copy_(v)
+            else:
+                cur[k] = v
+    for group, saved in zip(inner.param_groups, sd["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+__all__ = ["FORMAT", "layout", "load_state", "rank_file", "save_state"]

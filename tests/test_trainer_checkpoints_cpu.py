@@ -1,0 +1,163 @@
+"""Trainer checkpoints on the host path: what is saved while offloaded (read from the pool) equals what is
+saved resident, loading gives the state back bit for bit, the LoRA adapter and the merged model load in
+peft / transformers, and a checkpoint of another layout or model is a clear error."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import colomem
+from colomem.engines.deepspeed import checkpoint as ds_checkpoint
+from colomem.engines.deepspeed import state as ds_state
+from colomem.engines.deepspeed.strategies import ColomemOffload
+from colomem.errors import ConfigError
+from fakes.deepspeed import fake_zero2_engine
+
+CPU = torch.device("cpu")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def pool():
+    p = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    yield p
+    p.close(force=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from colomem.grpo.tasks import make_task
+    from colomem.grpo.tiny_model import model_dir
+
+    return model_dir("tiny", make_task("successor").alphabet, dtype="float32",
+                     cache_dir=tmp_path_factory.mktemp("ckpt-cache") / "models", log=lambda *_: None)
+
+
+def batch_for(step: int):
+    from colomem.grpo.batch import Completion, build_batch
+
+    g = torch.Generator().manual_seed(step)
+    comps = [[Completion(token_ids=torch.randint(3, 12, (3,), generator=g).tolist(), logprobs=[-1.0] * 3)
+              for _ in range(4)] for _ in range(2)]
+    return build_batch([[2, 4, 5, 6], [2, 7, 8, 9]], comps, torch.tensor([1.0, -1, 0.5, -0.5] * 2), pad_id=0)
+
+
+# ------------------------------------------------------------------------------------- DeepSpeed trainer
+def shell(engine, steps=0, **kw):
+    """What checkpoint.py reads of a DeepSpeedTrainer, around a ZeRO-2-shaped engine (no DeepSpeed here)."""
+    fields = dict(engine=engine, device=CPU, rank=0, zero_stage=2, world_size=1, lora=None,
+                  deepspeed_version="0.19.8", steps=steps)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def engine_bytes(eng) -> dict:
+    """Every value a resume must restore: storages by name, the Adam state, the counters."""
+    st = ds_state.collect_engine_state(eng, CPU)
+    out = {n: t.detach().clone() for c in ("params", "master", "other") for n, t in st.groups[c]}
+    for i, s in enumerate(eng.optimizer.optimizer.state.values()):
+        out.update({f"adam{i}.{k}": v.clone() for k, v in s.items()})
+    out["global_steps"] = torch.tensor(eng.global_steps)
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(pool, tmp_path):
+    eng = fake_zero2_engine(seed=0)
+    eng.global_steps = 7
+    want = engine_bytes(eng)
+    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "resident", None, None)
+    s = ColomemOffload(lambda: ds_state.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.offload()
+    assert eng.optimizer.bit16_groups_flat[0].untyped_storage().nbytes() == 0       # really offloaded
+    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "pool", s.host_storage, s.offloaded_items())
+    s.reload()
+    s.close()
+    a, b = (torch.load(tmp_path / d / "trainer-rank0.pt", weights_only=True) for d in ("resident", "pool"))
+    assert same(a["storages"], b["storages"]) and a["storages"]
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for i in a["optimizer"]["state"]:
+        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+
+    for empty_adam in (False, True):        # in place into ZeRO's Adam state, or through load_state_dict
+        fresh = fake_zero2_engine(seed=1)
+        params = list(fresh.module.parameters())
+        if empty_adam:
+            fresh.optimizer.optimizer.state.clear()
+        fresh.global_steps = 0
+        assert not same(engine_bytes(fresh), want)
+        t = shell(fresh)
+        ds_checkpoint.load_state(t, tmp_path / "pool")
+        assert same(engine_bytes(fresh), want) and t.steps == 3
+        assert list(fresh.module.parameters()) == params       # the same objects (DeepSpeed's views)
+        assert torch.equal(fresh.module[0].weight, eng.module[0].weight)
+
+
+def test_deepspeed_checkpoint_of_another_layout_or_model_is_a_clear_error(tmp_path):
+    eng = fake_zero2_engine()
+    ds_checkpoint.save_state(shell(eng), tmp_path, None, None)
+    with pytest.raises(ConfigError, match="world_size 1 there, 2 here"):
+        ds_checkpoint.load_state(shell(fake_zero2_engine(), world_size=2), tmp_path)
+    with pytest.raises(ConfigError, match="no trainer-rank1.pt"):
+        ds_checkpoint.load_state(shell(fake_zero2_engine(), rank=1), tmp_path)
+    other = fake_zero2_engine()
+    other.optimizer.bit16_groups_flat[0].untyped_storage().resize_(8)
+    with pytest.raises(ConfigError, match="another model"):
+        ds_checkpoint.load_state(shell(other), tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- CPU trainer
+def test_torch_trainer_saves_the_same_offloaded_as_resident(tiny, pool, tmp_path):
+    from colomem.engines.stand_ins import TorchTrainer
+
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool)
+    try:
+        t.train_step(batch_for(0))
+        t.save_state(tmp_path / "resident")
+        t.offload()
+        assert all(p.untyped_storage().nbytes() == 0 for p in t.model.parameters())
+        t.save_state(tmp_path / "pool")
+        t.reload()
+    finally:
+        t.close()
+    a, b = (torch.load(tmp_path / d / "trainer.pt", weights_only=True) for d in ("resident", "pool"))
+    assert same(a["model"], b["model"])
+    for i in a["optimizer"]["state"]:
+        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+    from safetensors.torch import load_file
+
+    assert same(load_file(tmp_path / "resident" / "model" / "model.safetensors"),
+                load_file(tmp_path / "pool" / "model" / "model.safetensors"))
+
+
+def test_lora_checkpoint_loads_in_peft_and_the_merged_model_in_transformers(tiny, pool, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.grpo.config import LoraSpec
+
+    t = TorchTrainer(tiny, lr=5e-2, micro_batch=4, pool=pool, lora=LoraSpec(r=4, alpha=8))
+    ids = torch.tensor([[2, 4, 5, 6, 7]])
+    try:
+        for k in range(2):
+            t.train_step(batch_for(k))
+        with torch.no_grad():
+            want = t.model(input_ids=ids).logits
+        t.offload()
+        t.save_state(tmp_path, merged=True)
+        t.reload()
+    finally:
+        t.close()
+    assert (tmp_path / "model" / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "model")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model-merged", dtype=torch.float32)(
+            input_ids=ids).logits
+    assert not torch.allclose(before, want)                         # the adapter learned something
+    torch.testing.assert_close(adapted, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-4)
