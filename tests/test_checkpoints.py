@@ -90,3 +90,58 @@ def test_sigterm_finishes_the_step_saves_and_stops_as_interrupted(job_env, tmp_p
     again = run_job(cfg(tmp_path / "t", resume="auto", steps=3), reward_fns=[lambda p, c, **m: 0.5],
                     print_fn=lambda *_: None)
     assert again.summary["status"] == "ok" and [r.step for r in again.records] == [2]
+
+
+DISK_FULL_JOB = """
+import json, resource, signal, sys
+from colomem.runner import run_job
+from colomem.runner.config import config_from_dict
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)            # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+try:
+    run_job(config_from_dict(json.loads(sys.argv[2])), print_fn=lambda *_: None)
+except Exception as e:
+    print(type(e).__name__ + ": " + str(e))
+    sys.exit(3)
+"""
+
+
+def test_a_disk_that_fills_during_a_save_leaves_the_earlier_checkpoint_and_metrics_intact(job_env, tmp_path):
+    """A real failing write (the file-size limit makes the kernel refuse it, as a full disk does)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r"
+    run_job(cfg(out, steps=1, save_every=1), print_fn=lambda *_: None)
+    first = out / "checkpoints" / "step-1"
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    big = (first / "trainer.pt").stat().st_size
+    data = {"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
+            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4},
+            "save_every": 1, "resume": "auto"}
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_JOB, str(big // 2), json.dumps(data)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    msg = proc.stdout.strip().splitlines()[-1]
+    assert msg.startswith("CheckpointError: writing checkpoint step-2") and "File too large" in msg, msg
+    assert "free disk space or choose another --out" in msg and "intact: step-1" in msg
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]      # no half checkpoint
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "reward_mean" in x] == [0, 1]              # both steps' lines kept
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "error" and "CheckpointError" in summary["error"]
+
+
+def test_saves_come_after_the_next_offload_and_lora_saves_adapter_and_merged_model(job_env, tmp_path):
+    out = tmp_path / "l"
+    res = run_job(cfg(out, steps=3, save_every=1, lora={"r": 4}, save_merged=True), print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok"
+    # step k's checkpoint is written right after step k+1's offload, from the pool; the last one at the end
+    assert [r.metrics.get("checkpoint/step") for r in res.records] == [None, 1, 2]
+    assert all(r.phase_s["checkpoint"] > 0 for r in res.records[1:])
+    assert res.summary["final_checkpoint"]["step"] == 3 and len(res.summary["checkpoint_s"]) == 3
+    last = out / "checkpoints" / "step-3"
+    assert (last / "model" / "adapter_config.json").is_file() and (last / "model" / "adapter_model.safetensors").is_file()
+    assert (last / "model-merged" / "config.json").is_file() and (last / "model-merged" / "tokenizer.json").is_file()
+    assert (last / "model" / "tokenizer.json").is_file()

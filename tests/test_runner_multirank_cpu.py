@@ -1,5 +1,5 @@
-"""Two ranks on CPU (torchrun-style environment, gloo): barriers, the work split, the whole loop, and a
-stalled rank that makes the other fail with a clear timeout instead of hanging."""
+"""Two ranks on CPU (torchrun-style environment, gloo): barriers, the work split, the whole loop with its
+checkpoint, and a stalled rank that makes the other fail with a clear timeout instead of hanging."""
 import json
 import os
 import socket
@@ -72,7 +72,7 @@ WORKER = textwrap.dedent(r'''
             return eng
         cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
                                 "progress": False, "plots": False, "out": os.path.join(out, "job"),
-                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}})
+                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}, "save_every": 2})
         res = run_job(cfg, engines_factory=factory, print_fn=print)
         dump({"status": res.summary["status"], "weights": seen["weights"],
               "rewards": [r.metrics["reward_mean"] for r in res.records],
@@ -178,3 +178,8 @@ def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
     for rank in (0, 1):                                                       # every rank its timeline
         recs = [json.loads(x) for x in (job / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
         assert [x["rank"] for x in recs] == [rank, rank] and "barrier_wake" in recs[0]["phase_s"]
+    # the checkpoint: every rank passed its barriers, rank 0 wrote the (replicated) state and renamed it
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["step-2"]
+    state = json.loads((job / "checkpoints" / "step-2" / "state.json").read_text())
+    assert state["world_size"] == 2 and state["step"] == 2 and state["trainer"] == "torch"
+    assert (job / "checkpoints" / "step-2" / "trainer.pt").is_file()

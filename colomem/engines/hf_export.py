@@ -10,9 +10,10 @@ reloaded and nothing more is allocated on the GPU to save a checkpoint); while r
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from .lora import is_peft_model
 
@@ -36,6 +37,46 @@ def _host(t: "Tensor") -> "Tensor":
     return t if t.is_contiguous() else t.contiguous()
 
 
+class _WholeWrites:
+    """A file whose write() writes everything or keeps the kernel's reason for failing: torch's writer turns
+    a failed write into "unexpected pos" and drops the cause (a full disk), which save_torch raises instead."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        except OSError as e:
+            self.error = e
+            raise
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """torch.save into `path`, synced; a failing write (a full disk) raises OSError naming its cause."""
+    import torch
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = _WholeWrites(fd)
+    try:
+        torch.save(obj, out)  # type: ignore[arg-type]  # any object with write() will do
+        os.fsync(fd)
+    except RuntimeError:
+        if out.error is not None:
+            raise OSError(out.error.errno, out.error.strerror, str(path)) from None
+        raise
+    finally:
+        os.close(fd)
+
+
 def save_full_model(model: Any, weights: Iterable[tuple[str, "Tensor"]], out: Path) -> None:
     """The full model under its HF names (LoRA merged, when the weights are merged) into `out`, with the
     config of `model` (a transformers model, or the base of a peft model)."""
@@ -54,4 +95,4 @@ def save_adapter(model: Any, adapter: Mapping[str, "Tensor"], out: Path) -> None
     save_file({k: _host(v) for k, v in adapter.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-__all__ = ["ADAPTER_WEIGHTS", "adapter_key", "save_adapter", "save_full_model"]
+__all__ = ["ADAPTER_WEIGHTS", "adapter_key", "save_adapter", "save_full_model", "save_torch"]

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model
+from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model, save_torch
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
 from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
 from colomem.engines.reports import SwitchReport, SyncStats
@@ -407,7 +407,7 @@ class TorchTrainer:
         opt_sd = self.optimizer.state_dict()
         opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in st.items()}
                            for i, st in opt_sd["state"].items()}
-        torch.save({"model": model_sd, "optimizer": opt_sd, "steps": self.steps,
+        save_torch({"model": model_sd, "optimizer": opt_sd, "steps": self.steps,
                     "torch_rng": torch.get_rng_state()}, path / "trainer.pt")
         if self.lora is not None:
             save_adapter(self.model, {adapter_key(k): v for k, v in model_sd.items() if ".lora_" in k},

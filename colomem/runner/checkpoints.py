@@ -89,13 +89,17 @@ def save(root: Path, *, step: int, version: int, trainer: Checkpointable, tokeni
             ranks.barrier(f"checkpoint step-{step}: every rank wrote its part")
         return _finish(root, tmp, step=step, version=version, tokenizer=tokenizer, ident=ident, keep=keep) \
             if main else None
-    except OSError as e:
+    except Exception as e:     # OSError, or a library's writer (safetensors, torch) failing on the disk
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ColomemError):           # ours: already says what to do
+            raise
         kept = [p.name for _, p in _steps(root)]
-        raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {e.strerror or e} "
-                              f"({e.filename or 'a checkpoint file'}); free disk space or choose another --out. "
-                              f"Earlier checkpoints are intact: {', '.join(kept) or 'none'}") from e
+        cause = (f"{e.strerror} ({e.filename or 'a checkpoint file'})" if isinstance(e, OSError) and e.strerror
+                 else f"{type(e).__name__}: {e}")
+        raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {cause}; free disk "
+                              f"space or choose another --out. Earlier checkpoints are intact: "
+                              f"{', '.join(kept) or 'none'}") from e
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)     # the earlier checkpoints are untouched

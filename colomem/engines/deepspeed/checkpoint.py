@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from colomem.engines.hf_export import save_torch
 from colomem.errors import ConfigError
 
 from .state import CATEGORIES, collect_engine_state
@@ -40,7 +41,7 @@ def rank_file(path: Path, rank: int) -> Path:
 def _gpu_bytes(t: Tensor) -> Tensor:
     """t's whole storage as uint8 on its own device."""
     st = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
 def layout(trainer: Any) -> dict:
@@ -82,7 +83,7 @@ def save_state(trainer: Any, path: Path, host_storage: Optional[Callable[[Tensor
             "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None}
     path.mkdir(parents=True, exist_ok=True)
     out = rank_file(path, trainer.rank)
-    torch.save(blob, out)
+    save_torch(blob, out)
     return out.stat().st_size
 
 
