@@ -59,6 +59,7 @@ def test_lora_flags(tmp_path):
     assert load_run_config(["--lora"]).lora == LoraSpec()
     cfg = load_run_config(["--lora-r", "8", "--lora-target-modules", "q_proj,v_proj"])
     assert cfg.lora.r == 8 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_run_config(["--lora"]).lora.target_modules == "all-linear"        # peft's every-linear-layer
     cfg = load_run_config(["--config", _yaml(tmp_path, {"lora": {"r": 4}}), "--no-lora"])
     assert cfg.lora is None
     assert load_run_config(["--config", _yaml(tmp_path, {"lora": True}, "l.yaml")]).lora == LoraSpec()

@@ -161,3 +161,20 @@ def test_lora_checkpoint_loads_in_peft_and_the_merged_model_in_transformers(tiny
     assert not torch.allclose(before, want)                         # the adapter learned something
     torch.testing.assert_close(adapted, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_all_linear_adapts_the_linear_layers_of_any_architecture():
+    """The default adapter fits a model whose layers are not called q_proj..down_proj (GPT-NeoX here), and
+    never the output head."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from colomem.engines.lora import build_lora_config, check_lora_layers
+    from colomem.grpo.config import LoraSpec
+
+    model = AutoModelForCausalLM.from_config(GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, intermediate_size=64))
+    peft_model = get_peft_model(model, build_lora_config(LoraSpec()))
+    check_lora_layers(peft_model)
+    adapted = {n.split(".")[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.nn import Module
 
-# The linear layers of a Llama/Qwen-style decoder (attention and MLP); LoraSpec's default.
+# The linear layers of a Llama/Qwen-style decoder (attention and MLP): what LoraSpec's "all-linear" picks there.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 FullParams = Callable[[list], ContextManager[list]]
@@ -28,8 +28,9 @@ def build_lora_config(lora: Any) -> Any:
     from peft import LoraConfig
 
     alpha: Any = float(lora.alpha)      # peft annotates an int but scales by alpha / r: a float stays exact
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     return LoraConfig(r=int(lora.r), lora_alpha=alpha, lora_dropout=float(lora.dropout),
-                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
 
 
 def lora_layer_class() -> type:

@@ -4,11 +4,14 @@ rollout sampling and both trainers read. The whole run's configuration is `colom
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from colomem.errors import ConfigError  # noqa: F401  (re-exported: where it was before)
+
+
+ALL_LINEAR = "all-linear"          # peft's name for every linear layer except the output head
 
 
 class _Strict(BaseModel):
@@ -20,8 +23,16 @@ class LoraSpec(_Strict):
     r: int = Field(16, gt=0)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: Union[str, list[str]] = Field(
+        "all-linear", description="the layers to adapt: all-linear (every linear layer but the output head, "
+                                  "peft's choice for any architecture) or a comma list of module names")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v: Any) -> Any:
+        if isinstance(v, str) and v != ALL_LINEAR:       # "q_proj,v_proj" from a flag
+            return [m.strip() for m in v.split(",") if m.strip()]
+        return v
 
 
 class GRPOConfig(_Strict):

@@ -93,7 +93,8 @@ class LoraAdapter:
                       os.path.join(d, "adapter_model.safetensors"))
             cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_attr(self.lora, "r")),
                    "lora_alpha": lora_attr(self.lora, "alpha", "lora_alpha"),
-                   "target_modules": list(lora_attr(self.lora, "target_modules", default=[])),
+                   # the modules the adapter really has (a spec may say "all-linear")
+                   "target_modules": sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in adapter}),
                    "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False}
             with open(os.path.join(d, "adapter_config.json"), "w") as f:
                 json.dump(cfg, f)
