@@ -313,7 +313,8 @@ class TorchTrainer:
         self.model.train()
         metrics = accumulate_gradients(self.model, batch, self.grpo, micro_batch=self.micro_batch,
                                        backward=lambda loss: loss.backward(), ref_logprobs_fn=self._ref_fn,
-                                       device=self.device)
+                                       device=self.device, world_size=self.world_size,
+                                       process_group=self.process_group)
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -1,13 +1,16 @@
 """One GRPO optimisation step, shared by every Trainer (plain torch on CPU, DeepSpeed on GPU).
 
-    for mb in split_micro_batches(batch, micro_batch, cfg.loss_norm):
+    for mb in split_micro_batches(batch, micro_batch, cfg.loss_norm, ...):
         loss, metrics = compute_loss(model, mb, cfg)      # loss already carries mb.loss_weight
         backward(loss)                                    # torch: loss.backward()
                                                           # DeepSpeed: engine.backward(loss, scale_wrt_gas=False)
-    optimizer step
+    gradients averaged over the ranks, optimizer step
 
-The micro-batch losses are weighted by their share of the batch (sequences for loss_norm="sequence",
-completion tokens for "token"), so the summed gradients equal the full-batch gradient whatever the split.
+The micro-batch losses are weighted by their share of the whole optimisation batch over *all* ranks
+(sequences for loss_norm="sequence", completion tokens for "token"), times the number of ranks the trainer
+averages the gradients over. So after that average the gradient equals one rank training on every rank's rows
+at once, whatever the split into ranks and micro-batches: each rank's own token count would weight a rank
+with few tokens as much as one with many (accumulate_gradients sums the counts over the ranks first).
 That is why DeepSpeed must not scale again by the accumulation steps (scale_wrt_gas=False).
 """
 from __future__ import annotations
@@ -73,23 +76,49 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
     return loss, metrics
 
 
-def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence") -> list[GRPOBatch]:
-    """Consecutive row slices of at most micro_batch rows, each with its loss_weight (sums to batch.loss_weight)."""
+def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence", *,
+                        total_tokens: Optional[float] = None, total_rows: Optional[float] = None,
+                        world_size: int = 1) -> list[GRPOBatch]:
+    """Consecutive row slices of at most micro_batch rows, each with its loss_weight.
+
+    The weight is the slice's share of the optimisation batch: its completion tokens / total_tokens ("token")
+    or its rows / total_rows ("sequence"), times world_size. total_*: the counts over every rank (default: this
+    batch's own, the one-rank case); world_size: the ranks the trainer averages the gradients over, so the
+    weights of all ranks' slices sum to world_size and the averaged gradient is the whole batch's."""
     if micro_batch < 1:
         raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
     if loss_norm not in ("sequence", "token"):
         raise InvalidArgumentError(f"loss_norm must be 'sequence' or 'token', got {loss_norm!r}")
+    if world_size < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
     B = len(batch)
-    total_tokens = float(batch.completion_mask.sum())
+    tokens = float(batch.completion_mask.sum()) if total_tokens is None else float(total_tokens)
+    rows = float(B) if total_rows is None else float(total_rows)
     out = []
     for s in range(0, B, micro_batch):
         mb = batch.select(slice(s, min(s + micro_batch, B)))
-        if loss_norm == "token" and total_tokens > 0:
-            share = float(mb.completion_mask.sum()) / total_tokens
-        else:
-            share = len(mb) / B
-        out.append(replace(mb, loss_weight=batch.loss_weight * share))
+        if loss_norm == "token" and tokens > 0:
+            share = float(mb.completion_mask.sum()) / tokens
+        else:           # sequence norm, or no completion token anywhere (the loss is 0 either way)
+            share = len(mb) / rows
+        out.append(replace(mb, loss_weight=batch.loss_weight * share * world_size))
     return out
+
+
+def global_counts(batch: GRPOBatch, *, world_size: int = 1, process_group=None,
+                  device=None) -> tuple[float, float]:
+    """(completion tokens, rows) of `batch` summed over the ranks of process_group (one all-reduce; every
+    rank must call it). world_size 1: this batch's own counts, no communication. device: where the count
+    tensor lives for the reduction (a CUDA device for NCCL)."""
+    local = (float(batch.completion_mask.sum()), float(len(batch)))
+    if world_size <= 1:
+        return local
+    import torch.distributed as dist
+
+    t = torch.tensor(local, dtype=torch.float64, device=device if device is not None else "cpu")
+    dist.all_reduce(t, group=process_group)
+    tokens, rows = t.tolist()
+    return float(tokens), float(rows)
 
 
 class MetricAccumulator:
@@ -118,16 +147,23 @@ class MetricAccumulator:
 
 def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                          backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
-                         before_micro: Optional[Callable[[bool], None]] = None, device=None) -> dict[str, float]:
-    """Forward/backward every micro-batch of `batch`; the caller steps the optimizer afterwards.
+                         before_micro: Optional[Callable[[bool], None]] = None, device=None,
+                         world_size: int = 1, process_group=None) -> dict[str, float]:
+    """Forward/backward every micro-batch of `batch` (this rank's rows); the caller averages the gradients
+    over the ranks and steps the optimizer afterwards.
 
     The one micro-batch loop of every Trainer. backward(loss) gets each micro-batch's loss, already weighted
-    by its share of the batch (torch: loss.backward(); DeepSpeed: engine.backward(loss, scale_wrt_gas=False)).
+    by its share of the batch over all ranks (torch: loss.backward(); DeepSpeed: engine.backward(loss,
+    scale_wrt_gas=False)). world_size / process_group: the ranks the trainer averages the gradients over
+    (every rank calls this with its own rows: the token and row counts are summed over them first).
     before_micro(is_last) runs before each micro-batch's forward (DeepSpeed: set_gradient_accumulation_boundary,
     so the gradients are reduced at the last one whatever the batch size). device: where each micro-batch
-    goes (non-blocking). Returns the batch's metrics: weighted means, the summed `loss`, `micro_batches`."""
+    goes (non-blocking). Returns this rank's metrics: weighted means, the summed `loss` (this rank's part of
+    the batch loss times world_size: its mean over the ranks is the batch loss), `micro_batches`."""
     acc = MetricAccumulator()
-    micro = split_micro_batches(batch, micro_batch, cfg.loss_norm)
+    tokens, rows = global_counts(batch, world_size=world_size, process_group=process_group, device=device)
+    micro = split_micro_batches(batch, micro_batch, cfg.loss_norm, total_tokens=tokens, total_rows=rows,
+                                world_size=world_size)
     for i, mb in enumerate(micro):
         if device is not None:
             mb = mb.to(device, non_blocking=True)

@@ -224,6 +224,9 @@ class DeepSpeedTrainer:
             out = accumulate_gradients(
                 engine, batch, self.grpo, micro_batch=self.micro_batch, ref_logprobs_fn=ref_fn, device=self.device,
                 before_micro=engine.set_gradient_accumulation_boundary,
+                # DeepSpeed averages the gradients over the data-parallel ranks (all of them): the weights
+                # are the global token (or row) shares times world_size, summed over the default group
+                world_size=self.world_size,
                 backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))   # loss carries its weight
             waited = self.wait_reload()                       # the step reads the masters and moments
             engine.step()
