@@ -33,7 +33,11 @@ class GRPOConfig(_Strict):
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="sequence: mean over each completion's tokens, then over completions (GRPO); "
                                 "token: sum over all completion tokens / their count (DAPO)")
-    scale_rewards: bool = Field(True, description="divide advantages by the group's std (False: Dr. GRPO)")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's std (False, with "
+                                                  "loss_norm token: Dr. GRPO)")
+    std: Literal["population", "sample"] = Field(
+        "population", description="the group std of the advantages: population (divide by n) or sample (by n - 1, "
+                                  "as TRL and verl)")
     adv_eps: float = Field(1e-4, gt=0)
     temperature: float = Field(1.0, gt=0, description="sampling temperature; logprobs use logits/temperature")
     top_p: float = Field(1.0, gt=0, le=1)
