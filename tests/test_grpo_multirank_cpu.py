@@ -163,6 +163,17 @@ CASES = [
     {"name": "sequence", "lengths": LENGTHS, "rows": [[0, 1], [2, 3, 4, 5]], "grpo": {"loss_norm": "sequence"}},
     {"name": "token-rollout-clip", "lengths": LENGTHS, "rows": [[0, 1, 2], [3, 4, 5]],
      "grpo": {"loss_norm": "token", "old_logprobs": "rollout", "clip_eps_high": 0.28}},
+    # two passes of two mini-batches: four optimizer steps per train_step, each normalised over its
+    # mini-batch on both ranks; the one-rank reference holds mini-batch j of both ranks as its j-th half
+    {"name": "token-reuse", "lengths": [1, 2, 3, 1, 6, 8, 9, 5], "rows": [[0, 1, 2, 3], [4, 5, 6, 7]],
+     "reference": [0, 1, 4, 5, 2, 3, 6, 7],
+     "grpo": {"loss_norm": "token", "num_iterations": 2, "mini_batches": 2}},
+    {"name": "sequence-reuse-variants", "lengths": [1, 2, 3, 1, 6, 8, 9, 5], "rows": [[0, 1, 2, 3], [4, 5, 6, 7]],
+     "reference": [0, 1, 4, 5, 2, 3, 6, 7],
+     "grpo": {"num_iterations": 2, "mini_batches": 2, "importance_level": "sequence", "dual_clip": 1.1,
+              "entropy_coef": 0.01, "is_correction": "token", "is_mode": "mask", "is_cap": 1.3}},
+    {"name": "token-is-sequence", "lengths": LENGTHS, "rows": [[0, 1, 2], [3, 4, 5]],
+     "grpo": {"loss_norm": "token", "is_correction": "sequence", "is_cap": 2.0, "entropy_coef": 0.05}},
 ]
 
 
@@ -217,10 +228,12 @@ def _close(a, b, atol=1e-6):
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_two_ranks_equal_one_rank_on_the_whole_batch(ranks, case):
     kind, results, mod = ranks
-    full = mod.full_batch(case["lengths"]).select(case["rows"][0] + case["rows"][1])
+    full = mod.full_batch(case["lengths"]).select(case.get("reference", case["rows"][0] + case["rows"][1]))
     want = mod.train(kind, case, full)
     r0, r1 = results[0][case["name"]], results[1][case["name"]]
-    assert len(r0["grads"]) == len(want["grads"]) == case.get("train_steps", 2)
+    updates = case["grpo"].get("num_iterations", 1) * case["grpo"].get("mini_batches", 1)
+    assert len(r0["grads"]) == len(want["grads"]) == case.get("train_steps", 2) * updates
+    assert r0["metrics"][0]["optimizer_steps"] == updates
     for step, w in enumerate(want["grads"]):
         # each rank steps with the averaged gradient (the trainer's reduction), equal on both ranks
         assert _close(r0["grads"][step], w) and _close(r1["grads"][step], w), f"step {step}"

@@ -25,7 +25,7 @@ from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
 from .config import GRPOConfig
-from .loss import grpo_loss, token_entropy, token_logprobs
+from .loss import grpo_loss, rollout_is_weights, token_entropy, token_logprobs
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
 
@@ -43,7 +43,11 @@ def policy_logprobs(model, batch: GRPOBatch, temperature: float = 1.0) -> Tensor
 def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
                  ref_logprobs_fn: Optional[RefLogprobsFn] = None) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss of `model` on `batch` (one forward). With cfg.kl_coef > 0 and no batch.ref_logprobs,
-    ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off)."""
+    ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off).
+
+    The ratio's old policy: old_logprobs="policy" the trainer's own logprobs before the first update on this
+    batch (batch.first_logprobs, or this forward's when there is a single update), "rollout" the rollout
+    engine's (batch.old_logprobs). is_correction weights the policy term by first / rollout logprobs."""
     if cfg.kl_coef > 0 and batch.ref_logprobs is None:
         if ref_logprobs_fn is None:
             raise InvalidArgumentError("kl_coef > 0 but the batch has no ref_logprobs and no ref_logprobs_fn "
@@ -52,17 +56,35 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             batch = replace(batch, ref_logprobs=ref_logprobs_fn(batch).detach())
     rollout_lp = batch.old_logprobs
     mask = batch.completion_mask.bool()
-    if rollout_lp is not None and cfg.old_logprobs == "rollout" and bool(torch.isnan(rollout_lp[mask]).any()):
-        raise InvalidArgumentError("old_logprobs='rollout' but the rollout engine returned no logprob for some "
-                                   "sampled tokens (NaN); use old_logprobs='policy'")
-    if cfg.old_logprobs == "policy":
-        batch = replace(batch, old_logprobs=None)     # one update per batch: old policy = current weights
+    needs_rollout = cfg.old_logprobs == "rollout" or cfg.is_correction != "none"
+    if needs_rollout and rollout_lp is None:
+        raise InvalidArgumentError("old_logprobs='rollout' and is_correction need the rollout engine's logprobs of "
+                                   "the sampled tokens, and this batch has none")
+    if needs_rollout and rollout_lp is not None and bool(torch.isnan(rollout_lp[mask]).any()):
+        raise InvalidArgumentError("old_logprobs='rollout' and is_correction need the rollout engine's logprob of "
+                                   "every sampled token, and some are NaN; use old_logprobs='policy' and "
+                                   "is_correction='none'")
+    # None = this forward's own logprobs, detached (a single update per batch: ratio 1 in value)
+    batch = replace(batch, old_logprobs=batch.first_logprobs if cfg.old_logprobs == "policy" else rollout_lp)
     logits = _forward_logits(model, batch)
     logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
+    mask = mask.to(logits.device)
+    is_w: Optional[Tensor] = None
+    is_metrics: dict[str, float] = {}
+    if cfg.is_correction != "none" and rollout_lp is not None:
+        trainer_lp = batch.first_logprobs if batch.first_logprobs is not None else logprobs.detach()
+        is_w, is_metrics = rollout_is_weights(trainer_lp.to(logprobs), rollout_lp.to(logprobs), mask,
+                                              level=cfg.is_correction, mode=cfg.is_mode, cap=cfg.is_cap,
+                                              log_ratio_clamp=cfg.log_ratio_clamp)
+    ent = token_entropy(logits, cfg.temperature, grad=True) if cfg.entropy_coef > 0 else None
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                              clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm)
+                              clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm,
+                              importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
+                              log_ratio_clamp=cfg.log_ratio_clamp, kl_clamp=cfg.kl_clamp,
+                              kl_ratio_correction=cfg.kl_ratio_correction, is_weights=is_w, entropy=ent,
+                              entropy_coef=cfg.entropy_coef)
+    metrics.update(is_metrics)
     with torch.no_grad():
-        mask = mask.to(logits.device)
         if rollout_lp is not None:
             # how far the rollout engine's logprobs are from the trainer's: ~0 when the sync delivered the
             # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights
@@ -71,8 +93,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
         if cfg.log_entropy:
-            ent = token_entropy(logits.detach(), cfg.temperature)
-            metrics["entropy"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1))
+            e = ent.detach() if ent is not None else token_entropy(logits.detach(), cfg.temperature)
+            metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
 
@@ -122,7 +144,8 @@ def global_counts(batch: GRPOBatch, *, world_size: int = 1, process_group=None,
 
 
 class MetricAccumulator:
-    """Weighted means of micro-batch metrics (max for *_max; sums for counts and the weighted "loss")."""
+    """Weighted means of micro-batch metrics (max for *_max, min for *_min; sums for counts and the weighted
+    "loss")."""
     _SUM = ("completion_tokens", "loss")
 
     def __init__(self):
@@ -133,6 +156,9 @@ class MetricAccumulator:
         for k, v in metrics.items():
             if k.endswith("_max"):
                 self._acc[k] = max(self._acc.get(k, float("-inf")), v)
+                self._w[k] = 1.0
+            elif k.endswith("_min"):
+                self._acc[k] = min(self._acc.get(k, float("inf")), v)
                 self._w[k] = 1.0
             elif k in self._SUM:
                 self._acc[k] = self._acc.get(k, 0.0) + v
@@ -174,6 +200,100 @@ def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batc
         acc.add(metrics, mb.loss_weight / batch.loss_weight)
     out = acc.result()
     out["micro_batches"] = float(len(micro))
+    return out
+
+
+def split_mini_batches(batch: GRPOBatch, mini_batches: int) -> list[GRPOBatch]:
+    """`mini_batches` consecutive row slices of near-equal size (one optimizer step each; verl's
+    ppo_mini_batch_size as a count per rank). Rows stay in order: group by group."""
+    B = len(batch)
+    if mini_batches < 1:
+        raise InvalidArgumentError(f"mini_batches must be >= 1, got {mini_batches}")
+    if B < mini_batches:
+        raise InvalidArgumentError(f"mini_batches={mini_batches} but this rank trains on {B} rows; every "
+                                   "mini-batch needs a row: fewer mini-batches or more prompts per step")
+    if mini_batches == 1:
+        return [batch]
+    cuts = [i * B // mini_batches for i in range(mini_batches + 1)]
+    return [batch.select(slice(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+@torch.no_grad()
+def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
+                        ref_logprobs_fn: Optional[RefLogprobsFn] = None, device=None) -> GRPOBatch:
+    """`batch` with first_logprobs: the model's logprobs before any update on it (one forward without a graph,
+    micro-batch by micro-batch), the old policy of every later update; and with the reference logprobs when
+    the KL needs them, so reusing the batch does not run the reference again."""
+    need_ref = cfg.kl_coef > 0 and batch.ref_logprobs is None and ref_logprobs_fn is not None
+    B, T = batch.input_ids.shape
+    first = torch.zeros(B, T, dtype=torch.float32)
+    ref = torch.zeros(B, T, dtype=torch.float32) if need_ref else None
+    for s in range(0, B, micro_batch):
+        mb = batch.select(slice(s, min(s + micro_batch, B)))
+        if device is not None:
+            mb = mb.to(device, non_blocking=True)
+        w = mb.input_ids.shape[1]           # select trimmed the trailing padding: write back into [B, T]
+        first[s:s + len(mb), :w] = policy_logprobs(model, mb, cfg.temperature).float().cpu()
+        if ref is not None and ref_logprobs_fn is not None:
+            ref[s:s + len(mb), :w] = ref_logprobs_fn(mb).float().cpu()
+    mask = batch.completion_mask.cpu() > 0
+    dev = batch.input_ids.device
+    first = torch.where(mask, first, torch.zeros_like(first)).to(dev)
+    if ref is not None:
+        batch = replace(batch, ref_logprobs=torch.where(mask, ref, torch.zeros_like(ref)).to(dev))
+    return replace(batch, first_logprobs=first)
+
+
+_UPDATE_SUMS = ("reload_wait_s", "micro_batches")
+
+
+def combine_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several optimizer steps on one batch: means (max for *_max, min for *_min, sums for
+    the reload wait and the micro-batch count)."""
+    out: dict[str, float] = {}
+    keys = dict.fromkeys(k for m in per_update for k in m)
+    for k in keys:
+        vals = [m[k] for m in per_update if k in m]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith("_min"):
+            out[k] = min(vals)
+        elif k in _UPDATE_SUMS:
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(sum(vals) / len(vals))
+    return out
+
+
+def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
+                   backward: Callable[[Tensor], None], optimizer_step: Callable[[], dict[str, float]],
+                   ref_logprobs_fn: Optional[RefLogprobsFn] = None,
+                   before_micro: Optional[Callable[[bool], None]] = None, device=None, world_size: int = 1,
+                   process_group=None) -> dict[str, float]:
+    """Every optimizer step a Trainer takes on one batch (its train_step): cfg.num_iterations passes over the
+    batch (TRL num_iterations, verl ppo_epochs), each split into cfg.mini_batches mini-batches (verl
+    ppo_mini_batch_size), one accumulate_gradients + optimizer_step() per mini-batch.
+
+    With more than one update the old policy of the clipped ratio is the batch's first-pass logprobs (before
+    any of these updates), so later updates see ratios away from 1 and the clip bounds how far they go.
+    optimizer_step(): the trainer's own (average the gradients over the ranks, clip, step, zero them); its
+    metrics join the update's. Returns the updates' combined metrics and `optimizer_steps`."""
+    if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
+        batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
+                                    device=device)
+    minis = split_mini_batches(batch, cfg.mini_batches)
+    per_update = []
+    for _ in range(cfg.num_iterations):
+        for mb in minis:
+            m = accumulate_gradients(model, mb, cfg, micro_batch=micro_batch, backward=backward,
+                                     ref_logprobs_fn=ref_logprobs_fn, before_micro=before_micro, device=device,
+                                     world_size=world_size, process_group=process_group)
+            m.update(optimizer_step())
+            per_update.append(m)
+    out = combine_updates(per_update)
+    if "completion_tokens" in out:         # this rank's batch, not the mean of its mini-batches
+        out["completion_tokens"] = float(batch.completion_mask.sum())
+    out["optimizer_steps"] = float(len(per_update))
     return out
 
 
