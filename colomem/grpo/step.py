@@ -87,8 +87,10 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
     with torch.no_grad():
         if rollout_lp is not None:
             # how far the rollout engine's logprobs are from the trainer's: ~0 when the sync delivered the
-            # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights
-            gap = (logprobs.detach() - rollout_lp.to(logprobs)).abs()
+            # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights.
+            # Against the weights the rollout had: the first pass when the batch is reused
+            mine = batch.first_logprobs.to(logprobs) if batch.first_logprobs is not None else logprobs.detach()
+            gap = (mine - rollout_lp.to(logprobs)).abs()
             ok = mask & ~torch.isnan(gap)
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
