@@ -62,3 +62,29 @@ def test_group_stats():
     assert st["reward_mean"] == pytest.approx(0.75)
     assert st["groups_no_signal"] == pytest.approx(0.5)
     assert st["reward_max"] == 1.0 and st["reward_min"] == 0.0
+
+
+def test_sample_std_divides_by_n_minus_one():
+    # {3, 1, 2}: mean 2, squared deviations 2; sample std sqrt(2 / 2) = 1 (TRL and verl), population sqrt(2/3)
+    a = group_advantages([3.0, 1.0, 2.0], 3, eps=0.0, std="sample")
+    assert a.tolist() == pytest.approx([1.0, -1.0, 0.0], abs=1e-6)
+    # n = 2, {0, 1}: sample std sqrt(0.5) -> +-0.5 / (sqrt(0.5) + eps); population: +-0.5 / (0.5 + eps)
+    eps = 1e-4
+    s = group_advantages([0.0, 1.0], 2, eps=eps, std="sample")
+    p = group_advantages([0.0, 1.0], 2, eps=eps)
+    assert s.tolist() == pytest.approx([-0.5 / (math.sqrt(0.5) + eps), 0.5 / (math.sqrt(0.5) + eps)], abs=1e-6)
+    assert float(p[1] / s[1]) == pytest.approx(math.sqrt(2), rel=1e-3)
+
+
+def test_sample_std_with_unscorable_samples_counts_only_the_scored_ones():
+    # scored {4, 0, 2} (the None is left out): mean 2, squared deviations 8, sample std sqrt(8 / 2) = 2
+    a = group_advantages([4.0, 0.0, 99.0, 2.0], 4, eps=0.0, std="sample", scorable=[True, True, False, True])
+    assert a.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-6)
+    # one scored sample: no signal, no division by n - 1 = 0
+    b = group_advantages([1.0, 5.0], 2, std="sample", scorable=[True, False])
+    assert b.tolist() == [0.0, 0.0]
+
+
+def test_unknown_std_refused():
+    with pytest.raises(InvalidArgumentError, match="std"):
+        group_advantages([1.0, 0.0], 2, std="biased")

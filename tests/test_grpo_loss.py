@@ -206,7 +206,7 @@ class _TinyLM(torch.nn.Module):
 
 def _random_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts, groups, lp = [], [], []
+    prompts, groups = [], []
     for i in range(3):
         prompts.append(torch.randint(1, 9, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist())
         grp = []

@@ -307,29 +307,36 @@ class TorchTrainer:
             raise PhaseOrderError(f"{what} on an offloaded trainer; call reload() first")
 
     def train_step(self, batch) -> dict[str, float]:
-        from colomem.grpo.step import accumulate_gradients
+        """The optimizer steps of one batch (grpo.num_iterations x grpo.mini_batches; one by default)."""
+        from colomem.grpo.step import train_on_batch
 
         self._check("train_step()")
         t0 = time.perf_counter()
         self.model.train()
-        metrics = accumulate_gradients(self.model, batch, self.grpo, micro_batch=self.micro_batch,
-                                       backward=lambda loss: loss.backward(), ref_logprobs_fn=self._ref_fn,
-                                       device=self.device)
-        if self.world_size > 1:
-            import torch.distributed as dist
 
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.process_group)
-                p.grad.div_(self.world_size)
-        if self.max_grad_norm:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-            metrics["grad_norm"] = float(norm)
-        metrics["reload_wait_s"] = self.wait_reload()     # the step reads the optimizer state
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
+        def optimizer_step() -> dict[str, float]:
+            out: dict[str, float] = {}
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                for p in self.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=self.process_group)
+                    p.grad.div_(self.world_size)
+            if self.max_grad_norm:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+                out["grad_norm"] = float(norm)
+            out["reload_wait_s"] = self.wait_reload()     # the step reads the optimizer state
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+            return out
+
+        metrics = train_on_batch(self.model, batch, self.grpo, micro_batch=self.micro_batch,
+                                 backward=lambda loss: loss.backward(), optimizer_step=optimizer_step,
+                                 ref_logprobs_fn=self._ref_fn, device=self.device, world_size=self.world_size,
+                                 process_group=self.process_group)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics

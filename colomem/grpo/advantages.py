@@ -1,9 +1,12 @@
 """Group-normalised advantages: each completion is scored against the other completions of its prompt.
 
     A_i = (r_i - mean(group)) / (std(group) + eps)     scale_by_std=True  (GRPO)
-    A_i =  r_i - mean(group)                           scale_by_std=False (Dr. GRPO: no length/difficulty bias)
+    A_i =  r_i - mean(group)                           scale_by_std=False (Dr. GRPO's advantage; its loss
+                                                                           also needs loss_norm="token")
 
-std is the population std (divide by n), so a group of two rewards {0, 1} gives advantages -+1/(0.5+eps)*0.5.
+std="population" (the default) divides the squared deviations by n, so a group of two rewards {0, 1} gives
+advantages -+0.5/(0.5+eps); std="sample" divides by n - 1, as TRL and verl do (torch.std's default): the
+advantages are then sqrt((n-1)/n) times the population ones (1/1.41 at n = 2, 0.94 at n = 8).
 A group whose rewards are all equal carries no signal and gets exactly 0.
 Rows are ordered group by group: prompt i, completion j -> row i * group_size + j.
 """
@@ -17,14 +20,22 @@ from torch import Tensor
 from colomem.errors import InvalidArgumentError
 
 
+STD_KINDS = ("population", "sample")
+
+
 def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-4, scorable: Optional[Sequence[bool]] = None) -> Tensor:
+                     eps: float = 1e-4, scorable: Optional[Sequence[bool]] = None,
+                     std: str = "population") -> Tensor:
     """[B] rewards (B = groups * group_size) -> [B] float32 advantages.
 
+    std: "population" (divide by n) or "sample" (by n - 1; a group of one has std 0).
     scorable: False for samples no reward function could score (a reward returned None, TRL's convention):
     they get advantage 0 and are left out of their group's mean and std (their reward value is ignored)."""
+    if std not in STD_KINDS:
+        raise InvalidArgumentError(f"std must be one of {STD_KINDS}, got {std!r}")
     if scorable is not None and not all(scorable):
-        return _masked_advantages(rewards, group_size, scorable, scale_by_std=scale_by_std, eps=eps)
+        return _masked_advantages(rewards, group_size, scorable, scale_by_std=scale_by_std, eps=eps,
+                                  sample=std == "sample")
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if group_size < 1:
         raise InvalidArgumentError(f"group_size must be >= 1, got {group_size}")
@@ -38,12 +49,13 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scal
     flat = (g == g[:, :1]).all(dim=1, keepdim=True)
     centred = torch.where(flat, torch.zeros_like(centred), centred)
     if scale_by_std:
-        centred = centred / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+        sample = std == "sample" and group_size > 1
+        centred = centred / (g.std(dim=1, unbiased=sample, keepdim=True) + eps)
     return centred.flatten()
 
 
 def _masked_advantages(rewards, group_size: int, scorable: Sequence[bool], *, scale_by_std: bool,
-                       eps: float) -> Tensor:
+                       eps: float, sample: bool = False) -> Tensor:
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     w = torch.as_tensor(list(scorable), dtype=torch.bool).flatten()
     if r.numel() != w.numel() or r.numel() % group_size:
@@ -60,7 +72,8 @@ def _masked_advantages(rewards, group_size: int, scorable: Sequence[bool], *, sc
     flat = (((g - ref).abs() * m).amax(dim=1, keepdim=True) == 0)
     centred = torch.where(flat, torch.zeros_like(centred), centred)
     if scale_by_std:
-        std = (((g - mean) ** 2 * m).sum(dim=1, keepdim=True) / n).sqrt()
+        dof = (n - 1.0).clamp(min=1.0) if sample else n      # over the scorable samples only
+        std = (((g - mean) ** 2 * m).sum(dim=1, keepdim=True) / dof).sqrt()
         centred = centred / (std + eps)
     return centred.flatten()
 

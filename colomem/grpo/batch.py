@@ -48,8 +48,11 @@ class GRPOBatch:
     attention_mask: Tensor                  # [B, T] 1 on real tokens
     completion_mask: Tensor                 # [B, T] 1 on completion tokens that count (prompt, padding: 0)
     advantages: Tensor                      # [B] group-normalised
-    old_logprobs: Optional[Tensor] = None   # [B, T] aligned with input_ids, or None (= on-policy, ratio 1)
+    old_logprobs: Optional[Tensor] = None   # [B, T] the rollout engine's, aligned with input_ids, or None
     ref_logprobs: Optional[Tensor] = None   # [B, T] for the KL term, or None
+    # [B, T] the trainer's own logprobs before the first update on this batch (set by the step when it reuses
+    # the batch, num_iterations or mini_batches > 1): the ratio's old policy, and the IS correction's numerator
+    first_logprobs: Optional[Tensor] = None
     # Share of the full optimisation batch this (micro-)batch stands for; grpo_loss multiplies by it so the
     # summed gradients of the micro-batches equal the gradient of the whole batch (see step.split_micro_batches).
     loss_weight: float = 1.0
@@ -59,7 +62,7 @@ class GRPOBatch:
         if self.input_ids.dim() != 2:
             raise InvalidArgumentError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
         shape = tuple(self.input_ids.shape)
-        for name in ("attention_mask", "completion_mask", "old_logprobs", "ref_logprobs"):
+        for name in ("attention_mask", "completion_mask", "old_logprobs", "ref_logprobs", "first_logprobs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise InvalidArgumentError(f"GRPOBatch.{name} has shape {tuple(t.shape)}, expected {shape}")
@@ -77,7 +80,7 @@ class GRPOBatch:
     def _map(self, fn) -> "GRPOBatch":
         kw: dict[str, Any] = {}
         for name in ("input_ids", "attention_mask", "completion_mask", "advantages", "old_logprobs",
-                     "ref_logprobs", "rewards"):
+                     "ref_logprobs", "first_logprobs", "rewards"):
             t = getattr(self, name)
             kw[name] = None if t is None else fn(t)
         return replace(self, **kw)

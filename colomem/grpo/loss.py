@@ -1,16 +1,22 @@
 """The GRPO objective: clipped policy ratio times group advantage, over completion tokens only.
 
-    ratio_t  = exp(logp_t - old_logp_t)
-    pg_t     = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
-    kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator, >= 0, unbiased for KL)
-    loss_t   = pg_t + kl_coef * kl_t
+    log_ratio_t = clamp(logp_t - old_logp_t, -c, c)                c = log_ratio_clamp (verl: 20), None: off
+                  importance_level="sequence" (GSPO): the mean of the completion's log-ratios, on each token
+    ratio_t     = exp(log_ratio_t)
+    pg_t        = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
+                  dual_clip c3 (verl clip_ratio_c): pg_t = min(pg_t, -c3 * A) where A < 0
+                  times w_t, the rollout importance weight (is_weights: trainer / rollout engine, capped)
+    kl_t        = exp(d_t) - d_t - 1,  d_t = clamp(ref_t - logp_t, -c, c)    (k3: >= 0, unbiased for KL)
+                  kl_clamp: at most that; kl_ratio_correction (TRL use_bias_correction_kl): times ratio_t
+    loss        = norm(pg) + kl_coef * norm(kl) - entropy_coef * norm(entropy)
 
-Normalisation (`loss_norm`):
+Normalisation (`loss_norm`), the same for all three terms:
     "sequence"  mean over each completion's tokens, then mean over completions (the GRPO paper)
     "token"     sum over all completion tokens / number of completion tokens in the batch (DAPO)
 Positions outside completion_mask (prompt, padding, masked truncations) are selected away with
 torch.where before any exp, so they get exactly zero gradient, even where the old or reference logprobs
-there are NaN or far off.
+there are NaN or far off. A clamped log-ratio passes no gradient (as in verl): a token 20 nats away from the
+old policy is noise to be capped, not a direction to follow.
 """
 from __future__ import annotations
 
@@ -49,18 +55,25 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return torch.cat([lp.new_zeros(B, 1), lp.view(B, T - 1)], dim=1)
 
 
-@torch.no_grad()
-def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """[B, T, V] -> [B, T] entropy of the next-token distribution predicting position t (position 0 = 0)."""
-    B, T, V = logits.shape
-    pred = logits[:, :-1, :].reshape(-1, V)
-    parts = []
-    for s in range(0, pred.shape[0], _CHUNK_ROWS):
-        chunk = pred[s:s + _CHUNK_ROWS].float() / temperature
-        logp = torch.log_softmax(chunk, dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    ent = torch.cat(parts) if parts else pred.new_zeros(0, dtype=torch.float32)
-    return torch.cat([ent.new_zeros(B, 1), ent.view(B, T - 1)], dim=1)
+def token_entropy(logits: Tensor, temperature: float = 1.0, *, grad: bool = False) -> Tensor:
+    """[B, T, V] -> [B, T] entropy of the next-token distribution predicting position t (position 0 = 0).
+
+    grad=False (the metric): no graph. grad=True (the entropy bonus): differentiable; backward keeps each
+    chunk's fp32 log-softmax, so this costs a [B, T, V] fp32 tensor after all (only when entropy_coef > 0)."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        B, T, V = logits.shape
+        pred = logits[:, :-1, :].reshape(-1, V)
+        parts = []
+        for s in range(0, pred.shape[0], _CHUNK_ROWS):
+            chunk = pred[s:s + _CHUNK_ROWS].float() / temperature
+            logp = torch.log_softmax(chunk, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        ent = torch.cat(parts) if parts else pred.new_zeros(0, dtype=torch.float32)
+        return torch.cat([ent.new_zeros(B, 1), ent.view(B, T - 1)], dim=1)
+
+
+def _clamp(x: Tensor, bound: Optional[float]) -> Tensor:
+    return x if bound is None else torch.clamp(x, -float(bound), float(bound))
 
 
 def masked_mean(values: Tensor, mask: Tensor, loss_norm: str) -> Tensor:
@@ -74,46 +87,112 @@ def masked_mean(values: Tensor, mask: Tensor, loss_norm: str) -> Tensor:
     raise InvalidArgumentError(f"loss_norm must be 'sequence' or 'token', got {loss_norm!r}")
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Optional[Tensor] = None, *,
+          log_ratio_clamp: Optional[float] = None, max_value: Optional[float] = None) -> Tensor:
     """k3 estimator of KL(policy || ref) per token: exp(r - p) - (r - p) - 1 (>= 0, zero when equal).
 
     With a mask, positions outside it are 0 and are zeroed *before* exp, so no inf/NaN reaches backward.
-    """
+    log_ratio_clamp: r - p clamped to +-that first (verl: 20; without it a log-ratio of 28 gives 1.4e12);
+    max_value: the estimate capped at that (verl: 10)."""
     d = ref_logprobs - logprobs
     if mask is not None:
         d = torch.where(mask.bool(), d, torch.zeros_like(d))
-    return torch.exp(d) - d - 1.0
+    d = _clamp(d, log_ratio_clamp)
+    kl = torch.exp(d) - d - 1.0
+    return kl if max_value is None else torch.clamp(kl, max=float(max_value))
+
+
+def rollout_is_weights(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str,
+                       mode: str, cap: float, log_ratio_clamp: Optional[float] = None
+                       ) -> tuple[Tensor, dict[str, float]]:
+    """Importance weights for the rollout engine / trainer mismatch (TRL's vllm_importance_sampling_correction,
+    verl's rollout_is): w = pi_trainer_old / pi_rollout, per token (level "token") or one per completion
+    (level "sequence": the product over its tokens, exp of the summed log-ratios), then capped: "truncate"
+    min(w, cap), "mask" w where w <= cap, else 0. Constants (no gradient); [B, T], 0 outside the mask.
+
+    Metrics over the completion tokens ("token") or the completions with a token ("sequence"): the applied
+    weights' is_weight_mean/min/max, and is_truncated_frac or is_masked_frac, the share above the cap."""
+    if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
+        raise InvalidArgumentError(f"importance weights: level {level!r} (token|sequence), mode {mode!r} "
+                                   "(truncate|mask)")
+    with torch.no_grad():
+        m = mask.bool()
+        d = torch.where(m, trainer_logprobs.detach() - rollout_logprobs.to(trainer_logprobs), 0.0)
+        units = m
+        if level == "sequence":
+            d = d.sum(dim=1, keepdim=True)
+            units = m.any(dim=1, keepdim=True)
+        w = torch.exp(_clamp(d, log_ratio_clamp))
+        over = (w > cap) & units
+        w = torch.clamp(w, max=cap) if mode == "truncate" else torch.where(over, torch.zeros_like(w), w)
+        n = units.sum().clamp(min=1).float()
+        picked = w[units]
+        metrics = {
+            "is_weight_mean": float(picked.sum() / n),
+            "is_weight_min": float(picked.min()) if picked.numel() else 1.0,
+            "is_weight_max": float(picked.max()) if picked.numel() else 1.0,
+            ("is_truncated_frac" if mode == "truncate" else "is_masked_frac"): float(over.sum() / n),
+        }
+        w = torch.where(m, w.expand_as(m), torch.zeros_like(trainer_logprobs))
+    return w, metrics
 
 
 def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: float = 0.0,
-              clip_eps_high: Optional[float] = None, loss_norm: str = "sequence") -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss of `logprobs` ([B, T], aligned with batch.input_ids) and its metrics.
+              clip_eps_high: Optional[float] = None, loss_norm: str = "sequence",
+              importance_level: str = "token", dual_clip: Optional[float] = None,
+              log_ratio_clamp: Optional[float] = None, kl_clamp: Optional[float] = None,
+              kl_ratio_correction: bool = False, is_weights: Optional[Tensor] = None,
+              entropy: Optional[Tensor] = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO loss of `logprobs` ([B, T], aligned with batch.input_ids) and its metrics (formulas: the
+    module docstring; the options are GRPOConfig's, of the same names).
 
-    old_logprobs None = on-policy (ratio 1 in value, gradient of the plain policy gradient). The returned
-    loss is multiplied by batch.loss_weight (1.0 unless the batch is a micro-batch of a larger one).
+    old_logprobs None = on-policy (ratio 1 in value, gradient of the plain policy gradient). is_weights: the
+    rollout importance weights ([B, T], rollout_is_weights) on the policy term; entropy: [B, T] per-token
+    entropy with its graph, for entropy_coef > 0. The returned loss is multiplied by batch.loss_weight (1.0
+    unless the batch is a micro-batch of a larger one).
     """
     if logprobs.shape != batch.input_ids.shape:
         raise InvalidArgumentError(f"logprobs {tuple(logprobs.shape)} do not match the batch "
                                    f"{tuple(batch.input_ids.shape)}")
+    if importance_level not in ("token", "sequence"):
+        raise InvalidArgumentError(f"importance_level must be 'token' or 'sequence', got {importance_level!r}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise InvalidArgumentError(f"dual_clip must be > 1 (a ratio above 1 + clip_eps_high), got {dual_clip}")
     eps_lo = float(clip_eps)
     eps_hi = float(clip_eps if clip_eps_high is None else clip_eps_high)
     mask = batch.completion_mask.to(logprobs.device).bool()
     zeros = torch.zeros_like(logprobs)
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logprobs)
     log_ratio = torch.where(mask, logprobs - old, zeros)
-    ratio = torch.exp(log_ratio)
+    if importance_level == "sequence":     # GSPO: one ratio per completion, the geometric mean of its tokens'
+        per_row = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(mask, per_row.expand_as(log_ratio), zeros)
+    with torch.no_grad():
+        clamped = (log_ratio.abs() > log_ratio_clamp) & mask if log_ratio_clamp is not None else None
+    ratio = torch.exp(_clamp(log_ratio, log_ratio_clamp))
     adv = batch.advantages.to(logprobs)[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv
     pg = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:          # A < 0 and a ratio far above 1: the loss stops growing at -c3 * A
+        pg = torch.where(adv < 0, torch.minimum(pg, -float(dual_clip) * adv), pg)
+    if is_weights is not None:
+        pg = pg * is_weights.to(logprobs)
 
     kl = None
     if batch.ref_logprobs is not None:
-        kl = kl_k3(logprobs, batch.ref_logprobs.to(logprobs), mask)
+        kl = kl_k3(logprobs, batch.ref_logprobs.to(logprobs), mask, log_ratio_clamp=log_ratio_clamp,
+                   max_value=kl_clamp)
+        if kl_ratio_correction:        # the samples come from the old policy: weight the estimate by the ratio
+            kl = kl * ratio
     elif kl_coef > 0:
         raise InvalidArgumentError("kl_coef > 0 needs batch.ref_logprobs (the reference model's logprobs)")
+    if entropy_coef > 0 and entropy is None:
+        raise InvalidArgumentError("entropy_coef > 0 needs the per-token entropy (token_entropy(..., grad=True))")
     pg_loss = masked_mean(pg, mask, loss_norm)
     unweighted = pg_loss + kl_coef * masked_mean(kl, mask, loss_norm) if kl is not None and kl_coef > 0 else pg_loss
+    if entropy is not None and entropy_coef > 0:
+        unweighted = unweighted - entropy_coef * masked_mean(entropy.to(logprobs), mask, loss_norm)
     loss = unweighted * batch.loss_weight
 
     with torch.no_grad():
@@ -130,6 +209,10 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
             "ratio_max": float(torch.where(mask, ratio, zeros).max()) if mask.any() else 1.0,
             "completion_tokens": float(mask.sum()),
         }
+        if dual_clip is not None:
+            metrics["clip_frac_dual"] = float(((ratio > dual_clip) & (adv < 0) & mask).sum() / n)
+        if clamped is not None:
+            metrics["log_ratio_clamped_frac"] = float(clamped.sum() / n)
         if kl is not None:
             metrics["kl"] = float(torch.where(mask, kl, zeros).sum() / n)
     return loss, metrics

@@ -1,13 +1,16 @@
 """One GRPO optimisation step, shared by every Trainer (plain torch on CPU, DeepSpeed on GPU).
 
-    for mb in split_micro_batches(batch, micro_batch, cfg.loss_norm):
+    for mb in split_micro_batches(batch, micro_batch, cfg.loss_norm, ...):
         loss, metrics = compute_loss(model, mb, cfg)      # loss already carries mb.loss_weight
         backward(loss)                                    # torch: loss.backward()
                                                           # DeepSpeed: engine.backward(loss, scale_wrt_gas=False)
-    optimizer step
+    gradients averaged over the ranks, optimizer step
 
-The micro-batch losses are weighted by their share of the batch (sequences for loss_norm="sequence",
-completion tokens for "token"), so the summed gradients equal the full-batch gradient whatever the split.
+The micro-batch losses are weighted by their share of the whole optimisation batch over *all* ranks
+(sequences for loss_norm="sequence", completion tokens for "token"), times the number of ranks the trainer
+averages the gradients over. So after that average the gradient equals one rank training on every rank's rows
+at once, whatever the split into ranks and micro-batches: each rank's own token count would weight a rank
+with few tokens as much as one with many (accumulate_gradients sums the counts over the ranks first).
 That is why DeepSpeed must not scale again by the accumulation steps (scale_wrt_gas=False).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
 from .config import GRPOConfig
-from .loss import grpo_loss, token_entropy, token_logprobs
+from .loss import grpo_loss, rollout_is_weights, token_entropy, token_logprobs
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
 
@@ -40,7 +43,11 @@ def policy_logprobs(model, batch: GRPOBatch, temperature: float = 1.0) -> Tensor
 def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
                  ref_logprobs_fn: Optional[RefLogprobsFn] = None) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss of `model` on `batch` (one forward). With cfg.kl_coef > 0 and no batch.ref_logprobs,
-    ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off)."""
+    ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off).
+
+    The ratio's old policy: old_logprobs="policy" the trainer's own logprobs before the first update on this
+    batch (batch.first_logprobs, or this forward's when there is a single update), "rollout" the rollout
+    engine's (batch.old_logprobs). is_correction weights the policy term by first / rollout logprobs."""
     if cfg.kl_coef > 0 and batch.ref_logprobs is None:
         if ref_logprobs_fn is None:
             raise InvalidArgumentError("kl_coef > 0 but the batch has no ref_logprobs and no ref_logprobs_fn "
@@ -49,51 +56,98 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             batch = replace(batch, ref_logprobs=ref_logprobs_fn(batch).detach())
     rollout_lp = batch.old_logprobs
     mask = batch.completion_mask.bool()
-    if rollout_lp is not None and cfg.old_logprobs == "rollout" and bool(torch.isnan(rollout_lp[mask]).any()):
-        raise InvalidArgumentError("old_logprobs='rollout' but the rollout engine returned no logprob for some "
-                                   "sampled tokens (NaN); use old_logprobs='policy'")
-    if cfg.old_logprobs == "policy":
-        batch = replace(batch, old_logprobs=None)     # one update per batch: old policy = current weights
+    needs_rollout = cfg.old_logprobs == "rollout" or cfg.is_correction != "none"
+    if needs_rollout and rollout_lp is None:
+        raise InvalidArgumentError("old_logprobs='rollout' and is_correction need the rollout engine's logprobs of "
+                                   "the sampled tokens, and this batch has none")
+    if needs_rollout and rollout_lp is not None and bool(torch.isnan(rollout_lp[mask]).any()):
+        raise InvalidArgumentError("old_logprobs='rollout' and is_correction need the rollout engine's logprob of "
+                                   "every sampled token, and some are NaN; use old_logprobs='policy' and "
+                                   "is_correction='none'")
+    # None = this forward's own logprobs, detached (a single update per batch: ratio 1 in value)
+    batch = replace(batch, old_logprobs=batch.first_logprobs if cfg.old_logprobs == "policy" else rollout_lp)
     logits = _forward_logits(model, batch)
     logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
+    mask = mask.to(logits.device)
+    is_w: Optional[Tensor] = None
+    is_metrics: dict[str, float] = {}
+    if cfg.is_correction != "none" and rollout_lp is not None:
+        trainer_lp = batch.first_logprobs if batch.first_logprobs is not None else logprobs.detach()
+        is_w, is_metrics = rollout_is_weights(trainer_lp.to(logprobs), rollout_lp.to(logprobs), mask,
+                                              level=cfg.is_correction, mode=cfg.is_mode, cap=cfg.is_cap,
+                                              log_ratio_clamp=cfg.log_ratio_clamp)
+    ent = token_entropy(logits, cfg.temperature, grad=True) if cfg.entropy_coef > 0 else None
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                              clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm)
+                              clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm,
+                              importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
+                              log_ratio_clamp=cfg.log_ratio_clamp, kl_clamp=cfg.kl_clamp,
+                              kl_ratio_correction=cfg.kl_ratio_correction, is_weights=is_w, entropy=ent,
+                              entropy_coef=cfg.entropy_coef)
+    metrics.update(is_metrics)
     with torch.no_grad():
-        mask = mask.to(logits.device)
         if rollout_lp is not None:
             # how far the rollout engine's logprobs are from the trainer's: ~0 when the sync delivered the
-            # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights
-            gap = (logprobs.detach() - rollout_lp.to(logprobs)).abs()
+            # trainer's weights (bf16 numerics aside); large when the rollout generated with other weights.
+            # Against the weights the rollout had: the first pass when the batch is reused
+            mine = batch.first_logprobs.to(logprobs) if batch.first_logprobs is not None else logprobs.detach()
+            gap = (mine - rollout_lp.to(logprobs)).abs()
             ok = mask & ~torch.isnan(gap)
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
         if cfg.log_entropy:
-            ent = token_entropy(logits.detach(), cfg.temperature)
-            metrics["entropy"] = float(torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1))
+            e = ent.detach() if ent is not None else token_entropy(logits.detach(), cfg.temperature)
+            metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
 
-def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence") -> list[GRPOBatch]:
-    """Consecutive row slices of at most micro_batch rows, each with its loss_weight (sums to batch.loss_weight)."""
+def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence", *,
+                        total_tokens: Optional[float] = None, total_rows: Optional[float] = None,
+                        world_size: int = 1) -> list[GRPOBatch]:
+    """Consecutive row slices of at most micro_batch rows, each with its loss_weight.
+
+    The weight is the slice's share of the optimisation batch: its completion tokens / total_tokens ("token")
+    or its rows / total_rows ("sequence"), times world_size. total_*: the counts over every rank (default: this
+    batch's own, the one-rank case); world_size: the ranks the trainer averages the gradients over, so the
+    weights of all ranks' slices sum to world_size and the averaged gradient is the whole batch's."""
     if micro_batch < 1:
         raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
     if loss_norm not in ("sequence", "token"):
         raise InvalidArgumentError(f"loss_norm must be 'sequence' or 'token', got {loss_norm!r}")
+    if world_size < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
     B = len(batch)
-    total_tokens = float(batch.completion_mask.sum())
+    tokens = float(batch.completion_mask.sum()) if total_tokens is None else float(total_tokens)
+    rows = float(B) if total_rows is None else float(total_rows)
     out = []
     for s in range(0, B, micro_batch):
         mb = batch.select(slice(s, min(s + micro_batch, B)))
-        if loss_norm == "token" and total_tokens > 0:
-            share = float(mb.completion_mask.sum()) / total_tokens
-        else:
-            share = len(mb) / B
-        out.append(replace(mb, loss_weight=batch.loss_weight * share))
+        if loss_norm == "token" and tokens > 0:
+            share = float(mb.completion_mask.sum()) / tokens
+        else:           # sequence norm, or no completion token anywhere (the loss is 0 either way)
+            share = len(mb) / rows
+        out.append(replace(mb, loss_weight=batch.loss_weight * share * world_size))
     return out
 
 
+def global_counts(batch: GRPOBatch, *, world_size: int = 1, process_group=None,
+                  device=None) -> tuple[float, float]:
+    """(completion tokens, rows) of `batch` summed over the ranks of process_group (one all-reduce; every
+    rank must call it). world_size 1: this batch's own counts, no communication. device: where the count
+    tensor lives for the reduction (a CUDA device for NCCL)."""
+    local = (float(batch.completion_mask.sum()), float(len(batch)))
+    if world_size <= 1:
+        return local
+    import torch.distributed as dist
+
+    t = torch.tensor(local, dtype=torch.float64, device=device if device is not None else "cpu")
+    dist.all_reduce(t, group=process_group)
+    tokens, rows = t.tolist()
+    return float(tokens), float(rows)
+
+
 class MetricAccumulator:
-    """Weighted means of micro-batch metrics (max for *_max; sums for counts and the weighted "loss")."""
+    """Weighted means of micro-batch metrics (max for *_max, min for *_min; sums for counts and the weighted
+    "loss")."""
     _SUM = ("completion_tokens", "loss")
 
     def __init__(self):
@@ -104,6 +158,9 @@ class MetricAccumulator:
         for k, v in metrics.items():
             if k.endswith("_max"):
                 self._acc[k] = max(self._acc.get(k, float("-inf")), v)
+                self._w[k] = 1.0
+            elif k.endswith("_min"):
+                self._acc[k] = min(self._acc.get(k, float("inf")), v)
                 self._w[k] = 1.0
             elif k in self._SUM:
                 self._acc[k] = self._acc.get(k, 0.0) + v
@@ -118,16 +175,23 @@ class MetricAccumulator:
 
 def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                          backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
-                         before_micro: Optional[Callable[[bool], None]] = None, device=None) -> dict[str, float]:
-    """Forward/backward every micro-batch of `batch`; the caller steps the optimizer afterwards.
+                         before_micro: Optional[Callable[[bool], None]] = None, device=None,
+                         world_size: int = 1, process_group=None) -> dict[str, float]:
+    """Forward/backward every micro-batch of `batch` (this rank's rows); the caller averages the gradients
+    over the ranks and steps the optimizer afterwards.
 
     The one micro-batch loop of every Trainer. backward(loss) gets each micro-batch's loss, already weighted
-    by its share of the batch (torch: loss.backward(); DeepSpeed: engine.backward(loss, scale_wrt_gas=False)).
+    by its share of the batch over all ranks (torch: loss.backward(); DeepSpeed: engine.backward(loss,
+    scale_wrt_gas=False)). world_size / process_group: the ranks the trainer averages the gradients over
+    (every rank calls this with its own rows: the token and row counts are summed over them first).
     before_micro(is_last) runs before each micro-batch's forward (DeepSpeed: set_gradient_accumulation_boundary,
     so the gradients are reduced at the last one whatever the batch size). device: where each micro-batch
-    goes (non-blocking). Returns the batch's metrics: weighted means, the summed `loss`, `micro_batches`."""
+    goes (non-blocking). Returns this rank's metrics: weighted means, the summed `loss` (this rank's part of
+    the batch loss times world_size: its mean over the ranks is the batch loss), `micro_batches`."""
     acc = MetricAccumulator()
-    micro = split_micro_batches(batch, micro_batch, cfg.loss_norm)
+    tokens, rows = global_counts(batch, world_size=world_size, process_group=process_group, device=device)
+    micro = split_micro_batches(batch, micro_batch, cfg.loss_norm, total_tokens=tokens, total_rows=rows,
+                                world_size=world_size)
     for i, mb in enumerate(micro):
         if device is not None:
             mb = mb.to(device, non_blocking=True)
@@ -138,6 +202,100 @@ def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batc
         acc.add(metrics, mb.loss_weight / batch.loss_weight)
     out = acc.result()
     out["micro_batches"] = float(len(micro))
+    return out
+
+
+def split_mini_batches(batch: GRPOBatch, mini_batches: int) -> list[GRPOBatch]:
+    """`mini_batches` consecutive row slices of near-equal size (one optimizer step each; verl's
+    ppo_mini_batch_size as a count per rank). Rows stay in order: group by group."""
+    B = len(batch)
+    if mini_batches < 1:
+        raise InvalidArgumentError(f"mini_batches must be >= 1, got {mini_batches}")
+    if B < mini_batches:
+        raise InvalidArgumentError(f"mini_batches={mini_batches} but this rank trains on {B} rows; every "
+                                   "mini-batch needs a row: fewer mini-batches or more prompts per step")
+    if mini_batches == 1:
+        return [batch]
+    cuts = [i * B // mini_batches for i in range(mini_batches + 1)]
+    return [batch.select(slice(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+@torch.no_grad()
+def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
+                        ref_logprobs_fn: Optional[RefLogprobsFn] = None, device=None) -> GRPOBatch:
+    """`batch` with first_logprobs: the model's logprobs before any update on it (one forward without a graph,
+    micro-batch by micro-batch), the old policy of every later update; and with the reference logprobs when
+    the KL needs them, so reusing the batch does not run the reference again."""
+    need_ref = cfg.kl_coef > 0 and batch.ref_logprobs is None and ref_logprobs_fn is not None
+    B, T = batch.input_ids.shape
+    first = torch.zeros(B, T, dtype=torch.float32)
+    ref = torch.zeros(B, T, dtype=torch.float32) if need_ref else None
+    for s in range(0, B, micro_batch):
+        mb = batch.select(slice(s, min(s + micro_batch, B)))
+        if device is not None:
+            mb = mb.to(device, non_blocking=True)
+        w = mb.input_ids.shape[1]           # select trimmed the trailing padding: write back into [B, T]
+        first[s:s + len(mb), :w] = policy_logprobs(model, mb, cfg.temperature).float().cpu()
+        if ref is not None and ref_logprobs_fn is not None:
+            ref[s:s + len(mb), :w] = ref_logprobs_fn(mb).float().cpu()
+    mask = batch.completion_mask.cpu() > 0
+    dev = batch.input_ids.device
+    first = torch.where(mask, first, torch.zeros_like(first)).to(dev)
+    if ref is not None:
+        batch = replace(batch, ref_logprobs=torch.where(mask, ref, torch.zeros_like(ref)).to(dev))
+    return replace(batch, first_logprobs=first)
+
+
+_UPDATE_SUMS = ("reload_wait_s", "micro_batches")
+
+
+def combine_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several optimizer steps on one batch: means (max for *_max, min for *_min, sums for
+    the reload wait and the micro-batch count)."""
+    out: dict[str, float] = {}
+    keys = dict.fromkeys(k for m in per_update for k in m)
+    for k in keys:
+        vals = [m[k] for m in per_update if k in m]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith("_min"):
+            out[k] = min(vals)
+        elif k in _UPDATE_SUMS:
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(sum(vals) / len(vals))
+    return out
+
+
+def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
+                   backward: Callable[[Tensor], None], optimizer_step: Callable[[], dict[str, float]],
+                   ref_logprobs_fn: Optional[RefLogprobsFn] = None,
+                   before_micro: Optional[Callable[[bool], None]] = None, device=None, world_size: int = 1,
+                   process_group=None) -> dict[str, float]:
+    """Every optimizer step a Trainer takes on one batch (its train_step): cfg.num_iterations passes over the
+    batch (TRL num_iterations, verl ppo_epochs), each split into cfg.mini_batches mini-batches (verl
+    ppo_mini_batch_size), one accumulate_gradients + optimizer_step() per mini-batch.
+
+    With more than one update the old policy of the clipped ratio is the batch's first-pass logprobs (before
+    any of these updates), so later updates see ratios away from 1 and the clip bounds how far they go.
+    optimizer_step(): the trainer's own (average the gradients over the ranks, clip, step, zero them); its
+    metrics join the update's. Returns the updates' combined metrics and `optimizer_steps`."""
+    if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
+        batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
+                                    device=device)
+    minis = split_mini_batches(batch, cfg.mini_batches)
+    per_update = []
+    for _ in range(cfg.num_iterations):
+        for mb in minis:
+            m = accumulate_gradients(model, mb, cfg, micro_batch=micro_batch, backward=backward,
+                                     ref_logprobs_fn=ref_logprobs_fn, before_micro=before_micro, device=device,
+                                     world_size=world_size, process_group=process_group)
+            m.update(optimizer_step())
+            per_update.append(m)
+    out = combine_updates(per_update)
+    if "completion_tokens" in out:         # this rank's batch, not the mean of its mini-batches
+        out["completion_tokens"] = float(batch.completion_mask.sum())
+    out["optimizer_steps"] = float(len(per_update))
     return out
 
 

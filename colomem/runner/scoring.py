@@ -67,7 +67,7 @@ def score_step(cfg, tokenizer, ranks, reward_specs, metric_specs, samples, gen_i
     for name, spec in metric_specs:
         extras[name] = score(spec, prompts, texts, metas)
     adv = group_advantages(rewards, n, scale_by_std=cfg.grpo.scale_rewards, eps=cfg.grpo.adv_eps,
-                           scorable=scorable)
+                           scorable=scorable, std=cfg.grpo.std)
     groups = [completions[pos[i]] for i in mine]
     batch = build_batch([encode(tokenizer, samples[i].prompt) for i in mine], groups, adv,
                         pad_id=tokenizer.pad_token_id, mask_truncated=cfg.grpo.mask_truncated,

@@ -209,9 +209,10 @@ class DeepSpeedTrainer:
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> dict[str, float]:
-        """One optimizer step on `batch` (a GRPOBatch): micro-batches of micro_batch rows, weighted by their
-        share of the batch, gradients accumulated, one update. Returns rank-local metrics."""
-        from colomem.grpo.step import accumulate_gradients
+        """The optimizer steps of one batch (a GRPOBatch; grpo.num_iterations x grpo.mini_batches, one by
+        default): micro-batches of micro_batch rows, weighted by their share of the batch over all ranks,
+        gradients accumulated, one update per mini-batch. Returns rank-local metrics."""
+        from colomem.grpo.step import train_on_batch
 
         self._check_resident("train_step()")
         if len(batch) == 0:
@@ -221,20 +222,27 @@ class DeepSpeedTrainer:
         engine = self.engine
         stack = self._fwd_stack
         depth = len(stack) if stack is not None else 0
-        try:
-            out = accumulate_gradients(
-                engine, batch, self.grpo, micro_batch=self.micro_batch, ref_logprobs_fn=ref_fn, device=self.device,
-                before_micro=engine.set_gradient_accumulation_boundary,
-                backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))   # loss carries its weight
+
+        def optimizer_step() -> dict[str, float]:
             waited = self.wait_reload()                       # the step reads the masters and moments
             engine.step()
+            self.steps += 1
+            out = {"reload_wait_s": waited}
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                out["grad_norm"] = float(norm)
+            return out
+
+        try:
+            out = train_on_batch(
+                engine, batch, self.grpo, micro_batch=self.micro_batch, ref_logprobs_fn=ref_fn, device=self.device,
+                before_micro=engine.set_gradient_accumulation_boundary, optimizer_step=optimizer_step,
+                backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),   # loss carries its weight
+                # DeepSpeed averages the gradients over the data-parallel ranks (all of them): the weights
+                # are the global token (or row) shares times world_size, summed over the default group
+                world_size=self.world_size)
         finally:
             trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
-        self.steps += 1
-        out["reload_wait_s"] = waited
-        norm = engine.get_global_grad_norm()
-        if norm is not None:
-            out["grad_norm"] = float(norm)
         out["lr"] = float(engine.get_lr()[0])
         out["train_step_s"] = time.perf_counter() - t0
         return out
