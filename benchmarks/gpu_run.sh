@@ -3,7 +3,8 @@
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, syncbench,
-# dsbench, grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, diag (where a bridge
+# dsbench, grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
+# (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
 # creation). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
 # the bucket sizes of syncbench. Each stage is bounded by its own timeout. benchmarks/README.md says what
@@ -46,7 +47,10 @@ stage() {  # the stages run in the order given on the command line
       # the same with torch's expandable segments (cuMemMap'd physical chunks instead of cudaMalloc segments)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run diag_reload_expandable 150 \
         python3 benchmarks/diag_reload.py --out "$OUT/diag/expandable" ;;
-    deepspeed) run ds_tests 300 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py ;;  # the runner stage runs the runner tests
+    deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
+      tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
+    realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" ;;
+    realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --lora ;;
     syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;
