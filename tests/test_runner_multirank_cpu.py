@@ -72,11 +72,13 @@ WORKER = textwrap.dedent(r'''
             return eng
         cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
                                 "progress": False, "plots": False, "out": os.path.join(out, "job"),
-                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}, "save_every": 2})
+                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}, "save_every": 2,
+                                "eval_every": 1, "eval_prompts": 5})
         res = run_job(cfg, engines_factory=factory, print_fn=print)
         dump({"status": res.summary["status"], "weights": seen["weights"],
               "rewards": [r.metrics["reward_mean"] for r in res.records],
-              "train_rows": [r.metrics["train/micro_batches"] for r in res.records]})
+              "train_rows": [r.metrics["train/micro_batches"] for r in res.records],
+              "eval": [res.summary["eval_first"], res.summary["eval_last"]]})
 ''')
 
 
@@ -171,10 +173,16 @@ def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
     assert r0["weights"] == r1["weights"]
     # the printed reward is the global one, the same on both ranks
     assert r0["rewards"] == r1["rewards"]
+    # the evaluation: 5 prompts split over the two engines (3 + 2), its sums reduced: the same on both ranks
+    def timeless(evs):
+        return [{k: v for k, v in e.items() if k not in ("eval/seconds", "cycle_s")} for e in evs]
+    assert timeless(r0["eval"]) == timeless(r1["eval"]) and [e["step"] for e in r0["eval"]] == [0, 2]
+    assert all(e["eval/n"] == 5 for e in r0["eval"])
     assert "step   2/2" in outs[0][1] and "step   2/2" not in outs[1][1]       # only rank 0 prints
     job = tmp_path / "job"
     lines = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
-    assert [x.get("rank") for x in lines if "step" in x] == [0, 0]             # rank 0 writes the metrics
+    assert [x.get("rank") for x in lines if "phase_s" in x] == [0, 0]          # rank 0 writes the metrics
+    assert [x["step"] for x in lines if x.get("event") == "eval"] == [0, 1, 2]
     for rank in (0, 1):                                                       # every rank its timeline
         recs = [json.loads(x) for x in (job / "ranks" / f"rank{rank}.jsonl").read_text().splitlines()]
         assert [x["rank"] for x in recs] == [rank, rank] and "barrier_wake" in recs[0]["phase_s"]

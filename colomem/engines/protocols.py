@@ -55,6 +55,7 @@ class Rollout(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float, seed: int) -> list[list["Completion"]]:
+        """n completions per prompt; temperature 0 is greedy decoding (top_p and seed then do nothing)."""
         ...
 
     def sleep(self) -> None:

@@ -170,7 +170,10 @@ class HFRollout:
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 16, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = 0) -> list:
-        """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature)."""
+        """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature).
+
+        temperature 0 is greedy decoding (the most likely token each time, as vLLM does for 0; the seed is
+        not used), with the logprobs of the logits themselves."""
         from colomem.grpo.batch import Completion
 
         self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")
@@ -179,8 +182,12 @@ class HFRollout:
                                     f"announced {self._expected_version}; sync first")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise InvalidArgumentError("prompt_ids must be a non-empty list of non-empty token lists")
-        if temperature <= 0:
-            raise InvalidArgumentError("HFRollout samples: temperature must be > 0")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        greedy = temperature == 0
+        # greedy: no sampling knobs at all (transformers warns about sampling options given to a greedy call)
+        knobs = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy else \
+            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
         width = max(len(p) for p in prompt_ids)
         rows = [p for p in prompt_ids for _ in range(n)]
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -193,12 +200,11 @@ class HFRollout:
             if seed is not None:
                 torch.manual_seed(int(seed))
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=float(temperature),
-                top_p=float(top_p), top_k=0, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
+                input_ids=ids, attention_mask=mask, **knobs, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
                 eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True)
         gen = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1)[:, : gen.shape[1]].float() / float(temperature)
+        logits = torch.stack(out.logits, dim=1)[:, : gen.shape[1]].float() / (1.0 if greedy else float(temperature))
         lps = torch.log_softmax(logits, dim=-1).gather(-1, gen[..., None]).squeeze(-1)
         result: list[list] = []
         for i in range(len(rows)):

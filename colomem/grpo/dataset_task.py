@@ -70,12 +70,14 @@ class DatasetTask:
     rewards: tuple[str, ...] = ()        # the user's --rewards
     metrics: dict[str, str] = {}
 
-    def __init__(self, path: str, *, prompt_key: str = "prompt", max_new_tokens: Optional[int] = None):
+    def __init__(self, path: str, *, prompt_key: str = "prompt", max_new_tokens: Optional[int] = None,
+                 label: str = "dataset"):
         ds = load_rows(path)
         if prompt_key not in ds.column_names:
             raise ConfigError(f"dataset {path!r} has no column {prompt_key!r} (columns: {ds.column_names}); set "
                               "--prompt-key")
         self.path, self.prompt_key = path, prompt_key
+        self.label = label                   # how the log names it ("eval dataset" for the held-out set)
         self._rows = [dict(r) for r in ds]
         for i, r in enumerate(self._rows):
             v = r[prompt_key]
@@ -139,7 +141,7 @@ class DatasetTask:
             raise ConfigError(f"every prompt of {self.path!r} is longer than {max_prompt_tokens} tokens (the "
                               "model length minus --max-new-tokens); raise --max-model-len")
         if self.dropped:
-            log(f"[colomem] dataset: {self.dropped} of {len(self._rows)} prompts are longer than "
+            log(f"[colomem] {self.label}: {self.dropped} of {len(self._rows)} prompts are longer than "
                 f"{max_prompt_tokens} tokens and were left out")
         self._rows, self._texts, self._order = keep, texts, {}
 
@@ -151,18 +153,25 @@ class DatasetTask:
             self._order = {epoch: order}         # one epoch at a time is all a run reads
         return self._order[epoch]
 
+    def _sample(self, i: int) -> Sample:
+        if self._texts is None:
+            raise ConfigError(f"the {self.label}'s prompts were not rendered (DatasetTask.bind) before use")
+        row = self._rows[i]
+        meta = {k: v for k, v in row.items() if k != self.prompt_key}
+        return Sample(self._texts[i], str(row.get("answer", "")), meta)
+
     def samples(self, n: int, *, seed: int, step: int) -> list[Sample]:
         """The rows of `step`: positions step*n .. step*n+n-1 of the shuffled epochs, in order."""
-        if self._texts is None:
-            raise ConfigError("the dataset's prompts were not rendered (DatasetTask.bind) before the first step")
         out = []
         for pos in range(step * n, step * n + n):
             epoch, j = divmod(pos, len(self._rows))
-            i = self._epoch_order(epoch, seed)[j]
-            row = self._rows[i]
-            meta = {k: v for k, v in row.items() if k != self.prompt_key}
-            out.append(Sample(self._texts[i], str(row.get("answer", "")), meta))
+            out.append(self._sample(self._epoch_order(epoch, seed)[j]))
         return out
+
+    def head(self, n: Optional[int] = None) -> list[Sample]:
+        """The first n rows in file order (all with None), not shuffled: a held-out set that every
+        evaluation reads the same way, so evaluations are comparable."""
+        return [self._sample(i) for i in range(len(self._rows) if n is None else min(n, len(self._rows)))]
 
 
 __all__ = ["DatasetTask", "load_rows"]

@@ -43,6 +43,15 @@ class RunConfig(_Strict):
     rewards: Optional[list[str]] = Field(None, description="reward fns: built-in names or module:function; "
                                                            "unset = the task's reward")
     trust_remote_code: bool = False
+    # held-out evaluation (colomem.runner.evaluation): greedy completions through the rollout engine
+    eval_dataset: Optional[str] = Field(None, description="held-out prompts to evaluate on, read like --dataset "
+                                                          "(same --prompt-key, chat template and length filter)")
+    eval_every: Optional[int] = Field(None, gt=0, description="evaluate the initial weights, after every N steps "
+                                                              "and after the last; unset with --eval-dataset: "
+                                                              "the initial and the final weights only")
+    eval_prompts: Optional[int] = Field(None, gt=0, description="evaluate on the first K prompts of the eval set "
+                                                                "(in file order); unset = all, at most 512 (64 "
+                                                                "drawn from a built-in task)")
     # schedule
     steps: int = Field(40, gt=0)
     cpu_steps: int = Field(20, gt=0, description="steps when the CPU backend runs and --steps is not given")
@@ -143,6 +152,11 @@ class RunConfig(_Strict):
             raise ValueError("a dataset job needs --rewards (built-in names, module:function or file.py:function)")
         if self.dataset is not None and self.grpo.max_new_tokens is None:
             raise ValueError("a dataset job needs --max-new-tokens (the longest completion to sample)")
+        if self.dataset is not None and self.eval_every is not None and self.eval_dataset is None:
+            raise ValueError("--eval-every with --dataset needs --eval-dataset (held-out prompts: the training "
+                             "rows would not show how the model does on prompts it has not trained on)")
+        if self.eval_prompts is not None and self.eval_every is None and self.eval_dataset is None:
+            raise ValueError("--eval-prompts needs --eval-every or --eval-dataset (evaluation is off)")
         if (self.sync_transport == "direct") != self.engine_in_process:
             raise ValueError("sync_transport direct goes with engine_in_process true (the trainer's tensors are "
                              "handed to vLLM's worker in the same process), listener with false")

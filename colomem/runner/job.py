@@ -19,7 +19,7 @@ from colomem.engines.protocols import Checkpointable
 from colomem.errors import ConfigError, InvalidArgumentError, NotAvailableError
 from colomem.grpo.dataset_task import DatasetTask
 
-from . import checkpoints
+from . import checkpoints, evaluation
 from .checkpoints import Checkpointer
 from .loop import ColocatedRunner, RunResult
 from .reporters import make_reporters
@@ -104,13 +104,15 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if steps != cfg.steps:
             say(f"[colomem] CPU run: {steps} steps instead of {cfg.steps} (cpu_steps; pass --steps N to choose)")
         task = _task(cfg)
+        eval_plan = evaluation.plan(cfg, task)      # the eval dataset read and checked here too
         ranks.check_split(cfg.prompts_per_step)
         grad_accum = _grad_accum(cfg, ranks.world_size)
         ident = checkpoints.identity(cfg, backend, ranks.world_size)
         start, resume_from, resumed = _resume_point(cfg, ident, out, steps)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
-        model_path = _model_path(cfg, task, ranks, say)
+        alphabet = eval_plan.alphabet(task.alphabet) if eval_plan else task.alphabet   # config-built tokenizer
+        model_path = _model_path(cfg, alphabet, ranks, say)
         tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
         if isinstance(task, DatasetTask):
             task.bind(tokenizer, chat_template=cfg.chat_template,
@@ -127,6 +129,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             reporters = make_reporters(resolve_reporters(cfg.report_to), out, config_json)
         if ranks.world_size > 1:
             rank_writer = MetricsWriter(out / "ranks" / f"rank{ranks.rank}.jsonl")
+        evaluator = evaluation.make_evaluator(
+            eval_plan, cfg, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs, metric_specs=metric_specs,
+            max_new_tokens=cfg.grpo.max_new_tokens or task.max_new_tokens, writer=writer, reporters=reporters,
+            say=say, out=out, start=start)
         say(f"[colomem] model {model_path}; task {cfg.task}; {steps} steps x {cfg.prompts_per_step} prompts x "
             f"{cfg.grpo.group_size} completions; switch={cfg.switch}; out {out}")
         factory = engines_factory or (lambda c, b, m, t, r, g: build_engines(c, b, m, t, r, grad_accum=g))
@@ -151,6 +157,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                                  reporters=reporters,
                                  grad_accum=grad_accum, print_fn=print_fn)
         runner.version = resumed
+        runner.evaluator = evaluator
         with _stop_on_signals(runner, say):
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
@@ -262,16 +269,16 @@ def _check_cpu_fits(cfg) -> None:
         check_cpu_fits(SHAPES[cfg.model_shape], f"the config-built {cfg.model_shape} model")
 
 
-def _model_path(cfg, task, ranks: Ranks, say) -> str:
+def _model_path(cfg, alphabet: str, ranks: Ranks, say) -> str:
     if cfg.model:
         return cfg.model
     from colomem.grpo.tiny_model import model_dir
 
     if ranks.is_main:
-        path = model_dir(cfg.model_shape, task.alphabet, seed=cfg.seed, dtype=cfg.dtype, log=say)
+        path = model_dir(cfg.model_shape, alphabet, seed=cfg.seed, dtype=cfg.dtype, log=say)
     ranks.barrier("model built")           # the others then find it in the cache
     if not ranks.is_main:
-        path = model_dir(cfg.model_shape, task.alphabet, seed=cfg.seed, dtype=cfg.dtype, log=lambda *_: None)
+        path = model_dir(cfg.model_shape, alphabet, seed=cfg.seed, dtype=cfg.dtype, log=lambda *_: None)
     return str(path)
 
 

@@ -2,8 +2,10 @@
 
 One step (phases.CYCLE, each timed, each followed by a memory snapshot):
 
-    offload trainer -> barrier -> wake weights -> sync -> check -> wake KV -> rollout -> sleep
+    offload trainer -> barrier -> wake weights -> sync -> check -> wake KV -> rollout -> [eval] -> sleep
         -> [score: rewards, advantages, batch] -> barrier -> reload trainer -> train
+
+(eval: the held-out evaluation when one is due, colomem.runner.evaluation, which also says why it is there.)
 
 Guarantees: transitions only in that order (PhaseMachine, PhaseOrderError otherwise); every phase and every
 barrier bounded (Watchdog, BarrierTimeoutError); rollout, trainer and pool closed in `finally` whatever
@@ -27,6 +29,7 @@ from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .ranks import Ranks
 from .checkpoints import Checkpointer
+from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot
@@ -69,6 +72,7 @@ class ColocatedRunner:
         self.version = 0                    # weights version: number of optimizer steps taken
         self.records: list[StepRecord] = []
         self.rollout_awake = False
+        self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
         self.checkpointer: Optional[Checkpointer] = None
         # colomem's offload keeps the trainer state readable in the pool: a checkpoint due after step k is
@@ -135,7 +139,7 @@ class ColocatedRunner:
 
     def _oom_error(self, phase: str, step: int, e: BaseException, note: Optional[str]) -> CudaOutOfMemoryError:
         c = self.cfg
-        if phase in ("wake_kv", "rollout"):
+        if phase in ("wake_kv", "rollout", "eval"):
             knob = (f"lower --gpu-memory-utilization (now {c.gpu_memory_utilization}) or --max-model-len (now "
                     f"{c.max_model_len}) so the KV cache is smaller")
         elif phase in ("wake_weights", "sync", "check"):
@@ -209,6 +213,10 @@ class ColocatedRunner:
                     prompt_ids, n=cfg.grpo.group_size, max_new_tokens=self.max_new_tokens,
                     temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
                     seed=(cfg.seed * 1_000_003 + k * 10_007 + ranks.rollout_group * 101) % (2 ** 31))
+            if self.evaluator is not None and self.evaluator.due(self.version):
+                current = "eval"            # the only window where the rollout holds weights `version`
+                with self.phase(rec, "eval"):
+                    self.evaluator.evaluate(self.rollout, self.version)
             current = "sleep"
             with self.phase(rec, "sleep"):
                 self.rollout.sleep()
@@ -244,7 +252,7 @@ class ColocatedRunner:
             raise
         self.version += 1
         self.rollout.expect_version(self.version)
-        rec.step_s = time.perf_counter() - t_step
+        rec.step_s = time.perf_counter() - t_step - rec.phase_s.get("eval", 0.0)   # eval: no part of training
 
         rec.metrics.update(stats)
         rec.metrics.update({f"train/{n}": v for n, v in train.items()})
@@ -352,6 +360,8 @@ class ColocatedRunner:
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}",
                                     switch=f"{100 * rec.switch_s / max(rec.step_s, 1e-9):.1f}%")
                     bar.update(1)
+            if self.evaluator is not None and self.stop_requested is None:
+                self.evaluator.after_run(self)          # the final weights, in a window of their own
         finally:
             if bar is not None:
                 bar.close()
@@ -384,4 +394,5 @@ class ColocatedRunner:
             "checkpoint_s": list(self.checkpointer.seconds) if self.checkpointer else [],
             "final_checkpoint": self.final_checkpoint or None,
             "weight_version": self.version,
+            **(self.evaluator.summary() if self.evaluator is not None else {}),
         }

@@ -7,6 +7,10 @@ Why this order: vLLM may only wake once every rank's trainer has left the GPU (b
 wake before the KV cache so old weights, new weights and the KV cache never coexist, the sync and its check
 come before any token is generated, and the trainer reloads only after every rank's vLLM is asleep
 (barrier_train). The run starts as if a train phase had just ended: trainer resident, rollout asleep.
+
+One optional phase: `eval` (held-out greedy completions, colomem.runner.evaluation) runs in the awake window,
+after `rollout` and before `sleep`, when an evaluation is due; the evaluation after the last step has a
+window of its own (offload .. wake_kv -> eval -> sleep .. reload, no rollout and no train).
 """
 from __future__ import annotations
 
@@ -24,10 +28,20 @@ CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", 
 # backward (overlap_reload); a switch cost, so it is taken out of train and counted here.
 SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "sleep",
                  "barrier_train", "reload", "reload_wait")
+# eval is neither switch nor training work: the step's time leaves it out, the tables show it on its own row
+OPTIONAL = ("eval",)
+ORDER = CYCLE[:7] + OPTIONAL + CYCLE[7:]                        # every phase a step may have, in order
 # checkpoint: a save due after the previous step, written from the pool right after this step's offload
-REPORT_ORDER = (CYCLE[:1] + ("checkpoint",) + CYCLE[1:7] + ("score",) + CYCLE[7:10] + ("reload_wait",)
-                + CYCLE[10:])   # tables and plots
+REPORT_ORDER = (ORDER[:1] + ("checkpoint",) + ORDER[1:8] + ("score",) + ORDER[8:11] + ("reload_wait",)
+                + ORDER[11:])   # tables and plots
 WORK_PHASES = ("rollout", "score", "train")
+
+# phase -> the phases that may follow it: the cycle's next one, plus eval after rollout (an evaluation in a
+# training step) or after wake_kv (the eval-only window after the last step)
+NEXT: dict[str, tuple[str, ...]] = {p: (CYCLE[(i + 1) % len(CYCLE)],) for i, p in enumerate(CYCLE)}
+NEXT["rollout"] = ("eval", "sleep")
+NEXT["wake_kv"] = ("rollout", "eval")
+NEXT["eval"] = ("sleep",)
 
 WHY = {
     "barrier_wake": "every rank must finish offloading its trainer before vLLM wakes",
@@ -36,6 +50,7 @@ WHY = {
     "check": "the check reads the weights the sync just wrote",
     "wake_kv": "the KV cache wakes only after the weights were synced and checked",
     "rollout": "generation needs synced, checked weights and the KV cache",
+    "eval": "the evaluation generates with synced, checked weights and the KV cache, before vLLM sleeps",
     "sleep": "vLLM sleeps after the rollout",
     "barrier_train": "every rank's vLLM must be asleep before any trainer reloads",
     "reload": "the trainer reloads only after every rank's vLLM is asleep",
@@ -49,7 +64,7 @@ class PhaseTimeoutError(TransferTimeoutError):
 
 
 class PhaseMachine:
-    """Allows only the next phase of CYCLE; after a failure, nothing but cleanup."""
+    """Allows only a phase that may follow the last one (NEXT); after a failure, nothing but cleanup."""
 
     def __init__(self):
         self.last = "train"              # trainer resident, rollout asleep
@@ -58,18 +73,24 @@ class PhaseMachine:
 
     @property
     def expected(self) -> str:
-        return CYCLE[(CYCLE.index(self.last) + 1) % len(CYCLE)]
+        """The next phase of the cycle (an optional one may come before it: see `allowed`)."""
+        return CYCLE[(CYCLE.index(self.last) + 1) % len(CYCLE)] if self.last in CYCLE else NEXT[self.last][0]
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return NEXT[self.last]
 
     def enter(self, phase: str) -> None:
-        if phase not in CYCLE:
-            raise PhaseOrderError(f"unknown phase {phase!r}; phases are {', '.join(CYCLE)}")
+        if phase not in ORDER:
+            raise PhaseOrderError(f"unknown phase {phase!r}; phases are {', '.join(ORDER)}")
         if self.failed is not None:
             raise PhaseOrderError(f"cannot start {phase!r}: phase {self.failed!r} failed; the run must stop "
                                   "(clean up and start a new one)")
         if self.current is not None:
             raise PhaseOrderError(f"cannot start {phase!r} while {self.current!r} is still running")
-        if phase != self.expected:
-            raise PhaseOrderError(f"cannot start {phase!r} after {self.last!r}: {self.expected!r} comes next "
+        if phase not in self.allowed:
+            nxt = " or ".join(repr(p) for p in self.allowed)
+            raise PhaseOrderError(f"cannot start {phase!r} after {self.last!r}: {nxt} comes next "
                                   f"({WHY.get(phase, '')})")
         self.current = phase
 

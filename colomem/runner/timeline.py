@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from colomem.units import format_bytes
 
-from .phases import CYCLE, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
+from .phases import ORDER, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
 
 MEMORY_KEYS = ("allocated", "reserved", "driver_used", "pinned_host")
 
@@ -39,7 +39,8 @@ def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> 
 
 @dataclass
 class StepRecord:
-    """One step: phase durations (s), memory after each phase, and the metrics."""
+    """One step: phase durations (s), memory after each phase, and the metrics. step_s leaves out an `eval`
+    phase (the held-out evaluation is neither switch nor training: the switch share stays that of training)."""
     step: int
     rank: int = 0
     started: float = field(default_factory=time.time)
@@ -175,7 +176,7 @@ def memory_table(records: list[StepRecord]) -> str:
     if not keys:
         return "(no memory measured)"
     lines = ["| after phase | " + " | ".join(names[k] for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
-    for phase in CYCLE:
+    for phase in ORDER:
         rows = [r.memory[phase] for r in records if phase in r.memory]
         if not rows:
             continue

@@ -10,9 +10,13 @@ from colomem.errors import ColomemError
 def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
              seed: Optional[int], stop_token_ids: Optional[list], ignore_eos: bool,
              logprobs: bool) -> tuple[list, list]:
-    """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i."""
+    """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i. temperature 0
+    is vLLM's greedy decoding; top_p is then 1 (no nucleus: the argmax token is always kept)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if float(temperature) == 0.0:
+        top_p = 1.0
 
     params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
                              top_p=float(top_p), seed=None if seed is None else int(seed) + i,
