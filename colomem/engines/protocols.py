@@ -96,6 +96,11 @@ class Trainer(Protocol):
     def last_reload(self) -> Optional["SwitchReport"]:
         ...
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the trainer's state is in host memory now (offload() called, reload() not yet)."""
+        ...
+
     def train_step(self, batch: "GRPOBatch") -> dict[str, float]:
         """One optimizer step; `reload_wait_s` in the result is time spent waiting for state still
         reloading (a switch cost the runner takes out of the train phase)."""

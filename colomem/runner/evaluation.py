@@ -11,7 +11,8 @@ Where. The rollout engine holds weights version k only in the awake window of st
 evaluation after k steps is that step's `eval` phase, between `rollout` and `sleep`: no switch of its own.
 The evaluation after the last step gets a short window after the run (offload -> barrier_wake ->
 wake_weights -> sync -> check -> wake_kv -> eval -> sleep -> barrier_train -> reload), so the final weights are
-the ones evaluated. Neither is switch or training time: the step's time leaves its eval phase out, and the
+the ones evaluated; it comes after the final checkpoint, so an evaluation that fails never costs the last
+checkpoint. Neither is switch or training time: the step's time leaves its eval phase out, and the
 final window is no step (its phase times are in its metrics line, under `cycle_s`).
 
 What. The first `--eval-prompts` rows of `--eval-dataset` in file order, read exactly like `--dataset` (the
@@ -241,7 +242,8 @@ class Evaluator:
             return
         rec = StepRecord(step=version, rank=runner.ranks.rank)
         with runner.phase(rec, "offload"):
-            runner.trainer.offload()
+            if not runner.trainer.offloaded:     # a final checkpoint saved from the pool left it offloaded
+                runner.trainer.offload()
         with runner.phase(rec, "barrier_wake"):
             runner.ranks.barrier(f"before wake, evaluation after step {version}")
         current = "wake_weights"
