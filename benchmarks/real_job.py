@@ -10,7 +10,7 @@ checkpoints every few steps, a resume, and the saved checkpoint loaded back in t
 4. The last checkpoint: transformers (the model, or base + peft adapter) and a fresh vLLM engine (the model,
    or base + LoRARequest) generate greedily for the eval prompts; their tokens are compared with each other
    (a sequence may part only where transformers' top two logits are within --tie of each other) and with
-   the job's own last eval (the trainer's weights in the colocated vLLM).
+   the job's own last eval (the trainer's weights in the colocated vLLM, from <out>/evals/step-<N>.jsonl).
 
 Writes DIR/real_job.json: job wall times, each checkpoint's save time and size, eval metrics, the greedy
 agreement. vLLM runs eager here: this checks checkpoints and resume; CUDA-graph capture would only add
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def job_config(args, data: Path, out: Path, steps: int, resume: bool) -> dict:
-    cfg = {"backend": "gpu", "model_shape": args.shape, "dataset": str(data / "train.jsonl"),
+    cfg = {"backend": args.backend, "model_shape": args.shape, "dataset": str(data / "train.jsonl"),
            "eval_dataset": str(data / "eval.jsonl"), "eval_every": args.save_every, "eval_prompts": args.eval_prompts,
            "chat_template": str(ROOT / "examples" / "chat" / "template.jinja"),
            "rewards": [str(ROOT / "examples" / "chat" / "rewards.py") + ":digits_in_place"],
@@ -66,7 +66,9 @@ def hf_greedy(model_dir: Path, base_dir: str, lora: bool, prompts: list[list[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir if lora else model_dir, dtype=torch.bfloat16).cuda()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32      # as the trainers hold it
+    model = AutoModelForCausalLM.from_pretrained(base_dir if lora else model_dir, dtype=dtype).to(dev)
     if lora:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, model_dir)
@@ -74,14 +76,15 @@ def hf_greedy(model_dir: Path, base_dir: str, lora: bool, prompts: list[list[int
     out = []
     with torch.no_grad():
         for ids in prompts:
-            g = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new, do_sample=False,
+            g = model.generate(torch.tensor([ids], device=dev), max_new_tokens=new, do_sample=False,
                                output_scores=True, return_dict_in_generate=True, pad_token_id=0)
             toks = g.sequences[0, len(ids):].tolist()
             gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in g.scores]
             out.append((toks, gaps))
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -120,6 +123,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--backend", default="gpu", help="cpu: a smoke run of the script (tiny shape, no vLLM check)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--more", type=int, default=2, help="steps of the resumed run")
     p.add_argument("--save-every", type=int, default=2)
@@ -141,17 +145,22 @@ def main() -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(last / "model")
     evals = eval_lines(job)
-    final_eval = evals[-1]
     from colomem.grpo.dataset_task import DatasetTask
     task = DatasetTask(str(data / "eval.jsonl"), max_new_tokens=8)
     task.bind(tok, chat_template=str(ROOT / "examples" / "chat" / "template.jinja"), log=lambda *_: None)
-    texts = [s.prompt for s in task.samples(len(task), seed=0, step=0)]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts[:args.eval_prompts]]
+    texts = [s.prompt for s in task.head(args.eval_prompts)]         # what the job's evaluations read
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    steps_done = args.steps + args.more
+    job_rows = [json.loads(x) for x in (job / "evals" / f"step-{steps_done}.jsonl").read_text().splitlines()]
+    job_tokens = [r["token_ids"] for r in sorted(job_rows, key=lambda r: r["index"])]
     base_dir = second["model"]
     hf = hf_greedy(last / "model", base_dir, args.lora, prompts, 8)
-    vl = vllm_greedy(last / "model", base_dir, args.lora, prompts, 8)
+    vl = vllm_greedy(last / "model", base_dir, args.lora, prompts, 8) if args.backend == "gpu" else job_tokens
     pairs = [agree(h[0], v, h[1], args.tie, tok.eos_token_id) for h, v in zip(hf, vl)]
     exact = sum(h[0] == v for h, v in zip(hf, vl))
+    # the trainer's own final weights, as the colocated vLLM generated with them in the job's last evaluation
+    job_pairs = [agree(h[0], j, h[1], args.tie, tok.eos_token_id) for h, j in zip(hf, job_tokens)]
+    job_vs_vllm = sum(j == v for j, v in zip(job_tokens, vl))
     result = {
         "command": " ".join(sys.argv), "shape": args.shape, "lora": args.lora,
         "first_run": {"status": first["status"], "wall_s": wall1, "steps_done": first["steps_done"],
@@ -165,12 +174,14 @@ def main() -> None:
         "greedy": {"prompts": len(prompts), "hf_vs_vllm_exact": exact,
                    "hf_vs_vllm_agree_up_to_near_tie": sum(ok for ok, _ in pairs),
                    "tokens_compared": sum(n for _, n in pairs),
-                   "vllm_tokens": vl[:4], "hf_tokens": [h[0] for h in hf[:4]]},
-        "final_eval_samples": final_eval.get("eval/samples"),
+                   "job_eval_vs_vllm_exact": job_vs_vllm,
+                   "job_eval_vs_hf_agree_up_to_near_tie": sum(ok for ok, _ in job_pairs),
+                   "vllm_tokens": vl[:4], "hf_tokens": [h[0] for h in hf[:4]], "job_tokens": job_tokens[:4]},
     }
     (out / "real_job.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(json.dumps({k: result[k] for k in ("first_run", "resumed_run", "greedy")}, indent=1, default=str))
-    ok = first["status"] == second["status"] == "ok" and all(ok for ok, _ in pairs)
+    ok = (first["status"] == second["status"] == "ok" and all(ok for ok, _ in pairs)
+          and all(ok for ok, _ in job_pairs) and len(job_tokens) == len(prompts))
     sys.exit(0 if ok else 1)
 
 

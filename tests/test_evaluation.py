@@ -60,6 +60,11 @@ def test_a_dataset_job_evaluates_on_schedule_into_metrics_tensorboard_and_summar
     # the first six rows in file order, the same at every evaluation
     first = [r["prompt"][0]["content"] + ">" for r in successor_rows(2, seed=1)]
     assert [s["prompt"] for s in lines[0]["samples"]] == first
+    # every completion of every evaluation in its own file, in prompt order, with its token ids
+    assert sorted(p.name for p in (out / "evals").iterdir()) == ["step-0.jsonl", "step-2.jsonl", "step-4.jsonl"]
+    rows = read_jsonl(out / "evals" / "step-4.jsonl")
+    assert [r["index"] for r in rows] == list(range(6)) and all(r["token_ids"] for r in rows)
+    assert rows[0]["completion"] == lines[-1]["samples"][0]["completion"]
 
     # inside a step: after its rollout, neither switch nor training time, and not in the step's seconds
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if "phase_s" in r]

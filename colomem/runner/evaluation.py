@@ -116,7 +116,8 @@ class Evaluator:
 
     def __init__(self, cfg, samples: Sequence[Sample], *, tokenizer, ranks, reward_specs, metric_specs,
                  max_new_tokens: int, writer=None, reporters: Sequence[Any] = (),
-                 say: Callable[[str], None] = print, done: Sequence[int] = ()):
+                 say: Callable[[str], None] = print, done: Sequence[int] = (),
+                 completions_dir: Optional[Path] = None):
         if not samples:
             raise ValueError("an evaluation needs prompts")
         self.cfg, self.samples, self.tokenizer, self.ranks = cfg, list(samples), tokenizer, ranks
@@ -124,6 +125,7 @@ class Evaluator:
         self.max_new_tokens = max_new_tokens
         self.writer, self.reporters, self.say = writer, list(reporters), say
         self.every: Optional[int] = cfg.eval_every
+        self.completions_dir = completions_dir     # every completion of every evaluation, one file each
         self.done = set(done)                      # weights versions evaluated already
         self.prompt_ids = [encode(tokenizer, s.prompt) for s in self.samples]
         # rows per generate call: what a training rollout already generates at once, so memory stays as in
@@ -131,6 +133,7 @@ class Evaluator:
         self.chunk = max(1, cfg.prompts_per_step * cfg.grpo.group_size)
         self.results: list[dict] = []              # this run's eval lines (samples left out)
         self.last_completions: list[str] = []      # this rank's decoded completions of the last evaluation
+        self._version = 0
 
     # -- when -------------------------------------------------------------------------------------------
     def due(self, version: int) -> bool:
@@ -147,6 +150,7 @@ class Evaluator:
         if rollout.weight_version != version:
             raise StaleWeightsError(f"evaluation of weights version {version}: the rollout holds version "
                                     f"{rollout.weight_version}; refusing to evaluate other weights")
+        self._version = version
         gen = self.ranks.generate_groups(len(self.samples))
         comps = self._generate(rollout, [self.prompt_ids[i] for i in gen], version)
         stats, shown = run_bounded(lambda: self._score(gen, comps), self.cfg.phase_timeout_s,
@@ -214,12 +218,31 @@ class Evaluator:
             # no accuracy metric of the task: with rewards in [0, 1], the share of completions that scored 1
             stats["eval/accuracy"] = tot[6] / sc
         self.last_completions = texts
+        if self.completions_dir is not None:
+            self._write_completions(mine, prompts, texts, mine_comps, scored, metas)
         shown = []
         if self.cfg.log_samples and self.ranks.is_main:
             for j in range(min(len(texts), self.cfg.log_samples)):
                 shown.append({"prompt": prompts[j], "completion": texts[j], "reward": scored[j],
                               "answer": metas[j].get("answer")})
         return stats, shown
+
+    def _write_completions(self, mine, prompts, texts, comps, scored, metas) -> None:
+        """<out>/evals/step-<k>.jsonl (step-<k>.rank<R>.jsonl with several ranks): each eval prompt this
+        rank scored, its greedy completion (text and token ids) and reward, to read or compare later."""
+        import json
+
+        assert self.completions_dir is not None
+        self.completions_dir.mkdir(parents=True, exist_ok=True)
+        version = self._version
+        tail = f".rank{self.ranks.rank}" if self.ranks.world_size > 1 else ""
+        path = self.completions_dir / f"step-{version}{tail}.jsonl"
+        with open(path, "w") as f:
+            for j, i in enumerate(mine):
+                row = {"index": i, "prompt": prompts[j], "completion": texts[j],
+                       "token_ids": list(comps[j].token_ids), "reward": scored[j] if scored else None,
+                       "answer": metas[j].get("answer")}
+                f.write(json.dumps(row, default=str) + "\n")
 
     def log(self, line: dict) -> None:
         self.results.append({k: v for k, v in line.items() if k not in ("event", "samples", "time")})
@@ -299,7 +322,7 @@ def make_evaluator(eval_plan: Optional[EvalPlan], cfg, *, tokenizer, ranks, rewa
             done = [start]
     return Evaluator(cfg, samples, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                      metric_specs=metric_specs, max_new_tokens=max_new_tokens, writer=writer, reporters=reporters,
-                     say=say, done=done)
+                     say=say, done=done, completions_dir=out / "evals")
 
 
 __all__ = ["DATASET_CAP", "TASK_PROMPTS", "EvalPlan", "Evaluator", "evaluated_before", "make_evaluator", "plan"]
