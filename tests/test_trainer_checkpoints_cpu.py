@@ -64,8 +64,11 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(pool, tmp_path):
+@pytest.mark.parametrize("zero3_groups", [False, True], ids=["zero2", "zero3-groups"])
+def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(pool, tmp_path, zero3_groups):
     eng = fake_zero2_engine(seed=0)
+    if zero3_groups:     # ZeRO-3 hands a sub-group's partition to the inner optimizer only while stepping it
+        eng.optimizer.optimizer.param_groups[0]["params"] = []
     eng.global_steps = 7
     want = engine_bytes(eng)
     ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "resident", None, None)
@@ -81,8 +84,10 @@ def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(poo
     for i in a["optimizer"]["state"]:
         assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
 
-    for empty_adam in (False, True):        # in place into ZeRO's Adam state, or through load_state_dict
+    for empty_adam in (False, True):        # in place into ZeRO's Adam state, or as new tensors
         fresh = fake_zero2_engine(seed=1)
+        if zero3_groups:
+            fresh.optimizer.optimizer.param_groups[0]["params"] = []
         params = list(fresh.module.parameters())
         if empty_adam:
             fresh.optimizer.optimizer.state.clear()

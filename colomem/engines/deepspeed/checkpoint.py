@@ -6,7 +6,7 @@ pool's host copies instead, one file per rank:
 
     trainer-rank<R>.pt   every storage the engine keeps between steps (the bf16 parameters, the fp32 master
                          partitions, module buffers) as raw bytes under the names collect_engine_state gives
-                         them; the inner optimizer's state_dict (Adam moments, step); the engine's counters;
+                         them; the Adam state (moments, step) by its master partition's name; the engine's counters;
                          the lr scheduler; the CPU and CUDA RNG states; the layout (ZeRO stage, world size,
                          DeepSpeed version) a resume must match.
 
@@ -24,12 +24,12 @@ import torch
 from torch import Tensor
 
 from colomem.engines.hf_export import save_torch
-from colomem.errors import ConfigError
+from colomem.errors import ColomemError, ConfigError
 
-from .state import CATEGORIES, collect_engine_state
+from .state import CATEGORIES, collect_engine_state, storage_key
 
 FORMAT = 1
-SAVED_CATEGORIES = tuple(c for c in CATEGORIES if c not in ("grads", "optim"))   # optim: via its state_dict
+SAVED_CATEGORIES = tuple(c for c in CATEGORIES if c not in ("grads", "optim"))   # optim: by master name
 REQUIRED_CATEGORIES = ("params", "master")          # must match exactly; "other" is restored where it does
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -70,13 +70,23 @@ def save_state(trainer: Any, path: Path, host_storage: Optional[Callable[[Tensor
 
     storages = {n: read(t) for c, n, t in items if c in SAVED_CATEGORIES}
     categories = {n: c for c, n, _ in items if c in SAVED_CATEGORIES}
+    # The Adam state by the name of the master partition it belongs to, not torch's state_dict: ZeRO-3 puts a
+    # sub-group's partition into the inner optimizer's param_groups only while it steps it.
+    masters = {storage_key(t): n for c, n, t in items if c == "master"}
     inner = engine.optimizer.optimizer
-    opt_sd = inner.state_dict()
-    opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in s.items()}
-                       for i, s in opt_sd["state"].items()}
+    opt_state = {}
+    for key, s in inner.state.items():
+        name = masters.get(storage_key(key)) if isinstance(key, Tensor) else None
+        if name is None:
+            raise ColomemError("the DeepSpeed optimizer holds state for a tensor that is not one of its fp32 "
+                               "master partitions; this DeepSpeed version is not supported by the checkpoint "
+                               "(please report it)")
+        opt_state[name] = {k: host(v) if isinstance(v, Tensor) else v for k, v in s.items()}
+    opt_groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     sched = getattr(engine, "lr_scheduler", None)
     blob = {"format": FORMAT, "layout": layout(trainer), "deepspeed": trainer.deepspeed_version,
-            "steps": trainer.steps, "storages": storages, "categories": categories, "optimizer": opt_sd,
+            "steps": trainer.steps, "storages": storages, "categories": categories,
+            "optimizer": {"state": opt_state, "param_groups": opt_groups},
             "counters": {k: getattr(engine, k) for k in _COUNTERS if isinstance(getattr(engine, k, None), int)},
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
             "torch_rng": torch.get_rng_state(),
@@ -124,7 +134,7 @@ def load_state(trainer: Any, path: Path) -> None:
                                   f"{dst.numel()} here; it is of another model")
             continue
         dst.copy_(raw)
-    _load_optimizer(engine.optimizer.optimizer, blob["optimizer"])
+    _load_optimizer(engine.optimizer.optimizer, blob["optimizer"], dict(state.groups.get("master", ())), path)
     for k, v in blob["counters"].items():
         setattr(engine, k, v)
     sched = getattr(engine, "lr_scheduler", None)
@@ -138,28 +148,28 @@ def load_state(trainer: Any, path: Path) -> None:
         torch.cuda.synchronize(trainer.device)
 
 
-def _load_optimizer(inner: Any, sd: dict) -> None:
-    """The inner optimizer's state in place where a tensor of that shape exists (ZeRO builds the Adam state
-    at initialisation, and its views of it stay valid), by torch's load_state_dict otherwise."""
-    params = [p for g in inner.param_groups for p in g["params"]]
-    if len(sd["param_groups"]) != len(inner.param_groups) or len(params) < len(sd["state"]):
-        raise ConfigError("the checkpoint's optimizer has another layout of parameter groups; it is of another "
-                          "model or configuration")
-    in_place = all(params[i] in inner.state and all(
-        isinstance(inner.state[params[i]].get(k), Tensor) and inner.state[params[i]][k].shape == v.shape
-        for k, v in s.items() if isinstance(v, Tensor)) for i, s in sd["state"].items())
-    if not in_place:
-        inner.load_state_dict(sd)
-        return
-    for i, s in sd["state"].items():
-        cur = inner.state[params[i]]
+def _load_optimizer(inner: Any, saved: dict, masters: dict[str, Tensor], path: Path) -> None:
+    """The Adam state into the fresh engine: in place where ZeRO built it at initialisation (its views of it
+    stay valid), as new tensors on the master's device otherwise."""
+    if len(saved["param_groups"]) != len(inner.param_groups):
+        raise ConfigError(f"checkpoint {str(path)!r}: its optimizer has {len(saved['param_groups'])} parameter "
+                          f"groups, this one {len(inner.param_groups)}; it is of another model or configuration")
+    for name, s in saved["state"].items():
+        p = masters.get(name)
+        if p is None:
+            raise ConfigError(f"checkpoint {str(path)!r}: optimizer state of {name}, which this engine does not "
+                              "have; it is of another model or configuration")
+        cur = inner.state[p]
         for k, v in s.items():
-            if isinstance(v, Tensor):
-                cur[k].copy_(v)
+            old = cur.get(k)
+            if isinstance(v, Tensor) and isinstance(old, Tensor) and old.shape == v.shape:
+                old.copy_(v)
+            elif isinstance(v, Tensor):
+                cur[k] = v.clone() if k == "step" else v.to(p.device, copy=True)   # torch keeps steps on the host
             else:
                 cur[k] = v
-    for group, saved in zip(inner.param_groups, sd["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    for group, g in zip(inner.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in g.items() if k != "params"})
 
 
 __all__ = ["FORMAT", "layout", "load_state", "rank_file", "save_state"]
