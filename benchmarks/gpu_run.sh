@@ -49,6 +49,7 @@ stage() {  # the stages run in the order given on the command line
         python3 benchmarks/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
+    dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" ;;
     realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --lora ;;
     syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
