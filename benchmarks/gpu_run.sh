@@ -20,6 +20,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 t0=$SECONDS
 stamp() { echo "=== [$((SECONDS - t0)) s] $*"; }
 if [ -d .gpukit/p1 ]; then eval "$(bash .gpukit/p1/install.sh)" || exit 1; fi
+# pure-Python packages the host lacks (datasets for --dataset jobs), carried as wheels in .whl/
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 stamp "build"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
