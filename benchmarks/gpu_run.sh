@@ -14,8 +14,12 @@ set -uo pipefail
 # returns at most 8 files, and a stage cut by the call's time limit must not lose the earlier ones).
 RESULTS=${OUT:-/tmp/colomem-results}
 OUT=/tmp/colomem-out
+# A warm machine keeps /tmp between calls: start empty, or an earlier call's files are packed again. Weights
+# and checkpoints never travel back (the returned files have a size limit): only logs, JSON and plots.
+rm -rf "$OUT"
 mkdir -p "$OUT" "$RESULTS"
-pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" . && mv "$RESULTS/results.tgz.tmp" "$RESULTS/results.tgz"; }
+pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" --exclude=checkpoints --exclude='*.safetensors' \
+  --exclude='*.pt' --exclude='*.bin' . && mv "$RESULTS/results.tgz.tmp" "$RESULTS/results.tgz"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 t0=$SECONDS
 stamp() { echo "=== [$((SECONDS - t0)) s] $*"; }
@@ -56,8 +60,9 @@ stage() {  # the stages run in the order given on the command line
     deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
-    realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" ;;
-    realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --lora ;;
+    realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;
+    realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --work /tmp/realjob-lora \
+      --lora ;;
     syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;

@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -120,7 +121,8 @@ def agree(a: list[int], b: list[int], gaps: list[float], tie: float, eos: int) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="real_job.json and the jobs' small outputs")
+    p.add_argument("--work", help="the jobs' folders with their checkpoints (GBs); default OUT/work")
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--backend", default="gpu", help="cpu: a smoke run of the script (tiny shape, no vLLM check)")
@@ -132,10 +134,11 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "data"
+    work = Path(args.work) if args.work else out / "work"
+    data = work / "data"
     subprocess.run([sys.executable, str(ROOT / "examples" / "data" / "make_datasets.py"), str(data)], check=True)
     data = data / "count-chat"
-    job = out / "job"
+    job = work / "job"
     first, wall1 = run(job_config(args, data, job, args.steps, resume=False))
     second, wall2 = run(job_config(args, data, job, args.steps + args.more, resume=True))
     ckpts = sorted((job / "checkpoints").iterdir(), key=lambda q: int(q.name.split("-")[1]))
@@ -178,6 +181,12 @@ def main() -> None:
                    "job_eval_vs_hf_agree_up_to_near_tie": sum(ok for ok, _ in job_pairs),
                    "vllm_tokens": vl[:4], "hf_tokens": [h[0] for h in hf[:4]], "job_tokens": job_tokens[:4]},
     }
+    for name in ("metrics.jsonl", "summary.json", "evals"):          # the small outputs, next to the JSON
+        src = job / name
+        if src.is_dir():
+            shutil.copytree(src, out / name, dirs_exist_ok=True)
+        elif src.is_file():
+            shutil.copy2(src, out / name)
     (out / "real_job.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(json.dumps({k: result[k] for k in ("first_run", "resumed_run", "greedy")}, indent=1, default=str))
     ok = (first["status"] == second["status"] == "ok" and all(ok for ok, _ in pairs)
