@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from colomem.errors import ColomemError, StaleWeightsError, is_oom
+from colomem.errors import ColomemError, StaleWeightsError
 from colomem.grpo.dataset_task import DatasetTask
 from colomem.grpo.tasks import Sample
 
@@ -269,33 +269,9 @@ class Evaluator:
                 runner.trainer.offload()
         with runner.phase(rec, "barrier_wake"):
             runner.ranks.barrier(f"before wake, evaluation after step {version}")
-        current = "wake_weights"
-        try:
-            with runner.phase(rec, "wake_weights"):
-                runner.rollout_awake = True
-                runner.rollout.wake_weights()
-            current = "sync"
-            with runner.phase(rec, "sync"):
-                runner.rollout.load_weights(runner.trainer.named_weights(), version)
-            current = "check"
-            with runner.phase(rec, "check"):
-                runner.rollout.check()
-            current = "wake_kv"
-            with runner.phase(rec, "wake_kv"):
-                runner.rollout.wake_kv()
-            current = "eval"
-            with runner.phase(rec, "eval"):
-                line = self.evaluate(runner.rollout, version, log=False)
-            current = "sleep"
-            with runner.phase(rec, "sleep"):
-                runner.rollout.sleep()
-                runner.rollout_awake = False
-        except BaseException as e:
-            # the runner's own rollback (the loop's helpers: one place says how to recover)
-            note = runner._put_rollout_to_sleep()
-            if is_oom(e):
-                raise runner._oom_error(current, version, e, note) from e
-            raise
+        _, done = runner.awake_window(rec, version, [("eval", lambda: self.evaluate(runner.rollout, version,
+                                                                                   log=False))])
+        line = done["eval"]
         with runner.phase(rec, "barrier_train"):
             runner.ranks.barrier(f"before reload, evaluation after step {version}")
         with runner.phase(rec, "reload"):

@@ -189,45 +189,22 @@ class ColocatedRunner:
                 self._save(rec, self._save_due)
         with self.phase(rec, "barrier_wake"):
             ranks.barrier(f"before wake, step {k}")
-        current = "wake_weights"
-        try:
-            with self.phase(rec, "wake_weights"):
-                self.rollout_awake = True
-                self.rollout.wake_weights()
-            current = "sync"
-            with self.phase(rec, "sync"):
-                sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
-            current = "check"
-            with self.phase(rec, "check"):
-                self.rollout.check()
-            current = "wake_kv"
-            with self.phase(rec, "wake_kv"):
-                self.rollout.wake_kv()
-            current = "rollout"
-            with self.phase(rec, "rollout"):
-                held = self.rollout.weight_version
-                if held != self.version:
-                    raise StaleWeightsError(f"step {k}: the rollout holds weights version {held}, the trainer "
-                                            f"is at {self.version}; refusing to generate")
-                completions = self.rollout.generate(
-                    prompt_ids, n=cfg.grpo.group_size, max_new_tokens=self.max_new_tokens,
-                    temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
-                    seed=(cfg.seed * 1_000_003 + k * 10_007 + ranks.rollout_group * 101) % (2 ** 31))
-            if self.evaluator is not None and self.evaluator.due(self.version):
-                current = "eval"            # the only window where the rollout holds weights `version`
-                with self.phase(rec, "eval"):
-                    self.evaluator.evaluate(self.rollout, self.version)
-            current = "sleep"
-            with self.phase(rec, "sleep"):
-                self.rollout.sleep()
-                self.rollout_awake = False
-        except BaseException as e:
-            note = self._put_rollout_to_sleep()
-            if is_oom(e):
-                raise self._oom_error(current, k, e, note) from e
-            if note and isinstance(e, Exception):
-                log.error("step %d failed in %s; %s", k, current, note)
-            raise
+        def rollout() -> list:
+            held = self.rollout.weight_version
+            if held != self.version:
+                raise StaleWeightsError(f"step {k}: the rollout holds weights version {held}, the trainer "
+                                        f"is at {self.version}; refusing to generate")
+            return self.rollout.generate(
+                prompt_ids, n=cfg.grpo.group_size, max_new_tokens=self.max_new_tokens,
+                temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
+                seed=(cfg.seed * 1_000_003 + k * 10_007 + ranks.rollout_group * 101) % (2 ** 31))
+        work: list[tuple[str, Callable[[], Any]]] = [("rollout", rollout)]
+        evaluator = self.evaluator
+        if evaluator is not None and evaluator.due(self.version):
+            # the only window where the rollout holds weights `version`
+            work.append(("eval", lambda: evaluator.evaluate(self.rollout, self.version)))
+        sync, done = self.awake_window(rec, k, work)
+        completions = done["rollout"]
         alarm = self.alarm.observe(k, rec.memory.get("sleep", {}).get("driver_used"))
         if alarm:
             self.print(f"[colomem] ALARM step {k}: {alarm}")
@@ -271,6 +248,43 @@ class ColocatedRunner:
         for r in self.reporters:
             r.log(k, line)
         return rec
+
+    def awake_window(self, rec: StepRecord, step: int,
+                     work: Sequence[tuple[str, Callable[[], Any]]]) -> tuple[Optional[SyncStats], dict]:
+        """wake_weights -> sync -> check -> wake_kv -> each (phase, fn) of work -> sleep, each a phase; after
+        a failure vLLM is put back to sleep (an out-of-memory says which knob to lower). Returns the sync's
+        stats and what each fn returned, by phase."""
+        current = "wake_weights"
+        done: dict[str, Any] = {}
+        try:
+            with self.phase(rec, "wake_weights"):
+                self.rollout_awake = True
+                self.rollout.wake_weights()
+            current = "sync"
+            with self.phase(rec, "sync"):
+                sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
+            current = "check"
+            with self.phase(rec, "check"):
+                self.rollout.check()
+            current = "wake_kv"
+            with self.phase(rec, "wake_kv"):
+                self.rollout.wake_kv()
+            for name, fn in work:
+                current = name
+                with self.phase(rec, name):
+                    done[name] = fn()
+            current = "sleep"
+            with self.phase(rec, "sleep"):
+                self.rollout.sleep()
+                self.rollout_awake = False
+        except BaseException as e:
+            note = self._put_rollout_to_sleep()
+            if is_oom(e):
+                raise self._oom_error(current, step, e, note) from e
+            if note and isinstance(e, Exception):
+                log.error("step %d failed in %s; %s", step, current, note)
+            raise
+        return sync, done
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
