@@ -6,7 +6,6 @@ data-parallel ranks at the accumulation boundary, as DeepSpeed does."""
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,12 +178,6 @@ CASES = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo-ranks")
@@ -196,7 +191,7 @@ def worker(tmp_path_factory):
 
 
 def _two_ranks(d, kind):
-    port = _port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

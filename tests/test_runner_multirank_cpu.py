@@ -2,13 +2,14 @@
 checkpoint, and a stalled rank that makes the other fail with a clear timeout instead of hanging."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,16 +83,10 @@ WORKER = textwrap.dedent(r'''
 ''')
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, mode, cache=None):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

@@ -8,13 +8,14 @@ Run: python -m pytest -m "gpu and deepspeed and multi_gpu" -s tests/gpu/test_grp
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed, pytest.mark.multi_gpu, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,12 +49,6 @@ WORKER = textwrap.dedent(r'''
 ''')
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     import torch
@@ -73,7 +68,7 @@ def _launch(tmp_path, model_dir, name, rows):
     out.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    world, port = len(rows), _port()
+    world, port = len(rows), free_port()
     base = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     procs = []
     for rank in range(world):
