@@ -92,11 +92,17 @@ class DatasetTask:
     # -- what the job needs before the model exists ----------------------------------------------------------
     @property
     def alphabet(self) -> str:
-        """Characters of the prompts and answers (the config-built model's tokenizer is trained on them)."""
+        """Characters of the prompts and answers (the config-built model's tokenizer is trained on them).
+
+        Chat prompts give their roles' characters too, "assistant" included: a chat template writes the role
+        names, the assistant's in the generation prompt."""
         chars: set[str] = set()
         for r in self._rows:
             v = r[self.prompt_key]
-            chars.update("".join(m["content"] for m in v) if isinstance(v, list) else v)
+            if isinstance(v, list):
+                chars.update("assistant" + "".join(m["role"] + m["content"] for m in v))
+            else:
+                chars.update(v)
             chars.update(str(r.get("answer", "")))
         return "".join(sorted(chars))
 
