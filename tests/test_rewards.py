@@ -172,3 +172,60 @@ def test_unscorable_samples_get_zero_advantage_and_leave_the_group_statistics():
     assert torch.equal(group_advantages([1.0, 1.0, 5.0, 2.0], 4, scorable=[True, True, False, False]),
                        torch.zeros(4))                   # the scorable ones agree: no signal
     assert torch.equal(group_advantages([0.0, 1.0], 2, scorable=[True, True]), group_advantages([0.0, 1.0], 2))
+
+
+# ------------------------------------------------------------------------------------------------ math_answer
+@pytest.fixture(scope="module")
+def math_answer():
+    pytest.importorskip("math_verify")
+    return resolve("math_answer")
+
+
+@pytest.mark.parametrize("completion,gold,want", [
+    (r"so the sum is \boxed{12}.", "12", 1.0),                      # boxed
+    (r"\boxed{7} and then 9", "7", 1.0),                             # a boxed answer wins over a later number
+    ("3 + 4 = 7", "7", 1.0),                                         # plain final number
+    ("first 7, then 9", "7", 0.0),                                   # the last one is the answer
+    ("0.5", "1/2", 1.0), (r"\frac{1}{2}", "0.5", 1.0), ("3/4", r"\frac{3}{4}", 1.0),   # equal in value
+    ("8", "7", 0.0), ("", "7", 0.0), ("seven", "7", 0.0),            # wrong or no answer
+    ("7", "no number here", None), ("7", "", None),                  # gold unparsable: not scorable
+])
+def test_math_answer_compares_final_answers_by_value(math_answer, completion, gold, want):
+    assert math_answer(["p"], [completion], answer=[gold]) == [want]
+
+
+def test_math_answer_batched_with_trl_column_names_in_the_score_thread(math_answer):
+    import threading
+
+    from colomem.grpo.rewards import is_batched
+
+    assert is_batched(math_answer)
+    metas = [{"solution": r"It is \boxed{3}."}, {"ground_truth": "-2"}, {"answer": 5}, {"answer": "x y z"}]
+    got = {}
+    # the runner scores on a helper thread, where math-verify's signal-based timeouts cannot work alone
+    t = threading.Thread(target=lambda: got.setdefault("v", score(RewardSpec(math_answer), ["p"] * 4,
+                                                                  ["3", "-2", "6", "1"], metas)))
+    t.start()
+    t.join(60)
+    assert got["v"] == [1.0, 1.0, 0.0, None]
+    with pytest.raises(RewardFunctionError, match="needs the gold answer in a column"):
+        score(RewardSpec(math_answer), ["p"], ["1"], [{"question": "?"}])
+
+
+def test_math_answer_is_bounded(math_answer):
+    from colomem.grpo.rewards import _VerifierProcess
+
+    assert math_answer(["p"], [r"\boxed{9^{9^{9^{9}}}}"], answer=["1"]) == [0.0]   # math-verify's own timeout
+    slow = _VerifierProcess()
+    with pytest.raises(RewardFunctionError, match="longer than 0.001 s"):       # past the batch bound: stopped
+        slow.run([("1", "1")], 2, 2, bound_s=0.001)
+    assert slow._pool is None
+
+
+def test_math_answer_without_math_verify_fails_when_resolved(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(InvalidArgumentError, match=r"pip install 'colomem\[grpo\]'"):
+        resolve("math_answer")

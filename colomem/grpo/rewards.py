@@ -9,20 +9,24 @@ or, decorated with @batched, a whole step at once:
     @batched
     def my_rewards(prompts: list[str], completions: list[str], **meta: list) -> list[float]
 
-Name them in the config as built-ins (exact_match, char_match, format) or as "package.module:function".
+Name them in the config as built-ins (exact_match, char_match, format, math_answer) or as
+"package.module:function".
 A function that raises, returns something that is not a real number, returns NaN/inf, or (batched) returns
 the wrong number of values stops the run with a RewardFunctionError naming the function and the sample.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import inspect
 import math
+import multiprocessing
 import numbers
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -86,10 +90,103 @@ def format_reward(pattern: Optional[str] = None, flags: int = re.DOTALL, name: O
     return fn
 
 
+# ------------------------------------------------------------------------------------------------ math_answer
+GOLD_COLUMNS = ("answer", "solution", "ground_truth")     # the names math datasets (and TRL's) give the gold
+
+
+def _verify_answers(pairs: list[tuple[Optional[str], str]], parsing_timeout: int,
+                    verify_timeout: int) -> list[Optional[float]]:
+    """math-verify on (gold, completion) pairs: 1.0 / 0.0, None where the gold does not parse. Runs in the
+    worker process (module level, so it pickles by name)."""
+    from math_verify import parse, verify
+
+    out: list[Optional[float]] = []
+    for gold, completion in pairs:
+        parsed_gold = parse(gold, parsing_timeout=parsing_timeout) if gold else []
+        if not parsed_gold:
+            out.append(None)            # not scorable: no reward can be right or wrong against it
+            continue
+        pred = parse(completion, parsing_timeout=parsing_timeout)
+        out.append(1.0 if pred and verify(parsed_gold, pred, timeout_seconds=verify_timeout) else 0.0)
+    return out
+
+
+class _VerifierProcess:
+    """One spawned worker process for math-verify, kept for the run.
+
+    math-verify bounds its parsing and comparisons with signal.alarm, which only works in a main thread, and
+    the runner scores on a helper thread. In the worker's main thread its own timeouts apply; a batch that
+    still runs past the wall-clock bound (a regex stuck in C code) gets the worker killed."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._lock = threading.Lock()
+
+    def run(self, pairs: list[tuple[Optional[str], str]], parsing_timeout: int, verify_timeout: int,
+            bound_s: float) -> list[Optional[float]]:
+        with self._lock:
+            if self._pool is None:
+                # spawn, not fork: the trainer's process has threads (torch, the score thread) a fork would
+                # copy in whatever state their locks are
+                self._pool = multiprocessing.get_context("spawn").Pool(1)
+            job = self._pool.apply_async(_verify_answers, (pairs, parsing_timeout, verify_timeout))
+            try:
+                return job.get(bound_s)
+            except multiprocessing.TimeoutError:
+                self.close()
+                raise RewardFunctionError(f"math_answer: math-verify took longer than {bound_s:g} s on {len(pairs)} "
+                                          "samples despite its own timeouts; the worker was stopped") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+
+_VERIFIER = _VerifierProcess()
+atexit.register(_VERIFIER.close)
+
+
+def _gold_of(i: int, columns: dict[str, Optional[list]]) -> Optional[str]:
+    for name in GOLD_COLUMNS:
+        col = columns.get(name)
+        if col is not None and col[i] is not None and str(col[i]).strip():
+            return str(col[i])
+    return None
+
+
+def math_answer_reward(parsing_timeout: int = 2, verify_timeout: int = 2, name: str = "math_answer") -> RewardFn:
+    """A batched reward fn: 1.0 when the completion's final answer (a \\boxed{} one first, else the last
+    expression) equals the gold in value (math-verify: 1/2 == 0.5 == \\frac{1}{2}), 0.0 when it does not,
+    None when the row's gold (`answer`, else `solution`, else `ground_truth`) does not parse.
+
+    parsing_timeout and verify_timeout are math-verify's own per-expression bounds (whole seconds, it uses
+    signal.alarm); the batch as a whole is bounded too. Raises InvalidArgumentError at once when math-verify
+    is not installed, so a job finds out before it starts."""
+    if importlib.util.find_spec("math_verify") is None:
+        raise InvalidArgumentError("the math_answer reward needs the math-verify package: pip install "
+                                   "'colomem[grpo]'")
+    if parsing_timeout < 1 or verify_timeout < 1:
+        raise InvalidArgumentError("math_answer: parsing_timeout and verify_timeout are whole seconds >= 1")
+
+    def fn(prompts: list[str], completions: list[str], **columns: Any) -> list[Optional[float]]:
+        if not any(columns.get(c) is not None for c in GOLD_COLUMNS):
+            raise InvalidArgumentError(f"math_answer needs the gold answer in a column called one of "
+                                       f"{list(GOLD_COLUMNS)}; the dataset has {sorted(columns)}")
+        pairs = [(_gold_of(i, columns), str(c)) for i, c in enumerate(completions)]
+        # each sample: at most two parses and a few comparisons, each under its own timeout
+        bound = 30.0 + len(pairs) * (2 * parsing_timeout + 2 * verify_timeout)
+        return _VERIFIER.run(pairs, parsing_timeout, verify_timeout, bound)
+
+    fn.__name__ = name
+    return batched(fn)
+
+
 BUILTINS: dict[str, Callable[[], RewardFn]] = {
     "exact_match": lambda: exact_match,
     "char_match": lambda: char_match,
     "format": lambda: format_reward(),
+    "math_answer": lambda: math_answer_reward(),
 }
 
 
