@@ -100,9 +100,12 @@ def _verify_answers(pairs: list[tuple[Optional[str], str]], parsing_timeout: int
     worker process (module level, so it pickles by name)."""
     from math_verify import parse, verify
 
+    golds: dict[str, list] = {}             # a prompt's group shares its gold: parse it once
     out: list[Optional[float]] = []
     for gold, completion in pairs:
-        parsed_gold = parse(gold, parsing_timeout=parsing_timeout) if gold else []
+        if gold and gold not in golds:
+            golds[gold] = parse(gold, parsing_timeout=parsing_timeout)
+        parsed_gold = golds[gold] if gold else []
         if not parsed_gold:
             out.append(None)            # not scorable: no reward can be right or wrong against it
             continue
