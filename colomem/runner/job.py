@@ -121,7 +121,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         _check_lengths(cfg, task, tokenizer)
         config_json = cfg.model_dump(mode="json")
         summary.update(backend=backend, switch=cfg.switch, world_size=ranks.world_size, model=model_path,
-                       task=cfg.task, steps=steps, config=config_json)
+                       task=_task_label(cfg), steps=steps, config=config_json)
         if ranks.is_main:
             writer = MetricsWriter(out / "metrics.jsonl")
             writer.write({"event": "start", "time": t_start, "backend": backend, "steps": steps,
@@ -133,7 +133,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             eval_plan, cfg, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs, metric_specs=metric_specs,
             max_new_tokens=cfg.grpo.max_new_tokens or task.max_new_tokens, writer=writer, reporters=reporters,
             say=say, out=out, start=start)
-        say(f"[colomem] model {model_path}; task {cfg.task}; {steps} steps x {cfg.prompts_per_step} prompts x "
+        say(f"[colomem] model {model_path}; task {_task_label(cfg)}; {steps} steps x {cfg.prompts_per_step} prompts x "
             f"{cfg.grpo.group_size} completions; switch={cfg.switch}; out {out}")
         factory = engines_factory or (lambda c, b, m, t, r, g: build_engines(c, b, m, t, r, grad_accum=g))
         t_build = time.perf_counter()
@@ -269,6 +269,11 @@ def _check_cpu_fits(cfg) -> None:
         check_cpu_fits(SHAPES[cfg.model_shape], f"the config-built {cfg.model_shape} model")
 
 
+def _task_label(cfg) -> str:
+    """What the run trains on, for logs, summary and plots: the dataset's file name or the built-in task."""
+    return f"dataset {Path(cfg.dataset).name}" if cfg.dataset else cfg.task
+
+
 def _model_path(cfg, alphabet: str, ranks: Ranks, say) -> str:
     if cfg.model:
         return cfg.model
@@ -305,7 +310,7 @@ def _finish_outputs(cfg, out: Path, runner: Optional[ColocatedRunner], summary: 
                 title = f"{cfg.model_shape if not cfg.model else Path(cfg.model).name}, switch={cfg.switch}"
                 if plot_timeline(recs, out / "timeline.png", title=f"phase timeline ({title})"):
                     files["timeline_png"] = str(out / "timeline.png")
-                if plot_rewards(recs, out / "rewards.png", title=f"reward ({cfg.task}, {title})"):
+                if plot_rewards(recs, out / "rewards.png", title=f"reward ({_task_label(cfg)}, {title})"):
                     files["rewards_png"] = str(out / "rewards.png")
             except Exception as e:  # noqa: BLE001  (plots are not worth losing the summary for)
                 summary["plot_error"] = f"{type(e).__name__}: {e}"
