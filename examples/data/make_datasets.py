@@ -21,7 +21,7 @@ import random
 from fractions import Fraction
 from pathlib import Path
 
-SYSTEM = "Count on: the next two digits."   # also gives the template's ": " to the tokenizer
+SYSTEM = "Count on: the next two digits."
 
 
 def count_row(rng: random.Random) -> dict:
