@@ -285,8 +285,11 @@ def _template_characters(chat_template: str) -> str:
         tree = jinja2.Environment().parse(path.read_text())
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"chat template {str(path)!r}, line {e.lineno}: {e.message}") from None
+    keys = {id(n.arg) for n in tree.find_all(nodes.Getitem)}       # message['role']: read, never written
     chars: set[str] = set()
     for node in tree.find_all((nodes.TemplateData, nodes.Const)):
+        if id(node) in keys:
+            continue
         value = node.data if isinstance(node, nodes.TemplateData) else node.value
         if isinstance(value, str):
             chars.update(value)
