@@ -287,12 +287,11 @@ def _template_characters(chat_template: str) -> str:
         raise ConfigError(f"chat template {str(path)!r}, line {e.lineno}: {e.message}") from None
     keys = {id(n.arg) for n in tree.find_all(nodes.Getitem)}       # message['role']: read, never written
     chars: set[str] = set()
-    for node in tree.find_all((nodes.TemplateData, nodes.Const)):
-        if id(node) in keys:
-            continue
-        value = node.data if isinstance(node, nodes.TemplateData) else node.value
-        if isinstance(value, str):
-            chars.update(value)
+    for text in tree.find_all(nodes.TemplateData):
+        chars.update(text.data)
+    for const in tree.find_all(nodes.Const):
+        if id(const) not in keys and isinstance(const.value, str):
+            chars.update(const.value)
     return "".join(sorted(chars - {"\n", "\r"}))
 
 
