@@ -133,7 +133,6 @@ class Evaluator:
         self.chunk = max(1, cfg.prompts_per_step * cfg.grpo.group_size)
         self.results: list[dict] = []              # this run's eval lines (samples left out)
         self.last_completions: list[str] = []      # this rank's decoded completions of the last evaluation
-        self._version = 0
 
     # -- when -------------------------------------------------------------------------------------------
     def due(self, version: int) -> bool:
@@ -150,10 +149,9 @@ class Evaluator:
         if rollout.weight_version != version:
             raise StaleWeightsError(f"evaluation of weights version {version}: the rollout holds version "
                                     f"{rollout.weight_version}; refusing to evaluate other weights")
-        self._version = version
         gen = self.ranks.generate_groups(len(self.samples))
         comps = self._generate(rollout, [self.prompt_ids[i] for i in gen], version)
-        stats, shown = run_bounded(lambda: self._score(gen, comps), self.cfg.phase_timeout_s,
+        stats, shown = run_bounded(lambda: self._score(gen, comps, version), self.cfg.phase_timeout_s,
                                    "the evaluation's reward functions")
         stats["eval/seconds"] = time.perf_counter() - t0
         self.done.add(version)
@@ -175,7 +173,7 @@ class Evaluator:
             out.extend(g[0] for g in groups)
         return out
 
-    def _score(self, gen: list[int], comps: list) -> tuple[dict, list]:
+    def _score(self, gen: list[int], comps: list, version: int) -> tuple[dict, list]:
         from colomem.grpo.rewards import compute_rewards, score
 
         pos = {g: j for j, g in enumerate(gen)}
@@ -219,7 +217,7 @@ class Evaluator:
             stats["eval/accuracy"] = tot[6] / sc
         self.last_completions = texts
         if self.completions_dir is not None:
-            self._write_completions(mine, prompts, texts, mine_comps, scored, metas)
+            self._write_completions(version, mine, prompts, texts, mine_comps, scored, metas)
         shown = []
         if self.cfg.log_samples and self.ranks.is_main:
             for j in range(min(len(texts), self.cfg.log_samples)):
@@ -227,14 +225,13 @@ class Evaluator:
                               "answer": metas[j].get("answer")})
         return stats, shown
 
-    def _write_completions(self, mine, prompts, texts, comps, scored, metas) -> None:
+    def _write_completions(self, version: int, mine, prompts, texts, comps, scored, metas) -> None:
         """<out>/evals/step-<k>.jsonl (step-<k>.rank<R>.jsonl with several ranks): each eval prompt this
         rank scored, its greedy completion (text and token ids) and reward, to read or compare later."""
         import json
 
         assert self.completions_dir is not None
         self.completions_dir.mkdir(parents=True, exist_ok=True)
-        version = self._version
         tail = f".rank{self.ranks.rank}" if self.ranks.world_size > 1 else ""
         path = self.completions_dir / f"step-{version}{tail}.jsonl"
         with open(path, "w") as f:
