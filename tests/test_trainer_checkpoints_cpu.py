@@ -71,11 +71,11 @@ def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(poo
         eng.optimizer.optimizer.param_groups[0]["params"] = []
     eng.global_steps = 7
     want = engine_bytes(eng)
-    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "resident", None, None)
+    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "resident")
     s = ColomemOffload(lambda: ds_state.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     s.offload()
     assert eng.optimizer.bit16_groups_flat[0].untyped_storage().nbytes() == 0       # really offloaded
-    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "pool", s.host_storage, s.offloaded_items())
+    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "pool", s)
     s.reload()
     s.close()
     a, b = (torch.load(tmp_path / d / "trainer-rank0.pt", weights_only=True) for d in ("resident", "pool"))
@@ -102,7 +102,7 @@ def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(poo
 
 def test_deepspeed_checkpoint_of_another_layout_or_model_is_a_clear_error(tmp_path):
     eng = fake_zero2_engine()
-    ds_checkpoint.save_state(shell(eng), tmp_path, None, None)
+    ds_checkpoint.save_state(shell(eng), tmp_path)
     with pytest.raises(ConfigError, match="world_size 1 there, 2 here"):
         ds_checkpoint.load_state(shell(fake_zero2_engine(), world_size=2), tmp_path)
     with pytest.raises(ConfigError, match="no trainer-rank1.pt"):

@@ -18,7 +18,7 @@ step overwrites them before reading them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from colomem.engines.hf_export import save_torch
 from colomem.errors import ColomemError, ConfigError
 
 from .state import CATEGORIES, collect_engine_state, storage_key
+from .strategies import ColomemOffload
 
 FORMAT = 1
 SAVED_CATEGORIES = tuple(c for c in CATEGORIES if c not in ("grads", "optim"))   # optim: by master name
@@ -49,24 +50,22 @@ def layout(trainer: Any) -> dict:
             "lora": trainer.lora is not None}
 
 
-def save_state(trainer: Any, path: Path, host_storage: Optional[Callable[[Tensor], Optional[Tensor]]],
-               items: Optional[list[tuple[str, str, Tensor]]]) -> int:
-    """Writes this rank's file; returns its bytes. host_storage(t): the pool copy of t's storage while
-    offloaded (None: resident); items: (category, name, tensor) of the offloaded state (None: collected now)."""
+def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = None) -> int:
+    """Writes this rank's file; returns its bytes. offloaded: the colomem offload holding the state now (read
+    from its pool copies); None: the trainer is resident (read from the GPU)."""
     engine = trainer.engine
+    items = offloaded.offloaded_items() if offloaded is not None else None
     if items is None:
         st = collect_engine_state(engine, trainer.device)
         items = [(c, n, t) for c in CATEGORIES for n, t in st.groups.get(c, ())]
 
-    def read(t: Tensor) -> Tensor:
-        raw = host_storage(t) if host_storage is not None else None
+    def read(t: Tensor) -> Tensor:              # the whole storage, raw
+        raw = offloaded.host_storage(t) if offloaded is not None else None
         return raw if raw is not None else _gpu_bytes(t).cpu()
 
-    def host(t: Tensor) -> Tensor:
-        raw = host_storage(t) if host_storage is not None else None
-        if raw is None:
-            return t.detach().cpu()
-        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+    def host(t: Tensor) -> Tensor:              # the tensor itself
+        view = offloaded.host_view(t) if offloaded is not None else None
+        return view if view is not None else t.detach().cpu()
 
     storages = {n: read(t) for c, n, t in items if c in SAVED_CATEGORIES}
     categories = {n: c for c, n, _ in items if c in SAVED_CATEGORIES}

@@ -154,8 +154,9 @@ class ColomemOffload:
         return Move(nbytes, time.perf_counter() - t0)
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:
-        """A CPU tensor over the pool copy of t (same dtype, shape, strides), valid while offloaded."""
-        return self.swapset.host_view(t)
+        """A CPU tensor over the pool copy of t (same dtype, shape, strides; either set), valid while offloaded."""
+        view = self.swapset.host_view(t)
+        return view if view is not None else self.late.host_view(t)
 
     def host_storage(self, t: Tensor) -> Optional[Tensor]:
         """The pool copy of t's whole storage (uint8, either set), valid while offloaded."""

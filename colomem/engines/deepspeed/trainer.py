@@ -392,10 +392,7 @@ class DeepSpeedTrainer:
         if self._offloaded and not isinstance(strategy, ColomemOffload):
             raise PhaseOrderError(f"save_state() on a trainer offloaded by {self._offloaded_by!r}: only the colomem "
                                   "offload keeps readable copies; save while resident")
-        if isinstance(strategy, ColomemOffload):
-            checkpoint.save_state(self, path, strategy.host_storage, strategy.offloaded_items())
-        else:
-            checkpoint.save_state(self, path, None, None)
+        checkpoint.save_state(self, path, strategy if isinstance(strategy, ColomemOffload) else None)
         lora = self.lora is not None
         if lora:
             adapter = self.lora_state()
