@@ -58,9 +58,9 @@ def _tmp(root: Path, step: int) -> Path:
 
 def _finish(root: Path, tmp: Path, *, step: int, version: int, tokenizer: Any, ident: dict, keep: int) -> Path:
     final = root / f"{PREFIX}{step}"
-    for sub in ("model", "model-merged"):
-        if sub == "model" or (tmp / sub).is_dir():
-            tokenizer.save_pretrained(tmp / sub)
+    tokenizer.save_pretrained(tmp / "model")
+    if (tmp / "model-merged").is_dir():
+        tokenizer.save_pretrained(tmp / "model-merged")
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "weight_version": version,
                                                 **ident}, indent=1) + "\n")
     if final.exists():
@@ -89,21 +89,19 @@ def save(root: Path, *, step: int, version: int, trainer: Checkpointable, tokeni
             ranks.barrier(f"checkpoint step-{step}: every rank wrote its part")
         return _finish(root, tmp, step=step, version=version, tokenizer=tokenizer, ident=ident, keep=keep) \
             if main else None
-    except Exception as e:     # OSError, or a library's writer (safetensors, torch) failing on the disk
+    except BaseException as e:
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, ColomemError):           # ours: already says what to do
+            shutil.rmtree(tmp, ignore_errors=True)     # the earlier checkpoints are untouched
+        # ours already say what to do; an interrupt is no write failure
+        if isinstance(e, ColomemError) or not isinstance(e, Exception):
             raise
+        # OSError, or a library's writer (safetensors, torch) failing on the disk
         kept = [p.name for _, p in _steps(root)]
         cause = (f"{e.strerror} ({e.filename or 'a checkpoint file'})" if isinstance(e, OSError) and e.strerror
                  else f"{type(e).__name__}: {e}")
         raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {cause}; free disk "
                               f"space or choose another --out. Earlier checkpoints are intact: "
                               f"{', '.join(kept) or 'none'}") from e
-    except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)     # the earlier checkpoints are untouched
-        raise
 
 
 def find(resume: str, root: Path) -> Path:
