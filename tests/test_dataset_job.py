@@ -123,18 +123,18 @@ def test_a_template_of_your_own_gets_a_token_for_every_character_it_writes(tmp_p
     tokenizer's alphabet, so a template's own markers never read as <unk>."""
     from colomem.errors import ConfigError
     from colomem.grpo.tiny_model import build_tokenizer
-    from colomem.runner.job import _template_characters
+    from colomem.grpo.dataset_task import template_characters
 
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}[[{{ m['role'] }}|{{ m['content'] }}]]{% endfor %}"
                    "{% if add_generation_prompt %}{{ '@bot>' }}{% endif %}\n")
-    chars = _template_characters(str(tpl))
+    chars = template_characters(str(tpl))
     assert set("[]|@bot>") <= set(chars) and "\n" not in chars
     tok = build_tokenizer("12user" + chars)            # the messages' own characters come from the dataset
     tok.chat_template = tpl.read_text()
     text = tok.apply_chat_template([{"role": "user", "content": "12"}], tokenize=False, add_generation_prompt=True)
     assert tok.unk_token_id not in tok(text, add_special_tokens=False)["input_ids"]
-    assert _template_characters("auto") == ""
+    assert template_characters("auto") == ""
     tpl.write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match="t.jinja"):
-        _template_characters(str(tpl))
+        template_characters(str(tpl))

@@ -56,6 +56,39 @@ def load_rows(path: str) -> Any:
     return ds
 
 
+def read_template(chat_template: str) -> Optional[str]:
+    """The Jinja text of a --chat-template file; None for auto / none (the tokenizer's own, or none)."""
+    if chat_template in ("auto", "none"):
+        return None
+    path = Path(chat_template).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"chat template file {str(path)!r} does not exist")
+    return path.read_text()
+
+
+def template_characters(chat_template: str) -> str:
+    """The characters a --chat-template file can write (its literal text and string constants), so that a
+    config-built tokenizer has a token for each; "" for auto / none."""
+    text = read_template(chat_template)
+    if text is None:
+        return ""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"chat template {chat_template!r}, line {e.lineno}: {e.message}") from None
+    keys = {id(n.arg) for n in tree.find_all(nodes.Getitem)}       # message['role']: read, never written
+    chars: set[str] = set()
+    for data in tree.find_all(nodes.TemplateData):
+        chars.update(data.data)
+    for const in tree.find_all(nodes.Const):
+        if id(const) not in keys and isinstance(const.value, str):
+            chars.update(const.value)
+    return "".join(sorted(chars - {"\n", "\r"}))
+
+
 def _check_messages(value: Any, row: int, key: str) -> None:
     if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                             and isinstance(m.get("content"), str) for m in value):
@@ -122,11 +155,9 @@ class DatasetTask:
              log: Callable[[str], None] = print) -> None:
         """Renders the prompts (chat messages through the template) and drops those longer than
         max_prompt_tokens. ConfigError when chat prompts meet a tokenizer without a template."""
-        if chat_template not in ("auto", "none"):
-            tpl = Path(chat_template).expanduser()
-            if not tpl.is_file():
-                raise ConfigError(f"chat template file {str(tpl)!r} does not exist")
-            tokenizer.chat_template = tpl.read_text()
+        text = read_template(chat_template)
+        if text is not None:
+            tokenizer.chat_template = text
         texts, keep = [], []
         for i, r in enumerate(self._rows):
             v = r[self.prompt_key]
@@ -180,4 +211,4 @@ class DatasetTask:
         return [self._sample(i) for i in range(len(self._rows) if n is None else min(n, len(self._rows)))]
 
 
-__all__ = ["DatasetTask", "load_rows"]
+__all__ = ["DatasetTask", "load_rows", "read_template", "template_characters"]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from colomem.engines.protocols import Checkpointable
 from colomem.errors import ConfigError, InvalidArgumentError, NotAvailableError
-from colomem.grpo.dataset_task import DatasetTask
+from colomem.grpo.dataset_task import DatasetTask, template_characters
 
 from . import checkpoints, evaluation
 from .checkpoints import Checkpointer
@@ -112,7 +112,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
         alphabet = eval_plan.alphabet(task.alphabet) if eval_plan else task.alphabet   # config-built tokenizer
-        alphabet += _template_characters(cfg.chat_template)
+        if not cfg.model:
+            alphabet += template_characters(cfg.chat_template)
         model_path = _model_path(cfg, alphabet, ranks, say)
         tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
         if isinstance(task, DatasetTask):
@@ -268,31 +269,6 @@ def _check_cpu_fits(cfg) -> None:
         check_cpu_fits(model_config(cfg.model), f"the model {cfg.model}")
     elif SHAPES.get(cfg.model_shape, {}).get("vocab_size"):     # tiny takes its tokenizer's small vocabulary
         check_cpu_fits(SHAPES[cfg.model_shape], f"the config-built {cfg.model_shape} model")
-
-
-def _template_characters(chat_template: str) -> str:
-    """The characters a chat template file can write (its literal text and string constants), so that a
-    config-built tokenizer has a token for each; "" for auto / none."""
-    if chat_template in ("auto", "none"):
-        return ""
-    path = Path(chat_template).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"chat template file {str(path)!r} does not exist")
-    import jinja2
-    from jinja2 import nodes
-
-    try:
-        tree = jinja2.Environment().parse(path.read_text())
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"chat template {str(path)!r}, line {e.lineno}: {e.message}") from None
-    keys = {id(n.arg) for n in tree.find_all(nodes.Getitem)}       # message['role']: read, never written
-    chars: set[str] = set()
-    for text in tree.find_all(nodes.TemplateData):
-        chars.update(text.data)
-    for const in tree.find_all(nodes.Const):
-        if id(const) not in keys and isinstance(const.value, str):
-            chars.update(const.value)
-    return "".join(sorted(chars - {"\n", "\r"}))
 
 
 def _task_label(cfg) -> str:
