@@ -102,8 +102,9 @@ class Trainer(Protocol):
         ...
 
     def train_step(self, batch: "GRPOBatch") -> dict[str, float]:
-        """One optimizer step; `reload_wait_s` in the result is time spent waiting for state still
-        reloading (a switch cost the runner takes out of the train phase)."""
+        """The optimizer steps of one batch (one, or grpo.num_iterations x grpo.mini_batches);
+        `reload_wait_s` in the result is time spent waiting for state still reloading (a switch cost the
+        runner takes out of the train phase)."""
         ...
 
     def offload(self) -> None:

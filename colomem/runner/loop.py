@@ -69,7 +69,7 @@ class ColocatedRunner:
         self.machine = PhaseMachine()
         self.watchdog = Watchdog(cfg.phase_timeout_s)
         self.alarm = MemoryAlarm(cfg.memory_alarm_mib * (1 << 20))
-        self.version = 0                    # weights version: number of optimizer steps taken
+        self.version = 0                    # weights version: number of train steps (batches) taken
         self.records: list[StepRecord] = []
         self.rollout_awake = False
         self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
