@@ -5,11 +5,17 @@
     python3 benchmarks/bench_grpo.py --out runs/grpobench --configs full --run-default
     python3 benchmarks/bench_grpo.py --out runs/grpobench --configs lora         # merges into the same JSON
 
-Each run is `runners/grpo_colocated.py --config configs/grpo_1p5b_<full|lora>.yaml --switch <mode>` in a
-fresh process (its outputs under --out/<config>_<mode>/):
-  colomem    trainer state through the pinned pool (SwapSet), vLLM level-2 sleep, weights refilled by the bridge
-  timesplit  DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
-Both sync the trained weights through the same bridge, so the difference is the phase switch itself.
+Each run is `runners/grpo_colocated.py --config configs/grpo_1p5b_<full|lora>.yaml` with a mode's flags in a
+fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
+  colomem      the default: the placement planner (--offload auto): the first step moves everything and
+               measures, later steps move only what does not fit (nothing, when both sides fit)
+  colomem_all  --offload all --rollout-sleep always: trainer state through the pinned pool every step, vLLM
+               level-2 sleep, weights refilled by the bridge (colomem's switch with nothing left in place)
+  resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)
+  still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
+  timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
+All sync the trained weights through the same bridge. --rounds 2 runs the modes A B C A B C (interleaved);
+each mode's figures are then the medians over its rounds.
 
 Reported per run (medians over the steps after the first, which pays one-time pinning): step time, switch time
 (offload, barriers, wake, sync, check, sleep, reload) and its share of the step, each phase, GPU memory in use
@@ -30,7 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml"}
-MODES = ("colomem", "timesplit")
+MODES = {"colomem": ["--switch", "colomem"],
+         "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
+         "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
+         "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
+         "timesplit": ["--switch", "timesplit"]}
+# top-level speedups of the planner's default against each other layout, on the full fine-tune
+VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
+          "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident"}
 GiB = float(1 << 30)
 
 
@@ -115,6 +128,9 @@ def analyse(out_dir: Path) -> dict:
         "phase_s": {p: _median([r["phase_s"].get(p) for r in warm]) for p in phases},
         "first_step": {"step_s": steps[0]["step_s"], "switch_s": steps[0]["switch_s"],
                        "phase_s": steps[0]["phase_s"]},
+        "first_step_s": steps[0]["step_s"],
+        "step_s_spread": [min(r["step_s"] for r in warm), max(r["step_s"] for r in warm)],
+        "placement": summary.get("placement"),
         "gpu_used_both_asleep_gib": _gib(max((mem(r, "sleep", "driver_used") or 0) for r in steps)),
         "trainer_reserved_after_offload_gib": _gib(max((mem(r, "offload", "reserved") or 0) for r in steps)),
         "gpu_used_in_rollout_gib": _gib(max((mem(r, "rollout", "driver_used") or 0) for r in steps)),
@@ -150,9 +166,10 @@ def _config_shape(cfg: str) -> str:
 
 
 def table(runs: dict) -> str:
-    head = ("| job | switch | step s | switch s | switch share | offload s | reload s | wake+sync+check s | sleep s "
-            "| GPU used, both asleep | trainer left after offload | GPU used in rollout / train | status |")
-    lines = [head, "|" + " --- |" * 13]
+    head = ("| job | mode | placement | step s (spread) | first step s | switch s | switch share | offload s | reload s "
+            "| wake+sync+check s | sleep s | GPU used, both asleep | trainer left after offload "
+            "| GPU used in rollout / train | status |")
+    lines = [head, "|" + " --- |" * 15]
     for name in sorted(runs):
         r = runs[name].get("result", {})
         ph = r.get("phase_s") or {}
@@ -160,7 +177,9 @@ def table(runs: dict) -> str:
         cfg, _, mode = name.partition("_")
         shape = r.get("model_shape") or _config_shape(cfg)
         lines.append(
-            f"| {shape} {cfg} | {mode} | {_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('switch_s'), '.3f')} | "
+            f"| {shape} {cfg} | {mode} | {(r.get('placement') or {}).get('label', '-')} | "
+            f"{_fmt(r.get('step_s'), '.2f')} ({'-'.join(_fmt(x, '.2f') for x in r.get('step_s_spread') or [])}) | "
+            f"{_fmt(r.get('first_step_s'), '.2f')} | {_fmt(r.get('switch_s'), '.3f')} | "
             f"{_fmt(r.get('switch_overhead_fraction'), '.2f', 100, ' %')} | {_fmt(ph.get('offload'))} | "
             f"{_fmt(ph.get('reload'))} | {_fmt(wake)} | {_fmt(ph.get('sleep'))} | "
             f"{_fmt(r.get('gpu_used_both_asleep_gib'), '.2f', 1, ' GiB')} | "
@@ -175,12 +194,25 @@ def top_level(report: dict) -> None:
 
     def res(name):
         return runs.get(name, {}).get("result", {})
+    def over_rounds(cfg, mode, key):      # the median of a mode's rounds
+        vals = [r.get("result", {}).get(key) for n, r in runs.items()
+                if n == f"{cfg}_{mode}" or n.startswith(f"{cfg}_{mode}_r")]
+        return _median(vals)
     full_c, full_t = res("full_colomem"), res("full_timesplit")
-    report["switch_overhead_fraction"] = full_c.get("switch_overhead_fraction")
-    if full_c.get("step_s") and full_t.get("step_s"):
-        report["speedup_vs_timesplit"] = full_t["step_s"] / full_c["step_s"]
-        if full_c.get("switch_s"):
-            report["switch_speedup_vs_timesplit"] = full_t["switch_s"] / full_c["switch_s"]
+    report["switch_overhead_fraction"] = over_rounds("full", "colomem", "switch_overhead_fraction")
+    step_c = over_rounds("full", "colomem", "step_s")
+    report["step_s_by_mode"] = {m: over_rounds("full", m, "step_s") for m in MODES
+                                if over_rounds("full", m, "step_s") is not None}
+    report["first_step_s_by_mode"] = {m: over_rounds("full", m, "first_step_s") for m in MODES
+                                      if over_rounds("full", m, "first_step_s") is not None}
+    report["wall_s_by_mode"] = {m: over_rounds("full", m, "run_wall_s") for m in MODES
+                                if over_rounds("full", m, "run_wall_s") is not None}
+    for mode, key in VERSUS.items():
+        other = over_rounds("full", mode, "step_s")
+        if step_c and other:
+            report[key] = other / step_c
+    if full_c.get("switch_s") and full_t.get("switch_s"):
+        report["switch_speedup_vs_timesplit"] = full_t["switch_s"] / full_c["switch_s"]
     lora_c, lora_t = res("lora_colomem"), res("lora_timesplit")
     if lora_c.get("step_s") and lora_t.get("step_s"):
         report["speedup_vs_timesplit_lora"] = lora_t["step_s"] / lora_c["step_s"]
@@ -216,7 +248,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (JSON, markdown, per-run outputs)")
     ap.add_argument("--configs", default="full,lora", help="comma list of: full, lora")
-    ap.add_argument("--modes", default="colomem,timesplit", help="comma list of: colomem, timesplit")
+    ap.add_argument("--modes", default="colomem,timesplit", help="comma list of: " + ", ".join(MODES))
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each mode, interleaved (A B A B)")
     ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")
     ap.add_argument("--extra", default="", help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64'")
     ap.add_argument("--run-timeout-s", type=float, default=480.0)
@@ -249,26 +282,29 @@ def main(argv=None) -> int:
         report.update(read_default(Path(a.default_run)))
         save()
 
-    for cfg in [c.strip() for c in a.configs.split(",") if c.strip()]:
-        if cfg not in CONFIGS:
-            ap.error(f"unknown config {cfg!r}; choose from {sorted(CONFIGS)}")
-        for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-            if mode not in MODES:
-                ap.error(f"unknown mode {mode!r}; choose from {MODES}")
-            name = f"{cfg}_{mode}"
-            args = ["--config", str(ROOT / CONFIGS[cfg]), "--switch", mode, "--steps", str(a.steps)]
-            args += a.extra.split()
-            d = out / name
-            info = run_one(name, args, d, a.run_timeout_s)
-            info["result"] = analyse(d)
-            report["runs"][name] = info
-            save()                      # on disk after every run: a later timeout keeps what finished
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for bad, known, what in ((set(configs) - set(CONFIGS), CONFIGS, "config"), (set(modes) - set(MODES), MODES, "mode")):
+        if bad:
+            ap.error(f"unknown {what} {sorted(bad)}; choose from {sorted(known)}")
+    for cfg in configs:
+        for rnd in range(1, a.rounds + 1):
+            for mode in modes:
+                name = f"{cfg}_{mode}" + (f"_r{rnd}" if rnd > 1 else "")
+                args = ["--config", str(ROOT / CONFIGS[cfg]), *MODES[mode], "--steps", str(a.steps)]
+                args += a.extra.split()
+                d = out / name
+                info = run_one(name, args, d, a.run_timeout_s)
+                info["result"] = analyse(d)
+                info["result"]["run_wall_s"] = info["wall_s"]
+                report["runs"][name] = info
+                save()                  # on disk after every run: a later timeout keeps what finished
 
     save()
     print()
     print(report["table_markdown"])
     keys = ("default_steps", "reward_first5_mean", "reward_last5_mean", "switch_overhead_fraction",
-            "speedup_vs_timesplit", "speedup_vs_timesplit_lora")
+            "step_s_by_mode", *VERSUS.values(), "speedup_vs_timesplit_lora")
     print("\n" + json.dumps({k: report.get(k) for k in keys}, indent=1))
     bad = [n for n, r in report["runs"].items() if r.get("result", {}).get("status") != "ok"]
     return 1 if bad else 0

@@ -263,9 +263,9 @@ def test_cleanup_and_metrics_when_a_reward_fn_raises(cache_env, tmp_path):
                 print_fn=lambda *_: None)
     assert held["calls"].count("close") == 2 and held["pool"].closed      # rollout + trainer closed
     recs = read_jsonl(tmp_path / "bad" / "metrics.jsonl")
-    assert [r.get("event", r.get("step")) for r in recs] == ["start", 0, 1, "end"]
-    assert recs[2]["failed"] == "score" and "reward bug" in recs[2]["error"]        # the failed step's line
-    assert "sleep" in recs[2]["phase_s"] and "train" not in recs[2]["phase_s"]
+    assert [r.get("event", r.get("step")) for r in recs] == ["start", 0, "placement", 1, "end"]
+    assert recs[3]["failed"] == "score" and "reward bug" in recs[3]["error"]        # the failed step's line
+    assert "sleep" in recs[3]["phase_s"] and "train" not in recs[3]["phase_s"]
     assert recs[-1]["status"] == "error" and "reward bug" in recs[-1]["error"]
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert summary["status"] == "error" and summary["steps_done"] == 1 and "flaky" in summary["error"]

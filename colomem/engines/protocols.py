@@ -8,7 +8,7 @@ The rollout's phases are named here once; the runner's step phases live in `colo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:      # the protocols import nothing heavy at run time
     from pathlib import Path
@@ -107,8 +107,10 @@ class Trainer(Protocol):
         runner takes out of the train phase)."""
         ...
 
-    def offload(self) -> None:
-        """All trainer GPU state into host memory; the memory goes back to the driver."""
+    def offload(self, *, keep: Collection[str] = ()) -> None:
+        """The trainer's GPU state into host memory, but for the state categories in keep ("params", "grads",
+        "master", "optim", "other": the placement planner's choice; a trainer without a category ignores
+        it); the memory goes back to the driver. Kept "params" are read on the device by named_weights()."""
         ...
 
     def reload(self) -> None:

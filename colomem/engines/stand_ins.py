@@ -18,7 +18,7 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Collection, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -284,6 +284,7 @@ class TorchTrainer:
         self._offloaded = False
         self._closed = False
         self._swaps = []
+        self._moved: list = []                 # the sets the last offload moved (keep leaves some)
         self._sync_source: Optional[list] = None
         self._pending = PendingReloads()       # optimizer state still coming back (overlap_reload)
         self.pool = pool
@@ -347,23 +348,28 @@ class TorchTrainer:
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics
 
-    def offload(self) -> None:
-        """Parameters (+ grads) and optimizer state into the pool. The weights stay readable for the sync:
-        host views of the pool copy (full fine-tune) or staged merged copies (LoRA)."""
+    def offload(self, *, keep: Collection[str] = ()) -> None:
+        """Parameters (+ grads) and optimizer state into the pool, but for the categories in keep ("params":
+        parameters and gradients; "optim": the AdamW state). The weights stay readable for the sync: host
+        views of the pool copy (full fine-tune), staged merged copies (LoRA), or the weights themselves when
+        kept."""
         self._check("offload()")
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
         t0 = time.perf_counter()
+        moving = [s for s in self._swaps if _CATEGORY[s.name] not in keep]
+        params_move = any(s.name == PARAMS_SET for s in moving)
         staged = None
-        if self.lora is not None or not self._swaps:
-            staged = [(n, t.clone()) for n, t in merged_named_weights(self.model)] if self._swaps else None
+        if params_move and self.lora is not None:
+            staged = [(n, t.clone()) for n, t in merged_named_weights(self.model)]
         params = list(self.model.named_parameters())
         by_category = {}
-        for s in self._swaps:
+        for s in moving:
             by_category[_CATEGORY[s.name]] = s.offload(timeout=self.swap_timeout_s).nbytes
+        self._moved = moving
         self._offloaded = True
         if staged is not None:
             self._sync_source = staged
-        elif self._swaps:
+        elif params_move:
             self._sync_source = [(n, self._host_view(p)) for n, p in params]
         seconds = time.perf_counter() - t0
         self.last_offload = SwitchReport(
@@ -384,7 +390,8 @@ class TorchTrainer:
         t0 = time.perf_counter()
         self._sync_source = None            # host views die with the offload
         nbytes = deferred = 0
-        for s in self._swaps:
+        moved, self._moved = self._moved, []
+        for s in moved:
             if s.name == OPTIM_SET and self.overlap_reload:   # read only by optimizer.step()
                 self._pending.add(s.reload_async(ordered=False))
                 deferred += s.nbytes
@@ -485,7 +492,7 @@ class TorchTrainer:
             log.warning("TorchTrainer.close: a deferred reload did not finish: %s", e)
         for s in self._swaps:
             try:
-                if self._offloaded:
+                if self._offloaded and s in self._moved:
                     s.reload(timeout=self.swap_timeout_s)   # give the pool its blocks back
                 s.close()
             except ColomemError as e:

@@ -78,6 +78,16 @@ class RunConfig(_Strict):
     switch: Literal["colomem", "timesplit"] = Field(
         "colomem", description="colomem: pool swaps + weight bridge; timesplit: vLLM level-1 sleep + "
                                "DeepSpeed offload_states (the baseline)")
+    offload: Literal["auto", "all", "optimizer", "none"] = Field(
+        "auto", description="colomem switch, what the trainer offloads while the rollout runs: auto (measured "
+                            "on the first step: nothing when both fit, else the state that does not fit beside "
+                            "the rollout, Adam moments first), all, optimizer (fp32 masters and Adam moments), "
+                            "none")
+    rollout_sleep: Literal["auto", "always", "never"] = Field(
+        "auto", description="colomem switch, whether vLLM sleeps while the trainer trains: auto (never when "
+                            "both fit with nothing moving), always, never (needs offload none or auto)")
+    placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
+                                                              "the larger of 2 GiB and 3 % of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")
     weights_backup: Optional[Literal["vllm", "pool"]] = Field(None, description="unset: vllm")
     pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
@@ -114,7 +124,7 @@ class RunConfig(_Strict):
 
     _explicit: set[str] = PrivateAttr(default_factory=set)   # fields set on the command line
 
-    @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes")
+    @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes", "placement_margin")
     @classmethod
     def _size(cls, v):
         if v is not None:
@@ -157,6 +167,15 @@ class RunConfig(_Strict):
                              "rows would not show how the model does on prompts it has not trained on)")
         if self.eval_prompts is not None and self.eval_every is None and self.eval_dataset is None:
             raise ValueError("--eval-prompts needs --eval-every or --eval-dataset (evaluation is off)")
+        if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
+            raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
+                             "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")
+        from .placement import candidates
+
+        try:
+            candidates(self.offload, self.rollout_sleep)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if (self.sync_transport == "direct") != self.engine_in_process:
             raise ValueError("sync_transport direct goes with engine_in_process true (the trainer's tensors are "
                              "handed to vLLM's worker in the same process), listener with false")

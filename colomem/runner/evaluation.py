@@ -256,14 +256,13 @@ class Evaluator:
     # -- the window after the last step -----------------------------------------------------------------
     def after_run(self, runner) -> None:
         """The evaluation of the final weights, in an awake window of its own (the trainer offloaded and
-        reloaded around it); the runner's phase guards, watchdog and out-of-memory rollback as in a step."""
+        reloaded around it, as the placement says); the runner's phase guards, watchdog and out-of-memory rollback as in a step."""
         version = runner.version
         if version in self.done:
             return
         rec = StepRecord(step=version, rank=runner.ranks.rank)
-        with runner.phase(rec, "offload"):
-            if not runner.trainer.offloaded:     # a final checkpoint saved from the pool left it offloaded
-                runner.trainer.offload()
+        with runner.phase(rec, "offload"):       # a final checkpoint saved from the pool may have done it
+            runner.offload_trainer()
         with runner.phase(rec, "barrier_wake"):
             runner.ranks.barrier(f"before wake, evaluation after step {version}")
         _, done = runner.awake_window(rec, version, [("eval", lambda: self.evaluate(runner.rollout, version,
@@ -272,7 +271,7 @@ class Evaluator:
         with runner.phase(rec, "barrier_train"):
             runner.ranks.barrier(f"before reload, evaluation after step {version}")
         with runner.phase(rec, "reload"):
-            runner.trainer.reload()
+            runner.reload_trainer()
         line["cycle_s"] = dict(rec.phase_s)         # a dict: the reporters take no phase/* of a non-step
         self.log(line)
 

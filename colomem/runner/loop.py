@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from colomem.engines.protocols import ASLEEP, Rollout, Trainer
+from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
 from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
+from colomem.units import parse_bytes
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
+from .placement import EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, needs_measuring
 from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot
+from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot, peak_reserved, reset_peak
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,11 @@ class ColocatedRunner:
         # colomem's offload keeps the trainer state readable in the pool: a checkpoint due after step k is
         # written right after step k+1's offload (no reload, no GPU memory); other switches save resident
         self.save_from_pool = cfg.switch == "colomem"
+        # what moves between phases (colomem.runner.placement); measured on the first step when it may vary
+        self.placement: Placement = self._first_placement()
+        self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
+        self.placement_figures: list[dict] = []
+        self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self._save_due: Optional[int] = None
         self.final_checkpoint: dict[str, Any] = {}
 
@@ -144,16 +151,66 @@ class ColocatedRunner:
                     f"{c.max_model_len}) so the KV cache is smaller")
         elif phase in ("wake_weights", "sync", "check"):
             knob = ("the rollout weights did not fit next to what stays on the GPU while the trainer is offloaded: "
-                    "use --switch colomem (offloads all trainer state), a larger --tensor-parallel-size, or a smaller "
-                    "model; check the memory table for what stays resident")
+                    "use --switch colomem --offload all (offloads all trainer state), a larger "
+                    "--tensor-parallel-size, or a smaller model; check the memory table for what stays resident")
         else:
             knob = (f"lower --micro-batch (now {c.micro_batch}), turn on --gradient-checkpointing, or lower "
                     f"--gpu-memory-utilization (now {c.gpu_memory_utilization}) so vLLM's sleeping leftovers are "
                     "smaller; `python -m colomem.budget` estimates what fits")
+        if self.placement.keep and c.switch == "colomem":
+            knob += (f" (the placement was {self.placement.label!r}: --offload all --rollout-sleep always moves "
+                     "everything)")
         parts = [f"step {step}: out of GPU memory in phase {phase!r}: {e}", knob]
         if note:
             parts.append(note + "; the trainer was not reloaded")
         return CudaOutOfMemoryError(". ".join(p.rstrip(".") for p in parts) + ".")
+
+    # -- placement ----------------------------------------------------------------------------------------
+    def _first_placement(self) -> Placement:
+        c = self.cfg
+        if c.switch != "colomem":
+            return Placement((), True, "the time-split baseline: DeepSpeed offloads the trainer, vLLM sleeps")
+        if needs_measuring(c.offload, c.rollout_sleep):
+            return EVERYTHING_MOVES
+        return choose(c.offload, c.rollout_sleep, [], None)
+
+    def offload_trainer(self) -> None:
+        """The trainer's part of the placement: what it does not keep goes to the pool."""
+        if self.placement.trainer_moves and not self.trainer.offloaded:
+            self.trainer.offload(keep=self.placement.keep)
+            self._moved.add("offload")
+
+    def reload_trainer(self) -> None:
+        if self.trainer.offloaded:
+            self.trainer.reload()
+            self._moved.add("reload")
+
+    def _plan(self, rec: StepRecord) -> None:
+        """After the first step (everything moved): the placement of every later step, from its memory
+        figures on every rank (the same placement everywhere: the one that fits on every GPU)."""
+        self._plan_after_step = False
+        self.alarm.baseline = None           # the floor after sleep is the new placement's from the next step
+        c = self.cfg
+        total = None
+        if self.device is not None:
+            import torch
+
+            if torch.cuda.is_available():
+                total = int(torch.cuda.mem_get_info(self.device)[1])
+        by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
+        mine = figures_from_step(rec.memory, by_cat, total or 0)
+        every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
+        if any(f is None for f in every):
+            self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
+        else:
+            figs = [MemoryFigures(**f) for f in every]
+            margin = parse_bytes(c.placement_margin) if c.placement_margin else None
+            self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
+            self.placement_figures = every
+        self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
+        if self.writer is not None:
+            self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
+                               "figures": self.placement_figures})
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:
@@ -181,9 +238,10 @@ class ColocatedRunner:
         gen_idx = ranks.generate_groups(n_groups)
         train_idx = ranks.train_groups(n_groups)
         prompt_ids = [self._encode(samples[i].prompt) for i in gen_idx]
+        self._moved = set()
 
         with self.phase(rec, "offload"):
-            self.trainer.offload()
+            self.offload_trainer()
         if self._save_due is not None:
             with self.timed(rec, "checkpoint"):
                 self._save(rec, self._save_due)
@@ -216,9 +274,11 @@ class ColocatedRunner:
             ranks.barrier(f"before reload, step {k}")
         try:
             with self.phase(rec, "reload"):
-                self.trainer.reload()
+                self.reload_trainer()
+            reset_peak(self.device)
             with self.phase(rec, "train"):
                 train = self.trainer.train_step(batch)
+            rec.memory["train"]["peak_reserved"] = peak_reserved(self.device)
             wait = float(train.get("reload_wait_s") or 0.0)
             if wait > 0:    # train waited for state still reloading: a switch cost, not training
                 rec.phase_s["train"] -= wait
@@ -247,6 +307,8 @@ class ColocatedRunner:
             self.rank_writer.write(line)
         for r in self.reporters:
             r.log(k, line)
+        if self._plan_after_step:
+            self._plan(rec)
         return rec
 
     def awake_window(self, rec: StepRecord, step: int,
@@ -257,9 +319,11 @@ class ColocatedRunner:
         current = "wake_weights"
         done: dict[str, Any] = {}
         try:
-            with self.phase(rec, "wake_weights"):
+            with self.phase(rec, "wake_weights"):      # awake already when it does not sleep
                 self.rollout_awake = True
-                self.rollout.wake_weights()
+                if self.rollout.phase == ASLEEP:
+                    self.rollout.wake_weights()
+                    self._moved.add("rollout")
             current = "sync"
             with self.phase(rec, "sync"):
                 sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
@@ -268,15 +332,17 @@ class ColocatedRunner:
                 self.rollout.check()
             current = "wake_kv"
             with self.phase(rec, "wake_kv"):
-                self.rollout.wake_kv()
+                if self.rollout.phase == WEIGHTS_ONLY:
+                    self.rollout.wake_kv()
             for name, fn in work:
                 current = name
                 with self.phase(rec, name):
                     done[name] = fn()
             current = "sleep"
             with self.phase(rec, "sleep"):
-                self.rollout.sleep()
-                self.rollout_awake = False
+                if self.placement.rollout_sleeps:
+                    self.rollout.sleep()
+                    self.rollout_awake = False
         except BaseException as e:
             note = self._put_rollout_to_sleep()
             if is_oom(e):
@@ -302,13 +368,14 @@ class ColocatedRunner:
         if sync is not None:
             out.update({"sync/nbytes": sync.nbytes, "sync/ntensors": sync.ntensors, "sync/nbuckets": sync.nbuckets,
                         "sync/seconds": sync.seconds})
+        # the reports of this step's moves only: a placement that keeps things in place moves nothing
         for side, rep in (("offload", self.trainer.last_offload), ("reload", self.trainer.last_reload)):
-            if rep is None:
+            if rep is None or side not in self._moved:
                 continue
             for k, v in rep.to_dict().items():
                 if isinstance(v, (int, float, str, bool)) or v is None:
                     out[f"trainer_{side}/{k}"] = v
-        for k, v in self.rollout.timings.items():
+        for k, v in self.rollout.timings.items() if "rollout" in self._moved else ():
             if isinstance(v, (int, float)):
                 out[f"rollout/{k}"] = v
         return out
@@ -335,7 +402,7 @@ class ColocatedRunner:
             return
         t0 = time.perf_counter()
         if self.save_from_pool:          # once more, so the state is read from the pool as in the run
-            self.trainer.offload()
+            self.offload_trainer()
         offload_s = time.perf_counter() - t0
         cp.save(done, self.version)
         self.final_checkpoint = {"step": done, "offload_s": offload_s, "seconds": cp.seconds[-1]}
@@ -353,6 +420,7 @@ class ColocatedRunner:
         say = (bar.write if bar is not None else self.print) if self.ranks.is_main else (lambda *_: None)
         try:
             self.checkpointer = checkpointer
+            say(f"[colomem] placement: {self.placement.label} ({self.placement.why})")
             for k in range(start, steps):
                 rec = self.step(k)
                 self._after_step(k + 1, last=k + 1 == steps or self.stop_requested is not None)
@@ -408,5 +476,6 @@ class ColocatedRunner:
             "checkpoint_s": list(self.checkpointer.seconds) if self.checkpointer else [],
             "final_checkpoint": self.final_checkpoint or None,
             "weight_version": self.version,
+            "placement": self.placement.to_dict(),
             **(self.evaluator.summary() if self.evaluator is not None else {}),
         }

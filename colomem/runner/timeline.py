@@ -37,6 +37,24 @@ def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> 
     return snap
 
 
+def reset_peak(device: Optional[int]) -> None:
+    """Starts the allocator's peak count over (the placement planner reads the train phase's peak)."""
+    if device is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_reserved(device: Optional[int]) -> Optional[int]:
+    """The allocator's peak reserved bytes since reset_peak; None without a GPU."""
+    if device is None:
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_reserved(device)) if torch.cuda.is_available() else None
+
+
 @dataclass
 class StepRecord:
     """One step: phase durations (s), memory after each phase, and the metrics. step_s leaves out an `eval`

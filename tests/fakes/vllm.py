@@ -267,6 +267,10 @@ class FakeLLM:
                 for p, b in zip(self._params(), self.backup):
                     p.copy_(b)
 
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return True
+
     def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.calls.append(("generate", lora_request.lora_int_id if lora_request else None))
         outs = []

@@ -93,7 +93,8 @@ class ScratchBuffers:
 class ColomemOffload:
     """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
     forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
-    which reload(pending) copies back while the forward and backward run."""
+    which reload(pending) copies back while the forward and backward run. `keep`: categories left on the
+    GPU (the placement planner's choice); the rest moves."""
     method = "colomem"
 
     def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
@@ -103,10 +104,12 @@ class ColomemOffload:
         self._state: Optional[EngineState] = None
         self._scratch = ScratchBuffers()
         self._timeout = timeout_s
+        self.keep: tuple[str, ...] = ()      # categories the next offload leaves on the GPU
         early = tuple(c for c in CATEGORIES if c not in LATE_CATEGORIES)
 
         def items(cats):
-            return lambda: self._state.swap_items(cats) if self._state else []
+            return lambda: (self._state.swap_items([c for c in cats if c not in self.keep]) if self._state
+                            else [])
         # release=True: the memory goes back to the driver inside the timed move, as with the baselines
         self.swapset = SwapSet.from_tensors(items(early), pool, name="deepspeed-trainer", device=device,
                                             release=device.type == "cuda")
@@ -164,7 +167,8 @@ class ColomemOffload:
         return raw if raw is not None else self.late.host_storage(t)
 
     def offloaded_items(self) -> Optional[list[tuple[str, str, Tensor]]]:
-        """(category, name, tensor) of what the last offload moved; None while resident."""
+        """(category, name, tensor) of the engine's state at the last offload, kept categories included (they
+        are still on the GPU: host_storage gives None for them); None while resident."""
         if self._state is None:
             return None
         return [(c, n, t) for c in CATEGORIES for n, t in self._state.groups.get(c, ())]

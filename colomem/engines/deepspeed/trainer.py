@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from colomem.swap import PendingReloads
 
 from .config import (OFFLOAD_METHODS, DeepSpeedConfig, build_lora_config, check_lora_spec, import_deepspeed,
                      init_distributed)
-from .state import (LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
+from .state import (CATEGORIES, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, release_zero3_references, trim_module_stack, zero3_global_holders)
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
@@ -114,6 +114,7 @@ class DeepSpeedTrainer:
         self._offloaded_by: Optional[str] = None
         self._left_behind_named = False       # the (slow) scan of live tensors runs once per trainer
         self._sync: Optional[SyncSource] = None
+        self._params_kept = False          # the last offload left the bf16 weights on the GPU
         self._lora_cache: Optional[dict[str, Tensor]] = None
         self._staging = Staging()
         self._pool = pool
@@ -269,17 +270,32 @@ class DeepSpeedTrainer:
         self._strategies[method] = s
         return s
 
-    def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None) -> None:
+    def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None,
+                keep: Collection[str] = ()) -> None:
         """Moves the engine's GPU state out (see DeepSpeedConfig.offload) and returns the memory to the
         driver. prepare_sync: keep the named weights readable for the weight sync while offloaded (host views
         of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
-        method: another offload method for this cycle (benchmarks). The report is in `last_offload`."""
+        method: another offload method for this cycle (benchmarks). keep: state categories (state.CATEGORIES)
+        that stay on the GPU, colomem method only; with "params" kept the sync reads the weights there. The
+        report is in `last_offload`."""
         self._check_resident("offload()")
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
         if method not in OFFLOAD_METHODS:
             raise InvalidArgumentError(f"method={method!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
+        keep = tuple(keep)
+        unknown = [c for c in keep if c not in CATEGORIES]
+        if unknown:
+            raise InvalidArgumentError(f"keep={list(keep)}: unknown categories {unknown}; they are "
+                                       f"{', '.join(CATEGORIES)}")
+        if keep and method != "colomem":
+            raise InvalidArgumentError(f"keep={list(keep)} needs the colomem offload method (not {method!r})")
         strategy = self._strategy(method)
+        if isinstance(strategy, ColomemOffload):
+            strategy.keep = keep
+        self._params_kept = "params" in keep
+        if self._params_kept:
+            prepare_sync = False               # named_weights() reads them where they are
         dev = self.device
         torch.cuda.synchronize(dev)        # DeepSpeed's side streams (reduction, all-gather) included
         free0 = torch.cuda.mem_get_info(dev)[0]
@@ -356,7 +372,7 @@ class DeepSpeedTrainer:
         by module, collectively: every rank must iterate to the end). Offloaded: host tensors prepared by
         offload(prepare_sync=True), valid until reload()."""
         self._check_open()
-        if self._offloaded:
+        if self._offloaded and not self._params_kept:
             if self._sync is None:
                 raise PhaseOrderError("named_weights() on an offloaded trainer needs offload(prepare_sync=True)")
             if self._sync.merged != merged:
@@ -370,7 +386,7 @@ class DeepSpeedTrainer:
         self._check_open()
         if self.lora is None:
             raise InvalidArgumentError("lora_state(): this trainer has no LoRA adapter (lora=None)")
-        if self._offloaded:
+        if self._offloaded and not self._params_kept:
             if self._lora_cache is None:
                 raise PhaseOrderError("lora_state() on an offloaded trainer needs offload(prepare_sync=True)")
             return dict(self._lora_cache)

@@ -360,11 +360,21 @@ class VLLMRollout:
             # what check() must find: the trainer's bytes for unfused names, the worker's right after the sync
             self._expected = [{**snap, **sampled} for snap in snapshots] or [dict(sampled)]
             self._expected_from = f"version {version}"
+        if stats.ntensors and self._phase == AWAKE:
+            self._drop_prefix_cache()
         self.weight_version = version
         self._expected_version = max(self._expected_version, version)
         stats.seconds = time.perf_counter() - t0
         self.last_sync = stats
         return stats
+
+    def _drop_prefix_cache(self) -> None:
+        """New base weights into an engine that stayed awake: the cached KV blocks of earlier prompts were
+        computed with the old ones (a sleep drops them; without one they must go here)."""
+        ok = self._calls.call(lambda llm: llm.reset_prefix_cache(), self.wake_timeout_s, "reset_prefix_cache()")
+        if ok is False:
+            raise ColomemError("vLLM refused to reset its prefix cache after a weight sync (requests still "
+                               "running?); generating now would reuse KV blocks of the old weights")
 
     def _transport(self) -> Transport:
         name = self._sync_transport

@@ -1,0 +1,178 @@
+"""Where each side's memory stays between phases: the placement planner.
+
+A colocated step needs, on every GPU, the rollout engine awake (weights + KV cache + its workspace) while it
+generates and the whole trainer (weights, gradients, fp32 masters, Adam moments, activations) while it
+trains. Moving either costs time, so the planner moves only what must go:
+
+    nothing moves        vLLM never sleeps, the trainer never offloads: a step costs the sync and its check.
+                         Chosen when the rollout awake + the trainer's peak while training fit together.
+    trainer keeps K      vLLM sleeps while the trainer trains; while vLLM generates, the trainer keeps the
+                         categories K on the GPU and offloads the rest. K is the largest prefix of KEEP_ORDER
+                         that fits beside the awake rollout: Adam moments go first (they are read last, by the
+                         optimizer step, and reload behind the forward and backward), then fp32 masters, then
+                         gradients, then the bf16 weights (the sync reads them on the GPU while they stay).
+
+The figures are measured, not guessed: with `offload auto` the first step runs with everything moving
+(the safe placement), and its memory after each phase (the driver's used bytes, the trainer's allocator
+peak while training, the bytes of each state category) decides the placement of every later step, on every
+rank the same (the one that fits on every GPU). `offload all|optimizer|none` and `rollout_sleep
+always|never` fix it instead. The decision and the figures behind it are printed once and logged.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from colomem.errors import ConfigError
+from colomem.units import format_bytes
+
+# The trainer state categories (colomem.engines.deepspeed.state.CATEGORIES), in the order they stay on the
+# GPU: "other" (module buffers) and the bf16 "params" first, then gradients, fp32 masters, Adam moments.
+KEEP_ORDER = (("params", "other"), ("grads",), ("master",), ("optim",))
+ALL_CATEGORIES = tuple(c for group in KEEP_ORDER for c in group)
+OFFLOAD_MODES = ("auto", "all", "optimizer", "none")
+SLEEP_MODES = ("auto", "always", "never")
+_OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: masters and moments go
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What moves between phases. keep: trainer categories that stay on the GPU while the rollout runs
+    (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains."""
+    keep: tuple[str, ...]
+    rollout_sleeps: bool
+    why: str = ""
+
+    @property
+    def trainer_moves(self) -> bool:
+        return set(self.keep) != set(ALL_CATEGORIES)
+
+    @property
+    def label(self) -> str:
+        if not self.trainer_moves and not self.rollout_sleeps:
+            return "nothing moves"
+        if not self.trainer_moves:
+            return "trainer resident, rollout sleeps"
+        if not self.keep:
+            return "trainer offloaded, rollout sleeps"
+        return f"trainer keeps {'+'.join(self.keep)}, rollout sleeps"
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "keep": list(self.keep), "rollout_sleeps": self.rollout_sleeps, "why": self.why}
+
+
+EVERYTHING_MOVES = Placement((), True, "everything moves (the first step measures what fits)")
+
+
+@dataclass
+class MemoryFigures:
+    """One GPU's measured figures, in bytes, from a step that moved everything.
+
+    total            the GPU's memory
+    rollout_used     the driver's used bytes at the end of the rollout (vLLM awake, trainer offloaded)
+    trainer_left     the trainer's allocator reserved bytes after that offload (already in rollout_used)
+    train_peak       the trainer's allocator peak reserved bytes while training
+    state            bytes of each trainer state category (params, other, grads, master, optim)
+    """
+    total: int
+    rollout_used: int
+    trainer_left: int
+    train_peak: int
+    state: dict[str, int] = field(default_factory=dict)
+
+    def kept_bytes(self, keep: Sequence[str]) -> int:
+        return sum(int(self.state.get(c, 0)) for c in keep)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_margin(total: int) -> int:
+    """Head room a placement must leave: allocator rounding, fragmentation, a larger batch's activations."""
+    return max(2 << 30, int(0.03 * total))
+
+
+def candidates(offload: str, rollout_sleep: str) -> list[Placement]:
+    """The placements a mode allows, cheapest first (the planner takes the first that fits)."""
+    if offload not in OFFLOAD_MODES:
+        raise ConfigError(f"offload={offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    if rollout_sleep not in SLEEP_MODES:
+        raise ConfigError(f"rollout_sleep={rollout_sleep!r}: choose one of {', '.join(SLEEP_MODES)}")
+    if rollout_sleep == "never" and offload in ("all", "optimizer"):
+        raise ConfigError(f"rollout_sleep never keeps the rollout's memory while the trainer trains, so the "
+                          f"trainer's state has nowhere to go: offload {offload} saves nothing; use offload none "
+                          "or auto")
+    out: list[Placement] = []
+    if offload in ("auto", "none") and rollout_sleep in ("auto", "never"):
+        out.append(Placement(ALL_CATEGORIES, False))
+    if rollout_sleep == "never":
+        return out
+    if offload == "none":
+        out.append(Placement(ALL_CATEGORIES, True))
+    elif offload == "optimizer":
+        out.append(Placement(_OPTIMIZER_KEEPS, True))
+    elif offload == "all":
+        out.append(Placement((), True))
+    else:
+        for i in range(len(KEEP_ORDER), -1, -1):
+            out.append(Placement(tuple(c for group in KEEP_ORDER[:i] for c in group), True))
+    return out
+
+
+def needs_measuring(offload: str, rollout_sleep: str) -> bool:
+    """Whether the placement depends on measured memory (more than one candidate)."""
+    return len(candidates(offload, rollout_sleep)) > 1
+
+
+def _need(p: Placement, fig: MemoryFigures) -> int:
+    if not p.rollout_sleeps:
+        return fig.rollout_used - fig.trainer_left + fig.train_peak
+    return fig.rollout_used + fig.kept_bytes(p.keep)
+
+
+def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
+           margin: Optional[int] = None) -> Placement:
+    """The cheapest allowed placement that fits on every GPU (figures: one per rank), with the reason. With
+    a single allowed placement, that one, fitting or not (the user asked for it; an out-of-memory then says
+    which phase ran out)."""
+    allowed = candidates(offload, rollout_sleep)
+    if not allowed:
+        raise ConfigError(f"offload={offload} with rollout_sleep={rollout_sleep} allows no placement")
+    if not figures:
+        return allowed[-1] if len(allowed) > 1 else allowed[0]
+    def short(p: Placement, f: MemoryFigures) -> int:      # bytes missing on that GPU (<= 0: fits)
+        return _need(p, f) + (margin if margin is not None else default_margin(f.total)) - f.total
+    for p in allowed:
+        worst = max(figures, key=lambda f: short(p, f))
+        fits = short(p, worst) <= 0
+        if fits or p is allowed[-1]:
+            m = margin if margin is not None else default_margin(worst.total)
+            why = f"needs {format_bytes(_need(p, worst))} + {format_bytes(m)} margin of {format_bytes(worst.total)}"
+            if p.rollout_sleeps and p.trainer_moves:
+                moved = sum(int(worst.state.get(c, 0)) for c in ALL_CATEGORIES if c not in p.keep)
+                why += f"; moves {format_bytes(moved)} of trainer state a step"
+            if not fits:
+                why += " (does not fit: asked for with offload / rollout_sleep)"
+            skipped = [q.label for q in allowed[:allowed.index(p)]]
+            if skipped:
+                why += "; did not fit: " + ", ".join(skipped)
+            return Placement(p.keep, p.rollout_sleeps, why)
+    raise AssertionError("unreachable")
+
+
+def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[MemoryFigures]:
+    """The figures of one step's record (memory after each phase) that moved everything; None when the
+    step lacks what they need (no GPU, or a phase missing)."""
+    roll = memory.get("rollout", {}) or {}
+    off = memory.get("offload", {}) or {}
+    train = memory.get("train", {}) or {}
+    used, left, peak = roll.get("driver_used"), off.get("reserved"), train.get("peak_reserved")
+    if used is None or left is None or peak is None or not total:
+        return None
+    return MemoryFigures(total=int(total), rollout_used=int(used), trainer_left=int(left), train_peak=int(peak),
+                         state={k: int(v) for k, v in (by_category or {}).items()})
+
+
+__all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
+           "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "needs_measuring"]

@@ -1,0 +1,223 @@
+"""The placement planner: given measured memory, what stays on the GPU; the modes a user can force; partial
+offloads that move only what the plan says; a CPU job run with nothing moving trains exactly as one that
+moves everything."""
+import json
+
+import pytest
+import torch
+
+import colomem
+from colomem.engines import deepspeed as dsa
+from colomem.engines.deepspeed.strategies import ColomemOffload
+from colomem.errors import ConfigError
+from colomem.runner import run_job
+from colomem.runner.config import config_from_dict
+from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
+                                      figures_from_step, needs_measuring)
+from colomem.errors import InvalidArgumentError
+from colomem.grpo.config import LoraSpec
+from fakes.deepspeed import bare_trainer, fake_zero2_engine
+from fakes.models import lora_model
+from fakes.vllm import make, trainer_weights
+from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
+
+GB = 10 ** 9
+CPU = torch.device("cpu")
+
+
+def figs(total=140, rollout=60, left=1, peak=45, params=3, other=0, grads=6, master=12, optim=24):
+    """One GPU's figures in GB: vLLM awake uses `rollout` (incl. the trainer's `left`), training peaks at `peak`."""
+    return MemoryFigures(total=total * GB, rollout_used=rollout * GB, trainer_left=left * GB, train_peak=peak * GB,
+                         state={"params": params * GB, "other": other * GB, "grads": grads * GB,
+                                "master": master * GB, "optim": optim * GB})
+
+
+# ------------------------------------------------------------------------------------------- decisions
+def test_nothing_moves_when_both_fit():
+    p = choose("auto", "auto", [figs()], margin=2 * GB)       # 60 - 1 + 45 = 104 + 2 <= 140
+    assert p.label == "nothing moves" and not p.trainer_moves and not p.rollout_sleeps
+    assert set(p.keep) == set(ALL_CATEGORIES) and "104" not in p.why and "GiB" in p.why
+
+
+def test_the_trainer_keeps_the_largest_prefix_that_fits_beside_the_awake_rollout():
+    # train peak too large for nothing-moves (60 - 1 + 90 > 140); rollout 60 + params 3 + grads 6 + master 12
+    # = 81 fits, + optim 24 = 105 too with margin 2: everything kept, vLLM sleeping (trainer resident)
+    p = choose("auto", "auto", [figs(peak=90)], margin=2 * GB)
+    assert p.rollout_sleeps and not p.trainer_moves and p.label == "trainer resident, rollout sleeps"
+    # a larger rollout: 100 + 3 + 6 + 12 = 121 fits, + 24 does not: Adam moments go first
+    p = choose("auto", "auto", [figs(rollout=100, peak=90)], margin=2 * GB)
+    assert p.keep == ("params", "other", "grads", "master") and p.rollout_sleeps
+    assert "did not fit: nothing moves, trainer resident" in p.why
+    # 120 + 3 + 6 = 129 fits, + 12 does not: masters go too
+    assert choose("auto", "auto", [figs(rollout=120, peak=90)], margin=2 * GB).keep == ("params", "other", "grads")
+    # 134 + 3 = 137 + 2 fits; grads do not
+    assert choose("auto", "auto", [figs(rollout=134, peak=90)], margin=2 * GB).keep == ("params", "other")
+    # only the rollout fits: everything moves; not even that: the last candidate still, said to not fit
+    p = choose("auto", "auto", [figs(rollout=137, peak=90)], margin=2 * GB)
+    assert p.keep == () and p.rollout_sleeps and "does not fit" not in p.why
+    p = choose("auto", "auto", [figs(rollout=139, peak=90)], margin=2 * GB)
+    assert p.keep == () and "does not fit" in p.why
+
+
+def test_every_gpu_must_fit_and_the_default_margin_scales_with_the_gpu():
+    roomy, tight = figs(), figs(rollout=100, peak=90)
+    assert choose("auto", "auto", [roomy, tight], margin=2 * GB).keep == ("params", "other", "grads", "master")
+    assert choose("auto", "auto", [tight, roomy], margin=2 * GB).keep == ("params", "other", "grads", "master")
+    # 3 % of 140 GB = 4.2 GB > 2 GiB: 104 + 4.2 fits, 104 + 36.1 does not
+    assert choose("auto", "auto", [figs()]).label == "nothing moves"
+    assert choose("auto", "auto", [figs()], margin=37 * GB).label != "nothing moves"
+
+
+def test_forced_modes_take_their_one_placement_without_measuring():
+    assert not needs_measuring("all", "auto") and not needs_measuring("none", "always")
+    assert needs_measuring("auto", "auto") and needs_measuring("none", "auto")
+    assert choose("all", "auto", []).keep == () and choose("all", "always", []).rollout_sleeps
+    opt = choose("optimizer", "auto", [])
+    assert opt.keep == ("params", "other", "grads") and opt.rollout_sleeps and opt.trainer_moves
+    resident = choose("none", "always", [])
+    assert not resident.trainer_moves and resident.rollout_sleeps
+    still = choose("none", "never", [])
+    assert still.label == "nothing moves"
+    # asked for, so taken even when the figures say it does not fit (the out-of-memory names the phase)
+    forced = choose("none", "never", [figs(peak=200)])
+    assert forced.label == "nothing moves" and "does not fit" in forced.why
+    # offload none, rollout_sleep auto: vLLM sleeps only when both do not fit together
+    assert choose("none", "auto", [figs()]).label == "nothing moves"
+    assert choose("none", "auto", [figs(peak=90)]).label == "trainer resident, rollout sleeps"
+
+
+def test_combinations_that_cannot_work_are_refused_early(tmp_path):
+    with pytest.raises(ConfigError, match="offload none"):
+        candidates("all", "never")
+    with pytest.raises(ConfigError, match="choose one of"):
+        candidates("most", "auto")
+    base = {"backend": "cpu", "out": str(tmp_path / "o")}
+    with pytest.raises(ConfigError, match="rollout_sleep never"):
+        config_from_dict({**base, "offload": "optimizer", "rollout_sleep": "never"})
+    with pytest.raises(ConfigError, match="timesplit"):
+        config_from_dict({**base, "switch": "timesplit", "offload": "none"})
+    with pytest.raises(ConfigError):
+        config_from_dict({**base, "placement_margin": "lots"})
+
+
+def test_figures_come_from_a_step_that_moved_everything():
+    memory = {"rollout": {"driver_used": 60 * GB}, "offload": {"reserved": GB},
+              "train": {"peak_reserved": 45 * GB, "reserved": 44 * GB}}
+    f = figures_from_step(memory, {"params": 3 * GB, "optim": 24 * GB}, 140 * GB)
+    assert (f.rollout_used, f.trainer_left, f.train_peak, f.kept_bytes(["params", "optim"])) == (
+        60 * GB, GB, 45 * GB, 27 * GB)
+    cpu = {"rollout": {"driver_used": None}, "offload": {"reserved": None}, "train": {"peak_reserved": None}}
+    assert figures_from_step(cpu, {}, 0) is None
+    assert EVERYTHING_MOVES.keep == () and EVERYTHING_MOVES.rollout_sleeps
+
+
+# ------------------------------------------------------------------------------ partial offload, moved
+def test_a_partial_colomem_offload_moves_only_what_is_not_kept():
+    pool = colomem.PinnedPool("1MiB", pin=False)
+    try:
+        eng = fake_zero2_engine()
+        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+        master = eng.optimizer.single_partition_of_fp32_groups[0]
+        weight = eng.module[0].weight
+        moments = [t for st in eng.optimizer.optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.numel() > 1]
+        assert moments, "the fake engine's Adam state has moments"
+        before = [t.clone() for t in (master, weight, *moments)]
+        for keep in [("params", "other", "grads", "master"), ("params", "other", "grads"), ()]:
+            s.keep = keep
+            move = s.offload()
+            assert (weight.untyped_storage().nbytes() > 0) == ("params" in keep)
+            assert (master.untyped_storage().nbytes() > 0) == ("master" in keep)
+            assert all(m.untyped_storage().nbytes() == 0 for m in moments)           # optim never kept here
+            assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES if c not in keep)
+            if "params" in keep:
+                assert s.host_view(weight) is None          # not moved: the sync reads it on the GPU
+            s.reload()
+            for t, b in zip((master, weight, *moments), before):
+                assert torch.equal(t, b), "bytes changed over a partial swap"
+        s.close()
+    finally:
+        pool.close(force=True)
+
+
+def test_weights_kept_on_the_device_are_read_there_while_the_rest_is_offloaded():
+    """offload(keep=("params", ...)): no staging; the sync and the adapter read the trainer's own tensors."""
+    pool = colomem.PinnedPool("1MiB", pin=False)
+    model, _ = lora_model()
+    t = bare_trainer(model, LoraSpec(), pool=pool)
+    want = {k: v.clone() for k, v in t.named_weights(merged=True)}
+    adapter = t.lora_state()
+    t._offloaded, t._params_kept = True, True
+    got = dict(t.named_weights(merged=True))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    base = dict(t.named_weights(merged=False))
+    own = {p.data_ptr() for p in model.parameters()}
+    assert any(v.data_ptr() in own for v in base.values())        # views of the model's storage, not copies
+    assert all(torch.equal(v, t.lora_state()[k]) for k, v in adapter.items())
+    assert pool.stats()["in_use_bytes"] == 0                      # nothing staged
+    t._offloaded = False
+    with pytest.raises(InvalidArgumentError, match="unknown categories"):
+        t.offload(method="colomem", keep=("params", "weights"))
+    with pytest.raises(InvalidArgumentError, match="colomem offload method"):
+        t.offload(method="deepspeed", keep=("params",))
+    pool.close(force=True)
+
+
+def test_a_sync_into_an_engine_that_stayed_awake_drops_its_prefix_cache():
+    """Without a sleep, vLLM's cached KV blocks were computed with the old weights: they must go."""
+    r = make(sync_transport="listener")
+    r.load_weights(trainer_weights(1).items(), version=1)       # awake (a fresh engine): nothing slept
+    assert r.llm.calls.count("reset_prefix_cache") == 1
+    r.sleep()
+    r.wake_weights()
+    r.load_weights(trainer_weights(2).items(), version=2)       # weights only: the sleep dropped the cache
+    assert r.llm.calls.count("reset_prefix_cache") == 1
+    r.wake_kv()
+    r.load_weights(trainer_weights(3).items(), version=3)
+    assert r.llm.calls.count("reset_prefix_cache") == 2
+    r.close()
+
+
+# ------------------------------------------------------------------------------------ the loop, CPU
+def job(out, **kw):
+    data = {"backend": "cpu", "steps": 3, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
+            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4}, "save_every": 3,
+            **kw}
+    return config_from_dict(data)
+
+
+def test_nothing_moving_trains_exactly_as_moving_everything(job_env, tmp_path):
+    moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
+    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never"), print_fn=lambda *_: None)
+    kept = run_job(job(tmp_path / "opt", offload="optimizer"), print_fn=lambda *_: None)
+    for r in (moved, still, kept):
+        assert r.summary["status"] == "ok"
+    assert still.summary["placement"]["label"] == "nothing moves"
+    assert moved.summary["placement"]["label"] == "trainer offloaded, rollout sleeps"
+    assert kept.summary["placement"]["keep"] == ["params", "other", "grads"]
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    # nothing moved: no trainer offload report, and the rollout never slept after its first wake
+    assert not any("trainer_offload/seconds" in x for x in lines(tmp_path / "none"))
+    assert all("trainer_offload/seconds" in x for x in lines(tmp_path / "all") if "reward_mean" in x)
+    moved_bytes = lambda out: [x["trainer_offload/moved_bytes"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    # offload optimizer moves the AdamW state only (none before the first step creates it)
+    opt, everything = moved_bytes(tmp_path / "opt"), moved_bytes(tmp_path / "all")
+    assert opt[0] == 0 and 0 < opt[-1] < everything[-1]
+    weights = {k: torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+               for k in ("all", "none", "opt")}
+    for k in ("none", "opt"):
+        assert all(torch.equal(weights["all"]["model"][n], weights[k]["model"][n]) for n in weights["all"]["model"])
+    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    assert rewards(tmp_path / "all") == rewards(tmp_path / "none") == rewards(tmp_path / "opt")
+
+
+def test_auto_on_the_cpu_measures_once_then_says_why_everything_moves(job_env, tmp_path):
+    said = []
+    res = run_job(job(tmp_path / "auto"), print_fn=said.append)
+    assert res.summary["status"] == "ok"
+    assert res.summary["placement"]["label"] == "trainer offloaded, rollout sleeps"
+    assert "CPU backend" in res.summary["placement"]["why"]
+    events = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()
+              if '"placement"' in x and '"event"' in x]
+    assert len(events) == 1 and events[0]["from_step"] == 1
+    assert sum("placement" in s for s in said) == 2          # the first step's, then the plan's
