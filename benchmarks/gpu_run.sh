@@ -2,7 +2,8 @@
 # One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
-# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, syncbench,
+# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
+# (offload(keep=...) tests), syncbench,
 # dsbench, grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
@@ -60,6 +61,7 @@ stage() {  # the stages run in the order given on the command line
     deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
+    partial) run partial_offload_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_partial_offload_gpu.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;
     realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --work /tmp/realjob-lora \
       --lora ;;

@@ -34,7 +34,8 @@ from .checkpoints import Checkpointer
 from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot, peak_reserved, reset_peak
+from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot, peak_reserved,
+                       release_cache, reset_peak)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,8 @@ class ColocatedRunner:
         if self.placement.trainer_moves and not self.trainer.offloaded:
             self.trainer.offload(keep=self.placement.keep)
             self._moved.add("offload")
+        elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
+            release_cache(self.device)
 
     def reload_trainer(self) -> None:
         if self.trainer.offloaded:

@@ -46,6 +46,16 @@ def reset_peak(device: Optional[int]) -> None:
             torch.cuda.reset_peak_memory_stats(device)
 
 
+def release_cache(device: Optional[int]) -> None:
+    """Gives the allocator's cached blocks back to the driver (a resident trainer's activations, before
+    vLLM wakes beside it)."""
+    if device is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def peak_reserved(device: Optional[int]) -> Optional[int]:
     """The allocator's peak reserved bytes since reset_peak; None without a GPU."""
     if device is None:
