@@ -18,7 +18,7 @@ from colomem import _C
 from colomem.bridge import buffers as _buffers
 from colomem.bridge.buckets import ALIGN, BucketMessage, PlannedBucket, layout_digest, plan_buckets
 from colomem.bridge.wire import (ABORT, ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, HOST_BACKEND, PROTOCOL,
-                                 check_ack, decode, encode)
+                                 _BadAck, check_ack, check_socket_ack, decode, encode)
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError, PoolClosedError, TransferTimeoutError
 from colomem.units import parse_bytes
 
@@ -159,7 +159,7 @@ class WeightBridge:
                 os.close(fd)
         data, rfds = conn.recv(self.timeout)
         reply = decode(data, conn, rfds)
-        if reply.get("kind") != ATTACHED or not reply.get("ok"):
+        if reply["kind"] != ATTACHED or reply["ok"] is not True:
             raise PeerError(f"importer process {conn.peer_pid} could not map the buffers: "
                             f"{reply.get('error', reply)}")
         with self._lock:
@@ -318,10 +318,13 @@ class WeightBridge:
                 replies = []
                 for c in conns:
                     reply = self._reply(c, tag, timeout)
-                    if reply.get("kind") != ACK:
-                        raise PeerError(f"importer process {c.peer_pid} answered {reply.get('kind')!r} to bucket "
-                                        f"{msg.seq}, expected an ack")
-                    check_ack(reply, msg, f"importer process {c.peer_pid}")
+                    if reply["kind"] != ACK:
+                        self._detach(c)
+                        raise PeerError(f"importer process {c.peer_pid} answered {reply['kind']!r} to bucket "
+                                        f"{msg.seq}, expected an ack; detached it")
+                    # a refusal keeps the importer; an ACK for another bucket breaks the protocol: detached
+                    self._guard(c, lambda: check_socket_ack(reply, msg, f"importer process {c.peer_pid}"),
+                                only=_BadAck)
                     replies.append(reply.get("report"))
                 if msg.last:
                     self.last_reports = replies
@@ -337,8 +340,8 @@ class WeightBridge:
         deadline = time.monotonic() + timeout
         while True:
             data, fds = self._guard(c, lambda: c.recv(max(1e-3, deadline - time.monotonic())))
-            reply = decode(data, c, fds)
-            if reply.get("tag") == tag or reply.get("kind") != ACK:
+            reply = self._guard(c, lambda: decode(data, c, fds))  # a malformed answer detaches its importer
+            if reply.get("tag") == tag or reply["kind"] != ACK:
                 return reply
             log.debug("weight bridge: skipping an ack of an earlier sync from process %s", c.peer_pid)
 
@@ -350,11 +353,11 @@ class WeightBridge:
             except ColomemError:
                 pass  # gone already: it gets PeerError on its own
 
-    def _guard(self, conn: "_C.UnixConnection", fn: Callable):
-        """Runs a socket call; an importer that died or broke the protocol is detached."""
+    def _guard(self, conn: "_C.UnixConnection", fn: Callable, only: type = PeerError):
+        """Runs a socket call; an importer that died or broke the protocol (`only`) is detached."""
         try:
             return fn()
-        except PeerError:
+        except only:
             self._detach(conn)
             raise
 
