@@ -107,6 +107,17 @@ std::string default_socket_base() {
   return "/tmp";
 }
 
+// The owner's pid, so that a later bridge can tell a directory whose process died (SIGKILL, a crash) from
+// one in use and remove it (colomem.bridge.socket_dir). Best effort: without it the directory is only kept.
+void write_owner(const std::string& file) {
+  int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return;
+  std::string pid = cat(::getpid(), "\n");
+  ssize_t n = ::write(fd, pid.data(), pid.size());
+  (void)n;
+  ::close(fd);
+}
+
 std::string fmt_seconds(double s) { return cat(std::round(s * 1000.0) / 1000.0, " s"); }
 
 }  // namespace
@@ -364,6 +375,8 @@ UnixServer::UnixServer(const std::string& dir, const std::string& name) {
     throw InvalidArgument(cat("cannot create a private directory under ", base, ": ", std::strerror(errno)));
   dir_ = buf.data();
   path_ = dir_ + "/" + name;
+  owner_ = dir_ + "/" + kOwnerFile;
+  write_owner(owner_);
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path_.data(), path_.size());
 
@@ -382,6 +395,7 @@ UnixServer::UnixServer(const std::string& dir, const std::string& name) {
   if (err != 0) {
     if (fd_ >= 0) ::close(fd_);
     ::unlink(path_.c_str());
+    ::unlink(owner_.c_str());
     ::rmdir(dir_.c_str());
     throw InvalidArgument(cat("cannot listen on ", path_, " (", step, "): ", std::strerror(err)));
   }
@@ -439,6 +453,7 @@ void UnixServer::close() {
   ::shutdown(fd_, SHUT_RDWR);
   if (accepting_ == 0) ::close(fd_);
   ::unlink(path_.c_str());
+  ::unlink(owner_.c_str());
   ::rmdir(dir_.c_str());
 }
 

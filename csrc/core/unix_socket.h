@@ -68,7 +68,9 @@ class UnixConnection {
 class UnixServer {
  public:
   // Creates a fresh 0700 directory (mkdtemp) under dir (default: $XDG_RUNTIME_DIR, $TMPDIR or /tmp) and
-  // listens on <that directory>/<name> with mode 0600.
+  // listens on <that directory>/<name> with mode 0600. The directory also holds kOwnerFile, this process's
+  // pid: a directory whose owner died can be recognised and removed by the next bridge.
+  static constexpr const char* kOwnerFile = "owner.pid";
   explicit UnixServer(const std::string& dir = "", const std::string& name = "bridge.sock");
   ~UnixServer();
   UnixServer(const UnixServer&) = delete;
@@ -79,13 +81,13 @@ class UnixServer {
   // and raises PeerError saying so once timeout_s passed.
   std::unique_ptr<UnixConnection> accept(double timeout_s, std::string peer_role = "importer");
   const std::string& path() const { return path_; }
-  // Stops listening, removes the socket file and its directory. Idempotent.
+  // Stops listening, removes the socket file, the owner file and the directory. Idempotent.
   void close();
   bool closed() const;
 
  private:
   int fd_;
-  std::string dir_, path_;
+  std::string dir_, path_, owner_;
   mutable std::mutex mu_;
   bool closed_ = false;
   int accepting_ = 0;  // accept() calls in flight; the last one closes fd_ after close()
