@@ -401,7 +401,7 @@ class WeightBridge:
             except ColomemError:
                 pass  # gone already: it gets PeerError on its own
 
-    def _guard(self, conn: "_C.UnixConnection", fn: Callable, only: type = PeerError):
+    def _guard(self, conn: "_C.UnixConnection", fn: Callable, only: "type[Exception]" = PeerError):
         """Runs a socket call; an importer that died or broke the protocol (`only`) is detached."""
         try:
             return fn()
