@@ -492,6 +492,10 @@ b.close()
 
 
 def test_accept_out_of_descriptors_does_not_spin():
+    if _C.build_info().get("sanitizers"):
+        # UBSan's vptr check probes memory through a pipe: with no descriptor left the probe fails and it
+        # aborts on every exception object (a report about the sanitizer, not about the bridge)
+        pytest.skip("the sanitizer runtime itself needs free file descriptors")
     child = spawn(EMFILE_CHILD)
     try:
         address = child.stdout.readline().strip()
