@@ -632,3 +632,22 @@ def test_accept_warnings_are_rate_limited(caplog):
         producer._accept_loop(weakref.ref(keep), FailingServer(), threading.Event())
     assert calls["n"] == 201
     assert len([r for r in caplog.records if "Too many open files" in r.getMessage()]) == 1
+
+
+def test_a_directory_whose_socket_still_listens_is_kept(root):
+    """An owner pid that looks dead may be another pid namespace's (a container sharing the directory): a
+    socket that still accepts keeps the directory; once nothing listens, it goes."""
+    from colomem.bridge import socket_dir
+
+    d = os.path.join(root, "colomem-mnopqr")
+    os.mkdir(d, 0o700)
+    with open(os.path.join(d, "owner.pid"), "w") as f:
+        f.write("999999999\n")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(d, "bridge.sock"))
+    listener.listen(4)
+    try:
+        assert socket_dir.sweep_stale(root) == 0 and os.path.isdir(d)
+    finally:
+        listener.close()
+    assert socket_dir.sweep_stale(root) == 1 and not os.path.exists(d)

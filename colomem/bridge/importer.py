@@ -110,7 +110,7 @@ class BridgeImporter:
                 hello = parse(data, f"the process at {address}")
                 if hello["kind"] != HELLO:
                     raise PeerError(f"{address} is not a colomem weight bridge (bad handshake)")
-                if hello.get("protocol") != PROTOCOL:
+                if type(hello.get("protocol")) is not int or hello["protocol"] != PROTOCOL:
                     raise PeerError(f"bridge protocol {_short(hello.get('protocol'))} at {address}, this colomem "
                                     f"speaks {PROTOCOL}: install the same colomem version in both processes")
                 fields = validate_hello(hello, len(fds))

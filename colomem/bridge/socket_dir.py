@@ -4,7 +4,7 @@ the interpreter exits with bridges still open (atexit), and, for a process that 
 
 Each directory is `colomem-XXXXXX/` (mkdtemp, mode 0700) holding `bridge.sock` and `owner.pid` (the
 creating process's pid, written by the core). A directory is removed only when it belongs to this user,
-holds nothing but those two files, and its owner process no longer exists.
+holds nothing but those two files, its owner process no longer exists and nothing accepts on its socket.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import re
+import socket
 import stat
 import threading
 import weakref
@@ -35,6 +36,24 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, another user's (pid reused): not ours to judge
         return True
+    return True
+
+
+def _listening(sock: str) -> bool:
+    """Whether something still accepts on the socket: the owner's pid may be another pid namespace's (a
+    container sharing the directory), so a pid that looks dead is confirmed by a refused connect."""
+    if not os.path.exists(sock):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(0.5)
+        s.connect(sock)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # busy, timed out, not permitted: assume someone is there
+        return True
+    finally:
+        s.close()
     return True
 
 
@@ -72,6 +91,8 @@ def sweep_stale(parent: str) -> int:
                 continue
             if not set(os.listdir(path)) <= {OWNER_FILE, SOCKET_FILE}:
                 continue  # something else lives there: not ours to delete
+            if _listening(os.path.join(path, SOCKET_FILE)):
+                continue
             for f in (SOCKET_FILE, OWNER_FILE):
                 try:
                     os.unlink(os.path.join(path, f))
