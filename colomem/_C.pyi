@@ -112,11 +112,11 @@ class UnixConnection:
         ...
     def recv(self, timeout: float = 30.0) -> tuple[bytes, typing.Any]:
         """
-        Receive one message -> (bytes, [fd, ...]); the caller owns the fds. TransferTimeoutError if none arrived in time (the connection stays usable); PeerError if the peer hung up or died.
+        Receive one message -> (bytes, [fd, ...]); the caller owns the fds. TransferTimeoutError if none arrived in time, including while another thread held the connection that long (the connection stays usable); PeerError if the peer hung up or died.
         """
     def send(self, data: bytes, fds: collections.abc.Sequence[int] = [], timeout: float = 30.0) -> None:
         """
-        Send one message; fds are borrowed (the peer gets duplicates).
+        Send one message; fds are borrowed (the peer gets duplicates). Threads sharing the connection take turns; waiting for the turn counts against timeout.
         """
     @property
     def closed(self) -> bool:
@@ -132,13 +132,13 @@ class UnixConnection:
         ...
 class UnixServer:
     """
-    A listening bridge socket in a fresh 0700 directory (socket mode 0600).
+    A listening bridge socket in a fresh 0700 directory (socket mode 0600) that also holds owner.pid, this process's pid (a later bridge removes the directory once that process is gone).
     """
     def __init__(self, dir: str = '', name: str = 'bridge.sock') -> None:
         ...
     def accept(self, timeout: float = 30.0, peer_role: str = 'importer') -> UnixConnection:
         """
-        Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user.
+        Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user, or when no file descriptor was left for it within timeout (it sleeps between tries, never spins).
         """
     def close(self) -> None:
         ...

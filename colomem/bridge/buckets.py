@@ -65,26 +65,10 @@ class Entry:
 
     @staticmethod
     def from_dict(d: dict) -> "Entry":
-        try:
-            part = d.get("part")
-            e = Entry(name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(s) for s in d["shape"]),
-                      offset=int(d["offset"]), nbytes=int(d["nbytes"]),
-                      part=tuple(int(p) for p in part) if part is not None else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PeerError(f"malformed bridge entry {d!r}: {exc}") from None
-        itemsize = dtype_from_name(e.dtype).itemsize
-        full = 1
-        for s in e.shape:
-            if s < 0:
-                raise PeerError(f"malformed bridge entry {e.name!r}: negative dimension in {e.shape}")
-            full *= s
-        if e.part is not None:
-            if len(e.part) != 3 or not (0 <= e.part[0] < e.part[1] <= e.part[2] == full):
-                raise PeerError(f"malformed bridge entry {e.name!r}: part {e.part} of a tensor of {full} elements")
-        if e.offset < 0 or e.offset % ALIGN or e.nbytes != e.numel * itemsize:
-            raise PeerError(f"malformed bridge entry {e.name!r}: offset {e.offset}, nbytes {e.nbytes} for "
-                            f"{e.numel} elements of {e.dtype}")
-        return e
+        """Parses and checks one entry of a message (colomem.bridge.wire.validate_entry; PeerError if bad)."""
+        from colomem.bridge.wire import validate_entry  # wire imports this module
+
+        return Entry(*validate_entry(d, 0))
 
 
 @dataclass
@@ -261,28 +245,14 @@ class BucketMessage:
 
     @staticmethod
     def from_dict(d, entries: bool = True) -> "BucketMessage":
-        """Parses and checks a message dict; entries=False leaves the entries out (a consumer that knows the
-        layout already)."""
+        """Parses and checks a message dict (colomem.bridge.wire.validate_bucket: exactly the schema, else
+        PeerError naming the field); entries=False leaves the entries out (a consumer that knows the layout
+        already)."""
         if isinstance(d, BucketMessage):
             return d
-        if not isinstance(d, dict):
-            raise PeerError(f"a bridge message must be a dict, got {type(d).__name__}")
-        try:
-            checksum, layout = d.get("checksum"), d.get("layout")
-            m = BucketMessage(buffer=int(d["buffer"]), version=int(d["version"]), seq=int(d["seq"]),
-                              last=bool(d["last"]), nbytes=int(d["nbytes"]),
-                              checksum=int(checksum) if checksum is not None else None,
-                              checksum_stride=int(d.get("checksum_stride", 0) or 0),
-                              entries=tuple(Entry.from_dict(e) for e in d["entries"]) if entries else (),
-                              layout=str(layout) if layout is not None else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PeerError(f"malformed bridge message (missing or bad field {exc}); producer and consumer "
-                            f"colomem versions may differ") from None
-        if m.buffer < 0 or m.seq < 0 or m.nbytes < 0 or m.checksum_stride < 0:
-            raise PeerError(f"malformed bridge message: negative field in {d!r}")
-        if m.checksum is not None and not 0 <= m.checksum < 1 << 64:
-            raise PeerError(f"malformed bridge message: checksum {m.checksum} is not a uint64")
-        for e in m.entries:
-            if e.offset + e.nbytes > m.nbytes and e.nbytes:
-                raise PeerError(f"malformed bridge message: entry {e.name!r} ends past the bucket's {m.nbytes} bytes")
-        return m
+        from colomem.bridge.wire import validate_bucket  # wire imports this module
+
+        f = validate_bucket(d, entries)
+        return BucketMessage(buffer=f["buffer"], version=f["version"], seq=f["seq"], last=f["last"],
+                             nbytes=f["nbytes"], checksum=f["checksum"], checksum_stride=f["checksum_stride"],
+                             entries=tuple(Entry(*e) for e in f["entries"]), layout=f["layout"])

@@ -18,7 +18,8 @@ from colomem.bridge import buffers as _buffers
 from colomem.bridge.buffers import DeviceLike
 from colomem.bridge.buckets import BucketMessage, Entry, Reassembler, entry_view
 from colomem.bridge.wire import (ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, HOST_BACKEND, PROTOCOL, U64,
-                                 ack_error, decode, encode, peer_gone)
+                                 _short, ack_error, decode, encode, parse, peer_gone, validate_bucket,
+                                 validate_hello)
 from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, PeerError, PoolClosedError,
                             WeightCheckError)
 
@@ -50,6 +51,24 @@ def _device_for(hello: dict, device: DeviceLike) -> torch.device:
     return torch.device("cuda", idx)
 
 
+def _check_ranges(ranges: torch.Tensor, m: BucketMessage) -> None:
+    """copy_out's ranges must read inside the bucket. Compared without adding offset and length (an int64
+    sum of two huge fields wraps negative and would pass)."""
+    if not isinstance(ranges, torch.Tensor) or ranges.dtype != torch.int64 or ranges.device.type != "cpu" \
+            or ranges.dim() != 2 or ranges.shape[1] != 3:
+        raise InvalidArgumentError("copy_out: ranges must be an (n, 3) int64 CPU tensor of (destination "
+                                   "address, offset in the bucket, bytes)")
+    if not ranges.shape[0]:
+        return
+    off, n = ranges[:, 1], ranges[:, 2]
+    if bool((off < 0).any()) or bool((n < 0).any()) or bool((ranges[:, 0] < 0).any()):
+        raise InvalidArgumentError(f"copy_out: a range of bucket {m.seq} has a negative field; the ranges are corrupt")
+    # off <= nbytes and n <= nbytes - off: no sum that could overflow
+    if bool((off > m.nbytes).any()) or bool((n > m.nbytes - off).any()):
+        raise InvalidArgumentError(f"copy_out: a range reads past bucket {m.seq}'s {m.nbytes} bytes; the "
+                                   f"ranges belong to another layout")
+
+
 class _ViewOwner:
     """Held by every tensor viewing an imported buffer: keeps the mapping alive while a view exists."""
 
@@ -70,7 +89,7 @@ class BridgeImporter:
         self.uuid = str(hello["uuid"])
         self.bucket_bytes = int(hello["bucket_bytes"])
         self.producer_pid = int(hello["pid"])
-        self.producer_checksum = str(hello.get("checksum", ""))
+        self.producer_checksum = str(hello.get("checksum") or "")
         self.timeout = timeout
         self.version: Optional[int] = None  # last version whose last bucket was applied
         self._next: Optional[tuple] = None  # (version, seq) expected next
@@ -88,21 +107,19 @@ class BridgeImporter:
         try:
             data, fds = conn.recv(timeout)
             try:
-                hello = json.loads(data)
-                if not isinstance(hello, dict) or hello.get("kind") != HELLO:
+                hello = parse(data, f"the process at {address}")
+                if hello["kind"] != HELLO:
                     raise PeerError(f"{address} is not a colomem weight bridge (bad handshake)")
-                if hello.get("protocol") != PROTOCOL:
-                    raise PeerError(f"bridge protocol {hello.get('protocol')} at {address}, this colomem speaks "
-                                    f"{PROTOCOL}: install the same colomem version in both processes")
-                sizes = [int(n) for n in hello["buffers"]]
-                if len(sizes) != len(fds):
-                    raise PeerError(f"bridge handshake announced {len(sizes)} buffers but carried {len(fds)} fds")
-                dev = _device_for(hello, device)
-                for fd, n in zip(fds, sizes):
+                if type(hello.get("protocol")) is not int or hello["protocol"] != PROTOCOL:
+                    raise PeerError(f"bridge protocol {_short(hello.get('protocol'))} at {address}, this colomem "
+                                    f"speaks {PROTOCOL}: install the same colomem version in both processes")
+                fields = validate_hello(hello, len(fds))
+                dev = _device_for(fields, device)
+                for fd, n in zip(fds, fields["buffers"]):
                     buffers.append(_buffers.map_imported(fd, n, dev))
-            except DeviceMismatchError:
-                raise  # an InvalidArgumentError, hence a ValueError: the wrong device, not a malformed hello
-            except (KeyError, TypeError, ValueError) as exc:
+            except (DeviceMismatchError, PeerError):
+                raise  # the wrong device, or a malformed hello the validator named
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise PeerError(f"malformed bridge handshake from {address}: {exc}") from None
             finally:
                 for fd in fds:
@@ -117,7 +134,7 @@ class BridgeImporter:
                 b.close()
             conn.close()
             raise
-        return cls(conn, buffers, hello, dev, float(timeout))
+        return cls(conn, buffers, fields, dev, float(timeout))
 
     @property
     def closed(self) -> bool:
@@ -230,9 +247,7 @@ class BridgeImporter:
         m = BucketMessage.from_dict(msg, entries=False)
         self._check_order(m)
         buf = self._buffers[m.buffer]
-        if ranges.shape[0] and int(ranges[:, 1].add(ranges[:, 2]).max()) > m.nbytes:
-            raise InvalidArgumentError(f"copy_out: a range reads past bucket {m.seq}'s {m.nbytes} bytes; the "
-                                       f"ranges belong to another layout")
+        _check_ranges(ranges, m)
         check = self._start_verify(m, buf, verify) if verify != "none" else None
         copy_ranges(ranges, self.device, src_base=buf.ptr)
         self._finish(m, check, ranges.shape[0] > 0)
@@ -316,7 +331,8 @@ class BridgeImporter:
         self._check_open()
         timeout = self.timeout if timeout is None else float(timeout)
         if isinstance(msg, dict):   # the fields it needs, without parsing every entry again
-            version, seq, tag = int(msg["version"]), int(msg["seq"]), msg.get("tag")
+            f = validate_bucket(msg, entries=False)
+            version, seq, tag = f["version"], f["seq"], f["tag"]
         else:
             version, seq, tag = msg.version, msg.seq, None
         _buffers.wait_current_stream(self.device, timeout, f"copies out of bucket {seq}")

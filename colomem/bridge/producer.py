@@ -16,9 +16,10 @@ import torch
 
 from colomem import _C
 from colomem.bridge import buffers as _buffers
+from colomem.bridge import socket_dir as _socket_dir
 from colomem.bridge.buckets import ALIGN, BucketMessage, PlannedBucket, layout_digest, plan_buckets
 from colomem.bridge.wire import (ABORT, ACK, ATTACHED, BUCKET, CHECKSUM_STRIDES, CLOSED, HELLO, HOST_BACKEND, PROTOCOL,
-                                 check_ack, decode, encode)
+                                 _BadAck, check_ack, check_socket_ack, decode, encode)
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError, PoolClosedError, TransferTimeoutError
 from colomem.units import parse_bytes
 
@@ -38,30 +39,56 @@ class BridgeStats:
     ack_seconds: float = 0.0        # time between handing out a message and its ACK
 
 
+ACCEPT_POLL_S = 0.2        # how often the accept thread looks at the stop flag
+ACCEPT_WARN_EVERY_S = 30.0  # a failing accept (e.g. out of file descriptors) is logged once per interval
+MAX_PENDING_HANDSHAKES = 64
+JOIN_S = 2.0               # close() waits this long for the bridge's threads (they are woken, so they end)
+
+
 def _accept_loop(bridge_ref: "weakref.ref", server: "_C.UnixServer", stop: threading.Event) -> None:
-    """Attaches importers until the bridge closes (or is garbage-collected)."""
+    """Accepts importers until the bridge closes (or is garbage-collected); each handshake runs in a thread
+    of its own with its own deadline, so a silent importer delays nobody else's attach."""
+    last_warn, suppressed = -ACCEPT_WARN_EVERY_S, 0
     while not stop.is_set():
         try:
-            conn = server.accept(0.2)
+            conn = server.accept(ACCEPT_POLL_S)
         except TransferTimeoutError:
             if bridge_ref() is None:
                 return
             continue
         except PoolClosedError:
             return
-        except PeerError as exc:  # e.g. a process of another user: refused, keep serving
-            log.warning("weight bridge: %s", exc)
+        except PeerError as exc:  # e.g. a process of another user, or no descriptors left: keep serving
+            now = time.monotonic()
+            if now - last_warn >= ACCEPT_WARN_EVERY_S:
+                more = f" ({suppressed} more since the last warning)" if suppressed else ""
+                log.warning("weight bridge: %s%s", exc, more)
+                last_warn, suppressed = now, 0
+            else:
+                suppressed += 1
             continue
         bridge = bridge_ref()
         if bridge is None:
             conn.close()
             return
-        try:
-            bridge._handshake(conn)
-        except Exception as exc:  # noqa: BLE001 - one bad importer must not stop the accept thread
-            log.warning("weight bridge: attaching importer process %s failed: %s", conn.peer_pid, exc)
-            conn.close()
+        bridge._start_handshake(conn)
         del bridge
+
+
+def _handshake_thread(bridge_ref: "weakref.ref", conn: "_C.UnixConnection") -> None:
+    bridge = bridge_ref()
+    try:
+        if bridge is not None:
+            bridge._handshake(conn)
+    except Exception as exc:  # noqa: BLE001 - one bad importer must not affect the others
+        if bridge is not None and not bridge.closed:
+            log.warning("weight bridge: attaching importer process %s failed: %s", conn.peer_pid, exc)
+        conn.close()
+    finally:
+        if bridge is not None:
+            bridge._end_handshake(conn)
+        else:
+            conn.close()
 
 
 class WeightBridge:
@@ -111,6 +138,9 @@ class WeightBridge:
             self._release()
             raise
         self._path: str = server.path
+        _socket_dir.track(server)
+        _socket_dir.sweep_stale(os.path.dirname(os.path.dirname(self._path)))
+        self._pending: dict = {}  # connection -> its handshake thread
         self._stop = threading.Event()
         # The thread holds the bridge weakly: a bridge dropped without close() still goes away.
         self._thread = threading.Thread(target=_accept_loop, args=(weakref.ref(self), server, self._stop),
@@ -145,6 +175,24 @@ class WeightBridge:
             raise PoolClosedError("the weight bridge was closed; create a new WeightBridge")
 
     # -- attaching importers ---------------------------------------------------------------------------------
+    def _start_handshake(self, conn: "_C.UnixConnection") -> None:
+        with self._lock:
+            if self._closed or len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                busy = not self._closed
+                conn.close()
+                if busy:
+                    log.warning("weight bridge: refused importer process %s: %d handshakes already pending",
+                                conn.peer_pid, MAX_PENDING_HANDSHAKES)
+                return
+            t = threading.Thread(target=_handshake_thread, args=(weakref.ref(self), conn),
+                                 name="colomem-bridge-handshake", daemon=True)
+            self._pending[conn] = t
+        t.start()
+
+    def _end_handshake(self, conn: "_C.UnixConnection") -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+
     def _handshake(self, conn: "_C.UnixConnection") -> None:
         fds: list = []
         try:
@@ -159,7 +207,7 @@ class WeightBridge:
                 os.close(fd)
         data, rfds = conn.recv(self.timeout)
         reply = decode(data, conn, rfds)
-        if reply.get("kind") != ATTACHED or not reply.get("ok"):
+        if reply["kind"] != ATTACHED or reply["ok"] is not True:
             raise PeerError(f"importer process {conn.peer_pid} could not map the buffers: "
                             f"{reply.get('error', reply)}")
         with self._lock:
@@ -318,10 +366,13 @@ class WeightBridge:
                 replies = []
                 for c in conns:
                     reply = self._reply(c, tag, timeout)
-                    if reply.get("kind") != ACK:
-                        raise PeerError(f"importer process {c.peer_pid} answered {reply.get('kind')!r} to bucket "
-                                        f"{msg.seq}, expected an ack")
-                    check_ack(reply, msg, f"importer process {c.peer_pid}")
+                    if reply["kind"] != ACK:
+                        self._detach(c)
+                        raise PeerError(f"importer process {c.peer_pid} answered {reply['kind']!r} to bucket "
+                                        f"{msg.seq}, expected an ack; detached it")
+                    # a refusal keeps the importer; an ACK for another bucket breaks the protocol: detached
+                    self._guard(c, lambda: check_socket_ack(reply, msg, f"importer process {c.peer_pid}"),
+                                only=_BadAck)
                     replies.append(reply.get("report"))
                 if msg.last:
                     self.last_reports = replies
@@ -337,8 +388,8 @@ class WeightBridge:
         deadline = time.monotonic() + timeout
         while True:
             data, fds = self._guard(c, lambda: c.recv(max(1e-3, deadline - time.monotonic())))
-            reply = decode(data, c, fds)
-            if reply.get("tag") == tag or reply.get("kind") != ACK:
+            reply = self._guard(c, lambda: decode(data, c, fds))  # a malformed answer detaches its importer
+            if reply.get("tag") == tag or reply["kind"] != ACK:
                 return reply
             log.debug("weight bridge: skipping an ack of an earlier sync from process %s", c.peer_pid)
 
@@ -350,11 +401,11 @@ class WeightBridge:
             except ColomemError:
                 pass  # gone already: it gets PeerError on its own
 
-    def _guard(self, conn: "_C.UnixConnection", fn: Callable):
-        """Runs a socket call; an importer that died or broke the protocol is detached."""
+    def _guard(self, conn: "_C.UnixConnection", fn: Callable, only: "type[Exception]" = PeerError):
+        """Runs a socket call; an importer that died or broke the protocol (`only`) is detached."""
         try:
             return fn()
-        except PeerError:
+        except only:
             self._detach(conn)
             raise
 
@@ -376,15 +427,20 @@ class WeightBridge:
         with self._lock:
             self._closed = True
             conns, self._importers = self._importers, []
+            pending = list(self._pending.items())
         if self._thread is not None:
             self._stop.set()
         if self._server is not None:
-            self._server.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._server.close()  # shuts the listener down: wakes the accept thread's poll
+        for c, _ in pending:
+            c.close()  # wakes a handshake waiting on a silent importer
+        deadline = time.monotonic() + JOIN_S
+        for t in [self._thread] + [t for _, t in pending]:
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
         for c in conns:
             try:
-                c.send(encode(CLOSED, pid=os.getpid()), [], 1.0)
+                c.send(encode(CLOSED, pid=os.getpid()), [], 0.5)
             except ColomemError:
                 pass
             c.close()

@@ -36,7 +36,8 @@ void register_socket(py::module_& m) {
             c.send(payload, fds, timeout);
           },
           py::arg("data"), py::arg("fds") = std::vector<int>{}, py::arg("timeout") = 30.0,
-          "Send one message; fds are borrowed (the peer gets duplicates).")
+          "Send one message; fds are borrowed (the peer gets duplicates). Threads sharing the connection take "
+          "turns; waiting for the turn counts against timeout.")
       .def(
           "recv",
           [](UnixConnection& c, double timeout) {
@@ -49,7 +50,8 @@ void register_socket(py::module_& m) {
           },
           py::arg("timeout") = 30.0,
           "Receive one message -> (bytes, [fd, ...]); the caller owns the fds. TransferTimeoutError if none "
-          "arrived in time (the connection stays usable); PeerError if the peer hung up or died.")
+          "arrived in time, including while another thread held the connection that long (the connection stays "
+          "usable); PeerError if the peer hung up or died.")
       .def("close", &UnixConnection::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &UnixConnection::closed)
       .def_property_readonly("peer_pid", &UnixConnection::peer_pid)
@@ -57,7 +59,9 @@ void register_socket(py::module_& m) {
       .def_property_readonly("peer_role", &UnixConnection::peer_role);
 
   py::class_<UnixServer, std::shared_ptr<UnixServer>>(
-      m, "UnixServer", "A listening bridge socket in a fresh 0700 directory (socket mode 0600).")
+      m, "UnixServer",
+      "A listening bridge socket in a fresh 0700 directory (socket mode 0600) that also holds owner.pid, this "
+      "process's pid (a later bridge removes the directory once that process is gone).")
       .def(py::init<const std::string&, const std::string&>(), py::arg("dir") = "", py::arg("name") = "bridge.sock")
       .def(
           "accept",
@@ -66,7 +70,8 @@ void register_socket(py::module_& m) {
             return std::shared_ptr<UnixConnection>(s.accept(timeout, std::move(peer_role)));
           },
           py::arg("timeout") = 30.0, py::arg("peer_role") = "importer",
-          "Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user.")
+          "Wait for one connection. TransferTimeoutError if none; PeerError for a peer of another user, or when "
+          "no file descriptor was left for it within timeout (it sleeps between tries, never spins).")
       .def_property_readonly("path", &UnixServer::path)
       .def("close", &UnixServer::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &UnixServer::closed);

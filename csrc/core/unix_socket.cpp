@@ -39,6 +39,7 @@ class Deadline {
     return static_cast<int>(std::min<int64_t>((left + 999) / 1000, 1 << 30));
   }
   bool passed() const { return Clock::now() >= end_; }
+  Clock::time_point end() const { return end_; }
 
  private:
   Clock::time_point end_;
@@ -54,6 +55,22 @@ bool wait_ready(int fd, short events, const Deadline& dl) {
     if (errno != EINTR) return true;  // let the following read/write report the error
   }
 }
+
+// The connection's send (or receive) lock, waited for no longer than the caller's own deadline: a thread
+// blocked in a long poll on the same connection must not stretch another caller's timeout.
+std::unique_lock<std::timed_mutex> lock_within(std::timed_mutex& mu, const Deadline& dl, double timeout_s,
+                                               const std::string& peer, const char* what) {
+  std::unique_lock<std::timed_mutex> lock(mu, std::defer_lock);
+  if (!lock.try_lock_until(dl.end()))
+    throw Timeout(cat("another thread was ", what, " on the connection to ", peer, " for all of the ",
+                      cat(std::round(timeout_s * 1000.0) / 1000.0, " s"),
+                      " allowed; wait again or give each thread its own connection"));
+  return lock;
+}
+
+// Descriptor exhaustion: a pending connection that cannot be accepted keeps the listener readable, so
+// polling again would spin. The caller sleeps instead.
+bool out_of_descriptors(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
 void close_all(std::vector<int>& fds) {
   for (int f : fds) ::close(f);
@@ -88,6 +105,17 @@ std::string default_socket_base() {
     if (v && *v && ::access(v, W_OK | X_OK) == 0) return v;
   }
   return "/tmp";
+}
+
+// The owner's pid, so that a later bridge can tell a directory whose process died (SIGKILL, a crash) from
+// one in use and remove it (colomem.bridge.socket_dir). Best effort: without it the directory is only kept.
+void write_owner(const std::string& file) {
+  int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return;
+  std::string pid = cat(::getpid(), "\n");
+  ssize_t n = ::write(fd, pid.data(), pid.size());
+  (void)n;
+  ::close(fd);
 }
 
 std::string fmt_seconds(double s) { return cat(std::round(s * 1000.0) / 1000.0, " s"); }
@@ -197,7 +225,7 @@ void UnixConnection::send(const std::string& data, const std::vector<int>& fds, 
           cat("message of ", data.size(), " bytes exceeds the limit of ", kMaxMessageBytes));
   require(fds.size() <= kMaxFds, cat("at most ", kMaxFds, " file descriptors per message, got ", fds.size()));
   for (int f : fds) require(f >= 0, cat("invalid file descriptor ", f));
-  std::lock_guard<std::mutex> lock(send_mu_);
+  auto lock = lock_within(send_mu_, dl, timeout_s, peer_name(), "sending");
   int fd = fd_for_io("send");
 
   unsigned char hdr[kHeaderBytes];
@@ -249,7 +277,7 @@ void UnixConnection::send(const std::string& data, const std::vector<int>& fds, 
 
 SocketMessage UnixConnection::recv(double timeout_s) {
   Deadline dl(timeout_s);
-  std::lock_guard<std::mutex> lock(recv_mu_);
+  auto lock = lock_within(recv_mu_, dl, timeout_s, peer_name(), "receiving");
   int fd = fd_for_io("receive");
   SocketMessage out;
   FdGuard guard{out.fds};
@@ -323,8 +351,8 @@ void UnixConnection::close() {
     closed_ = true;
   }
   ::shutdown(fd_, SHUT_RDWR);  // wakes a send/recv blocked in poll in another thread
-  std::lock_guard<std::mutex> s(send_mu_);
-  std::lock_guard<std::mutex> r(recv_mu_);
+  std::lock_guard<std::timed_mutex> s(send_mu_);
+  std::lock_guard<std::timed_mutex> r(recv_mu_);
   ::close(fd_);
 }
 
@@ -347,6 +375,8 @@ UnixServer::UnixServer(const std::string& dir, const std::string& name) {
     throw InvalidArgument(cat("cannot create a private directory under ", base, ": ", std::strerror(errno)));
   dir_ = buf.data();
   path_ = dir_ + "/" + name;
+  owner_ = dir_ + "/" + kOwnerFile;
+  write_owner(owner_);
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path_.data(), path_.size());
 
@@ -365,6 +395,7 @@ UnixServer::UnixServer(const std::string& dir, const std::string& name) {
   if (err != 0) {
     if (fd_ >= 0) ::close(fd_);
     ::unlink(path_.c_str());
+    ::unlink(owner_.c_str());
     ::rmdir(dir_.c_str());
     throw InvalidArgument(cat("cannot listen on ", path_, " (", step, "): ", std::strerror(err)));
   }
@@ -398,6 +429,14 @@ std::unique_ptr<UnixConnection> UnixServer::accept(double timeout_s, std::string
     int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (c >= 0) return std::make_unique<UnixConnection>(c, std::move(peer_role));
     int err = errno;
+    if (out_of_descriptors(err)) {
+      if (closed()) throw PoolClosed(cat("the bridge socket ", path_, " was closed"));
+      if (dl.passed())
+        throw PeerError(cat("accept on ", path_, " failed: ", std::strerror(err),
+                            "; an importer is waiting. Close unused files or raise the limit (ulimit -n)"));
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, std::max(1, dl.remaining_ms()))));
+      continue;
+    }
     if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && err != ECONNABORTED) {
       if (closed()) throw PoolClosed(cat("the bridge socket ", path_, " was closed"));
       throw PeerError(cat("accept on ", path_, " failed: ", std::strerror(err)));
@@ -414,6 +453,7 @@ void UnixServer::close() {
   ::shutdown(fd_, SHUT_RDWR);
   if (accepting_ == 0) ::close(fd_);
   ::unlink(path_.c_str());
+  ::unlink(owner_.c_str());
   ::rmdir(dir_.c_str());
 }
 

@@ -4,6 +4,8 @@
 // Every wait is bounded (poll with a deadline). A timeout before any byte of a message arrived raises
 // Timeout and leaves the connection usable; a peer that hangs up raises PeerError naming its pid; a
 // timeout in the middle of a message closes the connection (the framing is lost) and raises PeerError.
+// Threads sharing one connection take turns (one message at a time each way); a caller waiting for its turn
+// waits no longer than its own timeout (Timeout, the connection stays usable).
 #pragma once
 
 #include <sys/types.h>
@@ -56,7 +58,9 @@ class UnixConnection {
   pid_t peer_pid_ = 0;
   uid_t peer_uid_ = 0;
   std::string peer_role_;
-  std::mutex send_mu_, recv_mu_;  // held for a whole send / recv; close() takes both before ::close
+  // Held for a whole send / recv (a message's framing), taken within the caller's deadline; close() shuts
+  // the socket down (ending any poll) and takes both before ::close.
+  std::timed_mutex send_mu_, recv_mu_;
   mutable std::mutex close_mu_;
   bool closed_ = false;
 };
@@ -64,23 +68,26 @@ class UnixConnection {
 class UnixServer {
  public:
   // Creates a fresh 0700 directory (mkdtemp) under dir (default: $XDG_RUNTIME_DIR, $TMPDIR or /tmp) and
-  // listens on <that directory>/<name> with mode 0600.
+  // listens on <that directory>/<name> with mode 0600. The directory also holds kOwnerFile, this process's
+  // pid: a directory whose owner died can be recognised and removed by the next bridge.
+  static constexpr const char* kOwnerFile = "owner.pid";
   explicit UnixServer(const std::string& dir = "", const std::string& name = "bridge.sock");
   ~UnixServer();
   UnixServer(const UnixServer&) = delete;
   UnixServer& operator=(const UnixServer&) = delete;
 
   // Waits up to timeout_s for one connection (Timeout if none). A peer of another user is refused
-  // (PeerError); the server stays usable.
+  // (PeerError); the server stays usable. Out of file descriptors, it sleeps between tries (no spinning)
+  // and raises PeerError saying so once timeout_s passed.
   std::unique_ptr<UnixConnection> accept(double timeout_s, std::string peer_role = "importer");
   const std::string& path() const { return path_; }
-  // Stops listening, removes the socket file and its directory. Idempotent.
+  // Stops listening, removes the socket file, the owner file and the directory. Idempotent.
   void close();
   bool closed() const;
 
  private:
   int fd_;
-  std::string dir_, path_;
+  std::string dir_, path_, owner_;
   mutable std::mutex mu_;
   bool closed_ = false;
   int accepting_ = 0;  // accept() calls in flight; the last one closes fd_ after close()
