@@ -8,6 +8,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "core/copy_engine.h"
 #include "core/errors.h"
 
@@ -16,6 +18,18 @@ namespace colomem {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Raised in a fork() child that uses an engine (or a transfer) of its parent: the worker threads that would
+// run the copies were not copied into the child, so waiting would never end.
+void check_not_forked(pid_t owner, const char* what) {
+  pid_t self = getpid();
+  if (self == owner) return;
+  throw NotAvailable(cat("host copy engine: ", what, " in process ", static_cast<long long>(self),
+                         ", a fork() child of process ", static_cast<long long>(owner),
+                         " where the engine was created; its copy threads do not survive fork(), so no copy "
+                         "would run. Fork before the first offload or reload, or start child processes with "
+                         "the 'spawn' (or 'forkserver') method"));
+}
 
 class HostTransfer : public Transfer {
  public:
@@ -28,18 +42,22 @@ class HostTransfer : public Transfer {
   bool timing = false;
   double ms = 0;
   Clock::time_point started, ended;
+  pid_t owner = getpid();
 
   bool done() override {
+    check_not_forked(owner, "done() on a transfer started");
     std::lock_guard<std::mutex> lk(mu);
     return finished;
   }
   void wait(double timeout_s) override {
+    auto bound = wait_bound(timeout_s);  // before the lock: a bad timeout is refused at once
+    check_not_forked(owner, "wait() on a transfer started");
     std::unique_lock<std::mutex> lk(mu);
-    if (timeout_s < 0) {
+    if (!bound) {
       cv.wait(lk, [&] { return finished; });
       return;
     }
-    if (!cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished; }))
+    if (!cv.wait_for(lk, *bound, [&] { return finished; }))
       throw Timeout(cat("host ", direction_name(direction), " transfer of ", nbytes, " bytes not done after ",
                         timeout_s, " s (", completed.load(), "/", ncopies,
                         " copies done); it keeps running, wait again"));
@@ -86,6 +104,12 @@ class Worker {
  public:
   Worker() : th_([this] { loop(); }) {}
   ~Worker() {
+    if (getpid() != owner_) {
+      // A fork() child: the thread is not in this process (joining would wait for ever) and the mutex may
+      // have been copied locked. Let the handle go without touching either.
+      th_.detach();
+      return;
+    }
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
@@ -119,7 +143,8 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<HostTransfer>> q_;
   bool stop_ = false;
-  std::thread th_;
+  pid_t owner_ = getpid();
+  std::thread th_;  // last: started once the members above exist
 };
 
 class HostCopyEngine : public CopyEngine {
@@ -128,6 +153,7 @@ class HostCopyEngine : public CopyEngine {
 
   std::shared_ptr<Transfer> submit(Direction dir, const std::vector<CopyOp>& ops, uintptr_t wait_stream,
                                    uintptr_t signal_stream, bool timing) override {
+    check_not_forked(owner_, "submit()");
     require(wait_stream == 0 && signal_stream == 0,
             "the host copy engine has no streams: pass wait_stream=0 and signal_stream=0");
     auto t = std::make_shared<HostTransfer>();
@@ -150,6 +176,7 @@ class HostCopyEngine : public CopyEngine {
 
  private:
   size_t chunk_;
+  pid_t owner_ = getpid();
   Worker d2h_, h2d_;  // declared last: destroyed (drained, joined) first
 };
 
