@@ -36,13 +36,24 @@ class HostTransfer : public Transfer {
   std::vector<CopyOp> ops;
   size_t chunk = 0;
   std::atomic<size_t> completed{0};
-  std::mutex mu;
-  std::condition_variable cv;
+  // Held by pointer so a fork() child can leak them: a mutex copied while locked, or a condition variable
+  // with waiters in the parent, would block for ever on destruction in the child.
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  std::unique_ptr<Sync> sync = std::make_unique<Sync>();
+  std::mutex& mu = sync->mu;
+  std::condition_variable& cv = sync->cv;
   bool finished = false;
   bool timing = false;
   double ms = 0;
   Clock::time_point started, ended;
   pid_t owner = getpid();
+
+  ~HostTransfer() override {
+    if (getpid() != owner) (void)sync.release();
+  }
 
   bool done() override {
     check_not_forked(owner, "done() on a transfer started");
@@ -103,13 +114,7 @@ class HostTransfer : public Transfer {
 class Worker {
  public:
   Worker() : th_([this] { loop(); }) {}
-  ~Worker() {
-    if (getpid() != owner_) {
-      // A fork() child: the thread is not in this process (joining would wait for ever) and the mutex may
-      // have been copied locked. Let the handle go without touching either.
-      th_.detach();
-      return;
-    }
+  ~Worker() {  // never run in a fork() child: see ~HostCopyEngine
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
@@ -143,13 +148,20 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<HostTransfer>> q_;
   bool stop_ = false;
-  pid_t owner_ = getpid();
   std::thread th_;  // last: started once the members above exist
 };
 
 class HostCopyEngine : public CopyEngine {
  public:
   explicit HostCopyEngine(size_t chunk) : chunk_(chunk) {}
+  ~HostCopyEngine() override {
+    if (getpid() != owner_) {
+      // A fork() child: the worker threads are not in this process (joining would wait for ever), and their
+      // mutex and condition variable were copied mid-use (destroying them can block too). Leak the workers.
+      (void)d2h_.release();
+      (void)h2d_.release();
+    }
+  }
 
   std::shared_ptr<Transfer> submit(Direction dir, const std::vector<CopyOp>& ops, uintptr_t wait_stream,
                                    uintptr_t signal_stream, bool timing) override {
@@ -167,7 +179,7 @@ class HostCopyEngine : public CopyEngine {
       t->nchunks += (op.nbytes + chunk_ - 1) / chunk_;
     }
     t->ncopies = ops.size();
-    (dir == Direction::D2H ? d2h_ : h2d_).push(t);
+    (dir == Direction::D2H ? d2h_ : h2d_)->push(t);
     return t;
   }
   int device() const override { return -1; }
@@ -177,7 +189,8 @@ class HostCopyEngine : public CopyEngine {
  private:
   size_t chunk_;
   pid_t owner_ = getpid();
-  Worker d2h_, h2d_;  // declared last: destroyed (drained, joined) first
+  // declared last: destroyed (drained, joined) first
+  std::unique_ptr<Worker> d2h_ = std::make_unique<Worker>(), h2d_ = std::make_unique<Worker>();
 };
 
 }  // namespace
