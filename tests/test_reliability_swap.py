@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import colomem
-from colomem import _C
+from colomem import _C, _torch
 from colomem.errors import (InvalidArgumentError, PhaseOrderError, PoolBusyError, PoolClosedError,
                             TransferTimeoutError)
 from colomem.swap import SwapStats
@@ -39,10 +39,20 @@ def big_tensor() -> torch.Tensor:
     return torch.arange(BIG // 8, dtype=torch.int64)  # every 8 bytes distinct: a misplaced chunk shows
 
 
+def drain_host_engine() -> None:
+    """Waits for every copy queued on the process's host engine (its workers run FIFO, so an empty transfer
+    per direction finishes after them): a failed test must not leave a copy running into memory that its
+    teardown frees."""
+    eng = _torch.engine_for(torch.device("cpu"))
+    for direction in ("d2h", "h2d"):
+        eng.submit(direction, []).wait(60.0)
+
+
 @pytest.fixture
 def pool():
     p = colomem.PinnedPool(0, pin=False)
     yield p
+    drain_host_engine()
     p.close(force=True)
 
 
@@ -221,19 +231,23 @@ def test_huge_and_infinite_timeouts_wait_for_the_copy(pool, timeout):
 @pytest.mark.parametrize("timeout", [1e10, math.inf])
 def test_core_transfer_wait_treats_huge_timeouts_as_no_bound(timeout):
     src, dst = big_tensor(), torch.zeros(BIG // 8, dtype=torch.int64)
-    eng = _C.CopyEngine(-1)
-    tr = eng.submit("d2h", [(dst.data_ptr(), src.data_ptr(), BIG)])
-    tr.wait(timeout)
-    assert tr.done() and torch.equal(dst, src)
+    tr = _C.CopyEngine(-1).submit("d2h", [(dst.data_ptr(), src.data_ptr(), BIG)])
+    try:
+        tr.wait(timeout)
+        assert tr.done() and torch.equal(dst, src)
+    finally:
+        tr.wait(60.0)  # never free the tensors under a running copy
 
 
 @pytest.mark.parametrize("timeout", [math.nan, -1.0, -1e-9, -math.inf])
 def test_core_transfer_wait_refuses_nan_and_negative_timeouts(timeout):
     src, dst = big_tensor(), torch.zeros(BIG // 8, dtype=torch.int64)
     tr = _C.CopyEngine(-1).submit("h2d", [(dst.data_ptr(), src.data_ptr(), BIG)])
-    with pytest.raises(InvalidArgumentError, match="timeout"):
-        tr.wait(timeout)
-    tr.wait(60)  # the refused wait lost nothing
+    try:
+        with pytest.raises(InvalidArgumentError, match="timeout"):
+            tr.wait(timeout)
+    finally:
+        tr.wait(60.0)  # the refused wait lost nothing (and the tensors outlive the copy)
     assert torch.equal(dst, src)
 
 
