@@ -54,7 +54,8 @@ class _CopiesInFlight:
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._items: dict[int, tuple[str, object]] = {}  # token -> (what, transfer; None while submitting)
+        # token -> (what, transfer; None while submitting)
+        self._items: dict[int, tuple[str, Optional[_C.Transfer]]] = {}
         self._next = 0
         self._closing = False
 
@@ -68,7 +69,7 @@ class _CopiesInFlight:
             self._items[self._next] = (what, None)
             return self._next
 
-    def attach(self, token: int, transfer) -> None:
+    def attach(self, token: int, transfer: "_C.Transfer") -> None:
         with self._cond:
             if token in self._items:
                 self._items[token] = (self._items[token][0], transfer)

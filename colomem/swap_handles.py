@@ -73,7 +73,7 @@ class SwapHandle:
             try:
                 self._transfer.wait(seconds)
             except TransferTimeoutError as exc:
-                exc.handle = self
+                setattr(exc, "handle", self)  # so the caller of a synchronous offload/reload can wait again
                 raise
             with self._set._lock:
                 if self._stats is None and self._error is None:
@@ -84,7 +84,8 @@ class SwapHandle:
                         raise
         if self._error is not None:
             raise self._error
-        return self._stats  # type: ignore[return-value]  (set above when no error)
+        assert self._stats is not None  # set above whenever finish() raised nothing
+        return self._stats
 
 
 class PendingReloads:
