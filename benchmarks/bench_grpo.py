@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml"}
+CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
+           "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml"}
 MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
@@ -247,7 +248,7 @@ def read_default(path: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (JSON, markdown, per-run outputs)")
-    ap.add_argument("--configs", default="full,lora", help="comma list of: full, lora")
+    ap.add_argument("--configs", default="full,lora", help="comma list of: " + ", ".join(CONFIGS))
     ap.add_argument("--modes", default="colomem,timesplit", help="comma list of: " + ", ".join(MODES))
     ap.add_argument("--rounds", type=int, default=1, help="runs of each mode, interleaved (A B A B)")
     ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")

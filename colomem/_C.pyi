@@ -32,14 +32,16 @@ class HostPool:
         ...
     def alloc(self, nbytes: int) -> tuple[int, int, int]:
         """
-        Returns (block_id, address, rounded size).
+        Returns (block_id, address, rounded size). InvalidArgumentError above 64 GiB (the largest block) or where rounding to the alignment would overflow; PoolExhaustedError at the cap.
         """
     def close(self, force: bool = False) -> None:
         ...
     def free(self, block_id: int) -> None:
         ...
     def reserve(self, nbytes: int) -> None:
-        ...
+        """
+        Grows the pool so one block of nbytes fits. InvalidArgumentError above 64 GiB, the largest block.
+        """
     def stats(self) -> dict:
         ...
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import math
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +26,45 @@ def _resolve_pin(pin) -> bool:
     raise InvalidArgumentError(f"pin must be True, False or 'auto', got {pin!r}")
 
 
+# What crosses into the core as a size_t: anything larger cannot be represented there.
+_SIZE_LIMIT = 2**64
+
+
+def _size(name: str, value) -> int:
+    """A byte size as users write it (int, '16GiB', 1.5e9), checked so the core never sees a bad one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgumentError(f"{name} must be a finite byte size, got {value!r}")
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            n = parse_bytes(value)
+        except (ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(f"{name}: {exc}") from None
+    else:
+        n = _index(name, value)
+    if n < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0 bytes, got {value!r}")
+    if n >= _SIZE_LIMIT:
+        raise InvalidArgumentError(f"{name} of {value!r} is not a byte size this host can hold (2**64 or more)")
+    return n
+
+
+def _index(name: str, value) -> int:
+    """An exact integer (int, numpy integer; not bool, not float), for counts and sizes given in bytes."""
+    if isinstance(value, bool) or value is None:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _block_bytes(name: str, value) -> int:
+    n = _index(name, value)
+    if not 0 <= n < _SIZE_LIMIT:
+        raise InvalidArgumentError(f"{name} must be from 0 to 2**64 - 1 bytes, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class Block:
     """A sub-allocation of the pool. `address` is valid until `release()` or the pool closes."""
@@ -37,12 +78,16 @@ class Block:
         self.pool.free(self)
 
     def as_tensor(self, nbytes: Optional[int] = None):
-        """A CPU uint8 torch tensor viewing the block (no copy). Keep the block alive while it is used."""
+        """A CPU uint8 torch tensor viewing the block (no copy). Keep the block alive while it is used.
+
+        PoolClosedError once the pool was closed (its memory is unmapped then); InvalidArgumentError once
+        the block was released (its bytes may belong to another block)."""
         import torch
 
-        n = self.nbytes if nbytes is None else nbytes
+        n = self.nbytes if nbytes is None else _block_bytes("nbytes", nbytes)
         if n > self.nbytes:
             raise InvalidArgumentError(f"view of {n} bytes on a block of {self.nbytes}")
+        self.pool.check_live(self)
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address), dtype=torch.uint8)
@@ -134,12 +179,24 @@ class PinnedPool:
                  prefault: str = "touch"):
         if prefault not in ("populate", "touch"):
             raise InvalidArgumentError(f"prefault must be 'populate' or 'touch', got {prefault!r}")
+        if not isinstance(huge_pages, bool):
+            raise InvalidArgumentError(f"huge_pages must be True or False, got {huge_pages!r}")
+        threads = _index("prefault_threads", prefault_threads)
+        if not 0 <= threads <= 1024:
+            raise InvalidArgumentError(f"prefault_threads must be from 0 (one per core, at most 16) to 1024, "
+                                       f"got {threads}")
+        align = _index("alignment", alignment)
+        if align <= 0 or align & (align - 1) or align > 2**30:
+            raise InvalidArgumentError(f"alignment must be a power of two from 1 to 1 GiB, got {align}")
+        cap = None if max_bytes is None else _size("max_bytes", max_bytes)
+        if cap == 0:
+            raise InvalidArgumentError("max_bytes of 0 bytes could hold nothing; pass max_bytes=None for no cap")
         self._pin = _resolve_pin(pin)
         self._core = _C.HostPool(
-            initial_bytes=parse_bytes(initial),
-            max_bytes=0 if max_bytes is None else parse_bytes(max_bytes),
-            segment_bytes=parse_bytes(segment_bytes),
-            pin=self._pin, huge_pages=huge_pages, prefault_threads=prefault_threads, alignment=alignment,
+            initial_bytes=_size("initial", initial),
+            max_bytes=0 if cap is None else cap,
+            segment_bytes=_size("segment_bytes", segment_bytes),
+            pin=self._pin, huge_pages=huge_pages, prefault_threads=threads, alignment=align,
             populate=prefault == "populate",
         )
         self._live: dict[int, Block] = {}
@@ -148,13 +205,17 @@ class PinnedPool:
 
     # -- blocks -------------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Block:
-        block_id, address, size = self._core.alloc(int(nbytes))
+        """A block of at least `nbytes` (rounded up to the alignment). InvalidArgumentError for a size that is
+        not a non-negative integer or above 64 GiB, the largest block; PoolExhaustedError at the cap."""
+        block_id, address, size = self._core.alloc(_block_bytes("nbytes", nbytes))
         block = Block(self, block_id, address, size)
         with self._lock:
             self._live[block_id] = block
         return block
 
     def free(self, block: Block) -> None:
+        if not isinstance(block, Block):
+            raise InvalidArgumentError(f"free() takes a Block from alloc(), got {type(block).__name__}")
         if block.pool is not self:
             raise InvalidArgumentError("this block belongs to another pool")
         self._core.free(block.block_id)  # DoubleReleaseError on a second release
@@ -174,9 +235,22 @@ class PinnedPool:
         if self._core.closed:
             raise PoolClosedError("this pinned pool was closed; create a new PinnedPool")
 
+    def check_live(self, block: Block) -> None:
+        """Raises unless `block` may be read now: PoolClosedError after close() (its memory is unmapped),
+        InvalidArgumentError after its release."""
+        if self._core.closed:
+            raise PoolClosedError(f"block {block.block_id} belonged to a pinned pool that was closed (its memory "
+                                  "is unmapped); read blocks before closing the pool")
+        with self._lock:
+            live = self._live.get(block.block_id) is block
+        if not live:
+            raise InvalidArgumentError(f"block {block.block_id} was released; its bytes may belong to another "
+                                       "block now")
+
     def reserve(self, nbytes: Size) -> None:
-        """Grows the pool now so a block of `nbytes` can be allocated later without pinning."""
-        self._core.reserve(parse_bytes(nbytes))
+        """Grows the pool now so a block of `nbytes` can be allocated later without pinning. InvalidArgumentError
+        above 64 GiB (the largest block: pass `initial` for a larger pool); PoolExhaustedError at the cap."""
+        self._core.reserve(_size("nbytes", nbytes))
 
     def stats(self) -> dict:
         return self._core.stats()
@@ -187,7 +261,7 @@ class PinnedPool:
         `timeout` seconds; PoolBusyError naming them after that, and the pool stays open)."""
 
         def close_core():
-            self._core.close(force)
+            self._core.close(bool(force))
             with self._lock:
                 self._live.clear()
 

@@ -292,6 +292,7 @@ class SwapSet:
                                                wait_stream=_torch.stream_handle(device), timing=timing)
             except BaseException:
                 self._give_back_blocks()
+                self._drop_kept()  # a failed offload returns its blocks, kept ones included (keep_blocks=True)
                 self._entries = []
                 raise
             self.state = OFFLOADING
@@ -428,6 +429,8 @@ class SwapSet:
         valid while offloaded; None when `t` has no offloaded copy here."""
         if self.state != OFFLOADED:
             return None
+        if self._pool.closed:  # the pool copy was unmapped with it: a view would read freed memory
+            raise PoolClosedError(f"{self.name}: its pool was closed while the set was offloaded; the data is gone")
         key = t.untyped_storage()._cdata
         for e in self._entries:
             if e.storage._cdata == key and e.block is not None:

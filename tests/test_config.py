@@ -173,3 +173,13 @@ def test_out_naming_a_file_is_a_config_error_not_a_traceback(tmp_path):
     with pytest.raises(ConfigError, match="is a file"):
         run_job(config_from_dict({"backend": "cpu", "out": str(f)}), print_fn=lambda *_: None)
     assert f.read_text() == "keep me"
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    from colomem.grpo.tiny_model import SHAPES
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")):
+        cfg = load_run_config(["--config", str(path)])
+        assert cfg.model is not None or cfg.model_shape in SHAPES, path.name
+

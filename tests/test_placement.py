@@ -13,7 +13,7 @@ from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
-                                      figures_from_step, needs_measuring)
+                                      figures_from_step, kv_hint, needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
 from fakes.deepspeed import bare_trainer, fake_zero2_engine
@@ -98,6 +98,17 @@ def test_combinations_that_cannot_work_are_refused_early(tmp_path):
         config_from_dict({**base, "switch": "timesplit", "offload": "none"})
     with pytest.raises(ConfigError):
         config_from_dict({**base, "placement_margin": "lots"})
+
+
+def test_the_memory_left_free_is_offered_to_the_kv_cache():
+    f = figs(total=140, rollout=60, left=1, peak=45)       # nothing moves needs 104 + 2: 34 GB free
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    hint = kv_hint(p, [f], 0.3, margin=2 * GB)
+    # 34 GB of 140 -> +0.24; with everything moving 140 - 2 - 60 = 78 GB -> +0.56
+    assert "up to 0.54 (now 0.30)" in hint and "--offload all --rollout-sleep always, up to 0.86" in hint
+    full = figs(total=140, rollout=137.5, peak=90)
+    assert kv_hint(choose("auto", "auto", [full], margin=2 * GB), [full], 0.9, margin=2 * GB) == ""
+    assert kv_hint(p, [], 0.3) == ""
 
 
 def test_figures_come_from_a_step_that_moved_everything():

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from colomem.bench.shapes import QWEN2_0P5B, QWEN2_1P5B, ModelShape
+from colomem.bench.shapes import QWEN2_0P5B, QWEN2_1P5B, QWEN2_7B, ModelShape
 from colomem.errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
@@ -33,7 +33,7 @@ def _config_of(shape: ModelShape) -> dict:
 
 
 # Config-built Qwen2 models. "tiny" is the embedded default job (about 3 M params, its vocabulary the
-# tokenizer's); "qwen2-1.5b" is the benchmark shape. The real shapes' dimensions come from the one table of
+# tokenizer's); "qwen2-1.5b" and "qwen2-7b" are the benchmark shapes. The real shapes' dimensions come from the one table of
 # them; a spec's values are part of the cache key (model_key), so a change here builds a new model.
 SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -41,6 +41,7 @@ SHAPES: dict[str, dict] = {
                  tie_word_embeddings=False, vocab_size=None),
     "qwen2-0.5b": _config_of(QWEN2_0P5B),
     "qwen2-1.5b": _config_of(QWEN2_1P5B),
+    "qwen2-7b": _config_of(QWEN2_7B),          # 7.6 B params: ~15 GB of bf16 weights, built once per cache
 }
 
 

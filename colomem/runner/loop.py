@@ -28,7 +28,8 @@ from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 from colomem.units import parse_bytes
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
-from .placement import EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, needs_measuring
+from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
+                        needs_measuring)
 from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
@@ -203,6 +204,7 @@ class ColocatedRunner:
         by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
         mine = figures_from_step(rec.memory, by_cat, total or 0)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
+        hint = ""
         if any(f is None for f in every):
             self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
         else:
@@ -210,10 +212,13 @@ class ColocatedRunner:
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
             self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
             self.placement_figures = every
+            hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
+        if hint:
+            self.print(f"[colomem] KV cache: {hint}")
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
-                               "figures": self.placement_figures})
+                               "kv_hint": hint, "figures": self.placement_figures})
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:

@@ -160,6 +160,32 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
     raise AssertionError("unreachable")
 
 
+def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
+            margin: Optional[int] = None) -> str:
+    """What the memory left free would buy the rollout: a larger --gpu-memory-utilization (more KV cache) with
+    this placement, and with everything moving. Empty when less than 1 GiB would be gained. More KV cache
+    makes rollouts faster only when a step's sequences do not all fit in the cache vLLM has now."""
+    if not figures:
+        return ""
+    def spare(q: Placement) -> int:            # the smallest head room over the GPUs
+        return min(f.total - (margin if margin is not None else default_margin(f.total)) - _need(q, f)
+                   for f in figures)
+    total = min(f.total for f in figures)
+    parts = []
+    here = spare(p)
+    if here >= 1 << 30:
+        parts.append(f"{format_bytes(here)} stays free with this placement: --gpu-memory-utilization up to "
+                     f"{min(0.99, utilization + here / total):.2f} (now {utilization:.2f}) would give vLLM that "
+                     "much more KV cache")
+    moved = spare(EVERYTHING_MOVES)
+    if p != EVERYTHING_MOVES and moved - max(here, 0) >= 1 << 30:
+        parts.append(f"with --offload all --rollout-sleep always, up to "
+                     f"{min(0.99, utilization + moved / total):.2f} (each step then moves the trainer's state)")
+    if parts:
+        parts.append("more KV cache speeds rollouts up only when a step's sequences do not fit in vLLM's now")
+    return "; ".join(parts)
+
+
 def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
     step lacks what they need (no GPU, or a phase missing)."""
@@ -174,5 +200,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[M
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step", "kv_hint",
            "needs_measuring"]

@@ -40,9 +40,12 @@ void register_pool(py::module_& m) {
             }
             return py::make_tuple(b.id, b.ptr, b.nbytes);
           },
-          py::arg("nbytes"), "Returns (block_id, address, rounded size).")
+          py::arg("nbytes"),
+          "Returns (block_id, address, rounded size). InvalidArgumentError above 64 GiB (the largest block) or "
+          "where rounding to the alignment would overflow; PoolExhaustedError at the cap.")
       .def("free", &HostPool::free, py::arg("block_id"))
-      .def("reserve", &HostPool::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &HostPool::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+           "Grows the pool so one block of nbytes fits. InvalidArgumentError above 64 GiB, the largest block.")
       .def("close", &HostPool::close, py::arg("force") = false)
       .def_property_readonly("closed", &HostPool::closed)
       .def_property_readonly("pinned", &HostPool::pinned)

@@ -3,6 +3,8 @@
 // Segments come from mmap (transparent huge pages where available), are pre-faulted by several threads
 // and registered with CUDA in one call each, so no block crosses a registration. Blocks are carved by
 // best fit from a free list that coalesces neighbours; the pool grows by whole segments up to a cap.
+// Every size is checked before it is rounded: a request that would wrap around 64 bits is InvalidArgument,
+// never a 0-byte block. A block is one segment at most (64 GiB).
 #pragma once
 
 #include <cstddef>
@@ -20,9 +22,9 @@ namespace colomem {
 
 struct PoolConfig {
   size_t initial_bytes = 0;      // reserved at construction (0: first segment on first alloc)
-  size_t max_bytes = 0;          // cap on reserved bytes (0: no cap besides the OS)
-  size_t segment_bytes = 1ull << 30;  // size of each growth segment (a larger block gets its own size)
-  size_t alignment = 4096;       // block alignment, a power of two
+  size_t max_bytes = 0;          // cap on reserved bytes (0: no cap besides the OS), rounded down to pages
+  size_t segment_bytes = 1ull << 30;  // size of each growth segment, <= 64 GiB (a larger block gets its own)
+  size_t alignment = 4096;       // block alignment, a power of two <= 1 GiB (segment bases are aligned too)
   bool pin = true;               // page-lock segments with CUDA
   bool huge_pages = true;        // madvise(MADV_HUGEPAGE)
   int prefault_threads = 0;      // 0: min(16, hardware threads)
@@ -59,6 +61,7 @@ class HostPool {
   bool pinned() const { return cfg_.pin; }
   const PoolConfig& config() const { return cfg_; }
   // Grows the pool so at least `nbytes` more can be allocated in one block (no-op if already possible).
+  // InvalidArgument above 64 GiB, the largest block; PoolExhausted at the cap.
   void reserve(size_t nbytes);
 
  private:
