@@ -68,7 +68,9 @@ class Transfer:
         Device ms from the earliest start to the latest end of this and `others` (timed, finished).
         """
     def wait(self, timeout_s: float) -> None:
-        ...
+        """
+        Blocks until done; TransferTimeoutError after timeout_s seconds (the copies keep running: wait again). inf (or 1e9 s and more) waits without bound; NaN or negative: InvalidArgumentError. In a fork() child of the process that made a host engine: NotAvailableError.
+        """
     @property
     def direction(self) -> str:
         ...

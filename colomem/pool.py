@@ -6,14 +6,16 @@ import ctypes
 import math
 import operator
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from colomem import _C
-from colomem.errors import InvalidArgumentError, PoolClosedError
+from colomem.errors import InvalidArgumentError, PoolBusyError, PoolClosedError
 from colomem.units import format_bytes, parse_bytes
 
 Size = Union[int, float, str]
+CLOSE_WAIT_S = 60.0  # how long close() waits for copies still running into or out of the pool's blocks
 
 
 def _resolve_pin(pin) -> bool:
@@ -91,6 +93,77 @@ class Block:
         return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address), dtype=torch.uint8)
 
 
+class _CopiesInFlight:
+    """The copies still running into or out of a pool's blocks (SwapSet registers each submission), so close()
+    never unmaps memory a copy thread or DMA engine is still using."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        # token -> (what, transfer; None while submitting)
+        self._items: dict[int, tuple[str, Optional[_C.Transfer]]] = {}
+        self._next = 0
+        self._closing = False
+
+    def begin(self, pool: "PinnedPool", what: str) -> int:
+        """Registers a copy about to be submitted; waits out a close() in progress, then PoolClosedError if
+        it closed the pool."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._closing)
+            pool.check_open()
+            self._next += 1
+            self._items[self._next] = (what, None)
+            return self._next
+
+    def attach(self, token: int, transfer: "_C.Transfer") -> None:
+        with self._cond:
+            if token in self._items:
+                self._items[token] = (self._items[token][0], transfer)
+            self._cond.notify_all()
+
+    def end(self, token: int) -> None:
+        with self._cond:
+            self._items.pop(token, None)
+            self._cond.notify_all()
+
+    def _running(self) -> list[str]:
+        """Drops finished copies; returns what is still running (or still being submitted)."""
+        running = []
+        for token, (what, transfer) in list(self._items.items()):
+            try:
+                finished = transfer is not None and transfer.done()
+            except Exception:  # a failed copy (CUDA error) or one of a parent process: nothing runs here
+                finished = True
+            if finished:
+                del self._items[token]
+            else:
+                running.append(what)
+        return running
+
+    def close_when_idle(self, close, timeout: float) -> None:
+        """Runs close() once no copy is in flight, holding off new ones meanwhile; PoolBusyError naming the
+        copies if some still run after `timeout` seconds (the pool then stays open)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._cond.wait_for(lambda: not self._closing)
+            self._closing = True
+            try:
+                while True:
+                    running = self._running()
+                    left = deadline - time.monotonic()
+                    if not running or left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.005))  # woken by end(); polled for copies never waited on
+                if running:
+                    raise PoolBusyError(
+                        f"cannot close the pinned pool: {len(running)} copies into or out of its blocks are still "
+                        f"running after {timeout:g} s ({'; '.join(running[:4])}). Wait for them (the handle's "
+                        "wait() or SwapSet.wait_pending()) and close again")
+                close()
+            finally:
+                self._closing = False
+                self._cond.notify_all()
+
+
 class PinnedPool:
     """Host memory for offloaded tensors, page-locked once (`pin='auto'`: when a GPU is visible).
 
@@ -128,6 +201,7 @@ class PinnedPool:
         )
         self._live: dict[int, Block] = {}
         self._lock = threading.Lock()
+        self._copies = _CopiesInFlight()
 
     # -- blocks -------------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Block:
@@ -181,11 +255,17 @@ class PinnedPool:
     def stats(self) -> dict:
         return self._core.stats()
 
-    def close(self, force: bool = False) -> None:
-        """Releases all memory. PoolBusyError while blocks still hold data, unless force=True."""
-        self._core.close(bool(force))
-        with self._lock:
-            self._live.clear()
+    def close(self, force: bool = False, timeout: float = CLOSE_WAIT_S) -> None:
+        """Releases all memory. PoolBusyError while blocks still hold data, unless force=True. Even with
+        force=True, copies still running into or out of the pool's blocks are waited for first (up to
+        `timeout` seconds; PoolBusyError naming them after that, and the pool stays open)."""
+
+        def close_core():
+            self._core.close(bool(force))
+            with self._lock:
+                self._live.clear()
+
+        self._copies.close_when_idle(close_core, timeout)
 
     def __enter__(self) -> "PinnedPool":
         return self

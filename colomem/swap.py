@@ -9,7 +9,7 @@ pointing at the same storage objects, so nothing outside has to be re-wired.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Union, cast
@@ -26,13 +26,17 @@ from colomem.errors import (
     PoolClosedError,
 )
 from colomem.pool import Block, PinnedPool, default_pool
+from colomem.swap_handles import DEFAULT_TIMEOUT_S, PendingReloads, SwapHandle, SwapStats, wait_seconds
+from colomem.swap_pairs import offloaded, swap
 from colomem.units import format_bytes
+
+__all__ = ["DEFAULT_TIMEOUT_S", "PendingReloads", "SwapHandle", "SwapSet", "SwapStats", "offloaded", "swap",
+           "wait_seconds"]
 
 TensorSource = Union[Iterable, Callable[[], Iterable]]
 
 RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
 DISCARDED = "discarded"  # offloaded, then its pool copy dropped on purpose: the tensors hold no bytes
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -46,45 +50,6 @@ class _Entry:
 def _block(e: _Entry) -> Block:
     """The entry's pool block; only called where _take_blocks gave every entry one."""
     return cast(Block, e.block)
-
-
-@dataclass
-class SwapStats:
-    direction: str
-    nbytes: int
-    storages: int
-    seconds: float          # host wall time from submit to completion
-    device_ms: float = 0.0  # copy time on the device (CUDA events), when measured
-    freed_bytes: int = 0    # driver-visible memory given back (offload with release=True)
-    span_ms: float = 0.0    # swap(): device ms from the first copy's start to the last copy's end
-    alloc_ms: float = 0.0   # reload: host ms spent re-growing the storages (the caching allocator's cudaMalloc)
-
-    @property
-    def gbps(self) -> float:
-        t = self.device_ms / 1e3 if self.device_ms else self.seconds
-        return self.nbytes / t / 1e9 if t > 0 else float("inf")
-
-
-class SwapHandle:
-    """An offload or reload in flight. `wait()` finishes it (an offload frees GPU memory only then)."""
-
-    def __init__(self, swapset: "SwapSet", transfer, finish: Callable[[], SwapStats], t0: float):
-        self._set = swapset
-        self._transfer = transfer
-        self._finish = finish
-        self._t0 = t0
-        self._stats: Optional[SwapStats] = None
-
-    def done(self) -> bool:
-        return self._stats is not None or self._transfer.done()
-
-    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> SwapStats:
-        """Blocks up to `timeout` seconds; TransferTimeoutError then (wait again: nothing is lost)."""
-        if self._stats is None:
-            self._set._pool.check_open()
-            self._transfer.wait(-1.0 if timeout is None else float(timeout))
-            self._stats = self._finish()
-        return self._stats
 
 
 def _iter_named(source) -> Iterator[tuple[str, torch.Tensor]]:
@@ -126,6 +91,11 @@ class SwapSet:
         self._entries: list[_Entry] = []
         self._kept: list[Block] = []
         self.last_stats: Optional[SwapStats] = None
+        self._pending: Optional[SwapHandle] = None  # the offload or reload in flight, until it is finished
+        # Serialises the state transitions (check, then submit with the GIL released) between threads; a
+        # caller that finds the set mid-transition gets PhaseOrderError. Re-entrant: swap() holds it around
+        # offload_async / reload_async.
+        self._lock = threading.RLock()
 
     # -- constructors for what users hold -----------------------------------------------------------------
     @classmethod
@@ -281,48 +251,90 @@ class SwapSet:
             e.block = None
 
     # -- offload ------------------------------------------------------------------------------------------
+    def _busy_hint(self) -> str:
+        if self.state in (OFFLOADING, RELOADING):
+            return (f"; its {self.state[:-3]} is still in flight (a wait timed out or was not made yet): "
+                    "call wait_pending() first")
+        return ""
+
     def _check_offloadable(self) -> None:
         if self.state not in (RESIDENT, DISCARDED):
-            raise PhaseOrderError(f"{self.name}: offload while {self.state}; reload it (or wait) first")
+            raise PhaseOrderError(f"{self.name}: offload while {self.state}; reload it (or wait) first"
+                                  f"{self._busy_hint()}")
+
+    def _submit(self, direction: str, copies: list, nbytes: int, **kw):
+        """Submits the copies, registered with the pool so it is not closed under them; -> (transfer, token)."""
+        device = cast(torch.device, self._device)
+        eng = _torch.engine_for(device)
+        what = f"SwapSet {self.name!r} {'offload' if direction == 'd2h' else 'reload'} of {format_bytes(nbytes)}"
+        token = self._pool._copies.begin(self._pool, what)
+        try:
+            transfer = eng.submit(direction, copies, **kw)
+        except BaseException:
+            self._pool._copies.end(token)
+            raise
+        self._pool._copies.attach(token, transfer)
+        return transfer, token
 
     def offload_async(self, *, timing: bool = False) -> SwapHandle:
         """Starts copying the set to the pool. GPU memory is freed when the handle's wait() returns."""
-        self._check_offloadable()
-        self._pool.check_open()
-        entries = self._plan()
-        self._take_blocks(entries)
-        self._entries = entries
-        device = cast(torch.device, self._device)       # _plan() found the set's device
-        eng = _torch.engine_for(device)
-        copies = [(_block(e).address, e.storage.data_ptr(), e.nbytes) for e in entries]
-        t0 = time.perf_counter()
-        try:
-            transfer = eng.submit("d2h", copies, wait_stream=_torch.stream_handle(device), timing=timing)
-        except BaseException:
-            self._give_back_blocks()
-            self._drop_kept()  # a failed offload returns its blocks, kept ones included (keep_blocks=True)
-            self._entries = []
-            raise
-        self.state = OFFLOADING
-        free_before = _torch.mem_get_info(device)[0]
+        with self._lock:  # the state check, the plan and the submission as one step for other threads
+            self._check_offloadable()
+            self._pool.check_open()
+            entries = self._plan()
+            self._take_blocks(entries)
+            self._entries = entries
+            device = cast(torch.device, self._device)       # _plan() found the set's device
+            copies = [(_block(e).address, e.storage.data_ptr(), e.nbytes) for e in entries]
+            t0 = time.perf_counter()
+            try:
+                transfer, token = self._submit("d2h", copies, sum(e.nbytes for e in entries),
+                                               wait_stream=_torch.stream_handle(device), timing=timing)
+            except BaseException:
+                self._give_back_blocks()
+                self._drop_kept()  # a failed offload returns its blocks, kept ones included (keep_blocks=True)
+                self._entries = []
+                raise
+            self.state = OFFLOADING
+            free_before = _torch.mem_get_info(device)[0]
 
-        def finish() -> SwapStats:
-            for e in self._entries:
-                e.storage.resize_(0)  # the D2H of this storage completed: its memory can go
-            if self.release and device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.state = OFFLOADED
-            stats = SwapStats("d2h", transfer.nbytes, len(entries), time.perf_counter() - t0,
-                              transfer.elapsed_ms() if timing else 0.0,
-                              max(0, _torch.mem_get_info(device)[0] - free_before))
-            self.last_stats = stats
-            return stats
+            def finish() -> SwapStats:  # called once, under the set's lock, after the copies completed
+                self._pool._copies.end(token)
+                self._pending = None
+                if self._pool.closed:
+                    # closed after the copy finished (close() waits for copies in flight): the pool copy is
+                    # gone but the storages were never shrunk, so the set is simply still resident
+                    self._entries, self._kept = [], []
+                    self.state = RESIDENT
+                    raise PoolClosedError(f"{self.name}: the pool was closed before this offload was waited on; "
+                                          "the tensors are still resident with their bytes. Offload again into "
+                                          "an open pool")
+                for e in self._entries:
+                    e.storage.resize_(0)  # the D2H of this storage completed: its memory can go
+                if self.release and device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.state = OFFLOADED
+                stats = SwapStats("d2h", transfer.nbytes, len(entries), time.perf_counter() - t0,
+                                  transfer.elapsed_ms() if timing else 0.0,
+                                  max(0, _torch.mem_get_info(device)[0] - free_before))
+                self.last_stats = stats
+                return stats
 
-        return SwapHandle(self, transfer, finish, t0)
+            handle = SwapHandle(self, transfer, finish, t0)
+            self._pending = handle
+            return handle
 
     def offload(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *, timing: bool = False) -> SwapStats:
-        """Copies the set to the pool and frees its GPU memory; the tensors stay valid objects."""
+        """Copies the set to the pool and frees its GPU memory; the tensors stay valid objects. On
+        TransferTimeoutError the copy keeps running: wait_pending() (or the error's .handle.wait()) ends it."""
+        wait_seconds(timeout)  # a bad timeout is refused before anything starts
         return self.offload_async(timing=timing).wait(timeout)
+
+    def wait_pending(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> Optional[SwapStats]:
+        """Waits for the offload or reload still in flight (one whose wait timed out, or an async one) and
+        finishes it; None when nothing is in flight. TransferTimeoutError again if it is still not done."""
+        handle = self._pending
+        return None if handle is None else handle.wait(timeout)
 
     # -- reload -------------------------------------------------------------------------------------------
     def _regrow(self) -> None:
@@ -344,7 +356,7 @@ class SwapSet:
 
     def _check_reloadable(self) -> None:
         if self.state != OFFLOADED:
-            raise PhaseOrderError(f"{self.name}: reload while {self.state}; offload it first")
+            raise PhaseOrderError(f"{self.name}: reload while {self.state}; offload it first{self._busy_hint()}")
         if self._pool.closed:
             raise PoolClosedError(f"{self.name}: its pool was closed while the set was offloaded; the data is gone")
 
@@ -364,36 +376,43 @@ class SwapSet:
 
         ordered=False: later work does not wait (a prefetch behind other kernels): nothing may read the set
         before the handle's wait() returned (see PendingReloads)."""
-        if _grown_ms is None:  # (swap() grows them itself, before either direction starts)
-            self._check_reloadable()
-            alloc_ms = self._timed_regrow()
-        else:
-            alloc_ms = _grown_ms
-        device = cast(torch.device, self._device)       # an offloaded set knows its device
-        stream = _torch.stream_handle(device)
-        copies = [(e.storage.data_ptr(), _block(e).address, e.nbytes) for e in self._entries]
-        t0 = time.perf_counter()
-        try:
-            # Wait for the current stream first (the allocator may hand out memory it still reads), and make
-            # it wait for the copies, so kernels queued after reload() see the restored bytes.
-            transfer = _torch.engine_for(device).submit("h2d", copies, wait_stream=stream,
-                                                        signal_stream=stream if ordered else 0, timing=timing)
-        except BaseException:
-            self._shrink()
-            raise
-        self.state = RELOADING
+        with self._lock:  # the state check, the re-grow and the submission as one step for other threads
+            if _grown_ms is None:  # (swap() grows them itself, before either direction starts)
+                self._check_reloadable()
+                alloc_ms = self._timed_regrow()
+            else:
+                alloc_ms = _grown_ms
+            device = cast(torch.device, self._device)       # an offloaded set knows its device
+            stream = _torch.stream_handle(device)
+            copies = [(e.storage.data_ptr(), _block(e).address, e.nbytes) for e in self._entries]
+            t0 = time.perf_counter()
+            try:
+                # Wait for the current stream first (the allocator may hand out memory it still reads), and
+                # make it wait for the copies, so kernels queued after reload() see the restored bytes.
+                transfer, token = self._submit("h2d", copies, self.nbytes, wait_stream=stream,
+                                               signal_stream=stream if ordered else 0, timing=timing)
+            except BaseException:
+                self._shrink()
+                raise
+            self.state = RELOADING
 
-        def finish() -> SwapStats:
-            stats = SwapStats("h2d", transfer.nbytes, len(self._entries), time.perf_counter() - t0,
-                              transfer.elapsed_ms() if timing else 0.0, alloc_ms=alloc_ms)
-            self._give_back_blocks()
-            self.state = RESIDENT
-            self.last_stats = stats
-            return stats
+            def finish() -> SwapStats:  # called once, under the set's lock, after the copies completed
+                self._pool._copies.end(token)
+                self._pending = None
+                stats = SwapStats("h2d", transfer.nbytes, len(self._entries), time.perf_counter() - t0,
+                                  transfer.elapsed_ms() if timing else 0.0, alloc_ms=alloc_ms)
+                self._give_back_blocks()
+                self.state = RESIDENT
+                self.last_stats = stats
+                return stats
 
-        return SwapHandle(self, transfer, finish, t0)
+            handle = SwapHandle(self, transfer, finish, t0)
+            self._pending = handle
+            return handle
 
     def reload(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *, timing: bool = False) -> SwapStats:
+        """Copies the set back; on TransferTimeoutError the copy keeps running: wait_pending() ends it."""
+        wait_seconds(timeout)  # a bad timeout is refused before anything starts
         return self.reload_async(timing=timing).wait(timeout)
 
     # -- while offloaded ----------------------------------------------------------------------------------
@@ -420,89 +439,21 @@ class SwapSet:
 
     def discard(self) -> None:
         """Drops the pool copy of an offloaded set without reloading it: its tensors keep no bytes."""
-        if self.state != OFFLOADED:
-            raise PhaseOrderError(f"{self.name}: discard() while {self.state}; only an offloaded set")
-        self._give_back_blocks()
-        self._drop_kept()
-        self._entries = []
-        self.state = DISCARDED
+        with self._lock:
+            if self.state != OFFLOADED:
+                raise PhaseOrderError(f"{self.name}: discard() while {self.state}; only an offloaded set"
+                                      f"{self._busy_hint()}")
+            self._give_back_blocks()
+            self._drop_kept()
+            self._entries = []
+            self.state = DISCARDED
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
         """Gives the set's pool blocks back. Refused while offloaded: the pool holds the only copy."""
-        if self.state not in (RESIDENT, DISCARDED):
-            raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload (or discard()) first so no "
-                                  "data is lost by accident")
-        self._drop_kept()
-        self._entries = []
-
-
-class PendingReloads:
-    """Reloads started with ordered=False (state that is read late, e.g. an optimizer's, copied back while
-    the forward and backward run). wait() before anything reads those tensors; a timeout keeps the handle,
-    so waiting again loses nothing."""
-
-    def __init__(self):
-        self._handles: list[SwapHandle] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._handles)
-
-    def add(self, handle: SwapHandle) -> None:
-        self._handles.append(handle)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes still pending."""
-        return sum(h._set.nbytes for h in self._handles)
-
-    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> float:
-        """Blocks until every pending reload finished; returns the seconds it blocked (0.0 when none)."""
-        t0 = time.perf_counter()
-        while self._handles:
-            self._handles[0].wait(timeout)
-            self._handles.pop(0)
-        return time.perf_counter() - t0
-
-
-def swap(offload: SwapSet, reload: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S, *,
-         timing: bool = False) -> tuple[SwapStats, SwapStats]:
-    """Offloads one set while reloading another: both copy directions run at once.
-
-    The reloaded set's memory is allocated first, so the GPU must hold both for the duration.
-    """
-    # Allocate before either copy starts, so both directions start together (on the GPU host, growing the
-    # reloaded set after the D2H was submitted left the link one-way for part of the swap: 0.765 of the
-    # bidirectional peak against 0.924 this way). Then the offload is submitted first: the reload makes the
-    # current stream wait for its copies, and a D2H submitted after that would wait for the whole reload.
-    reload._check_reloadable()
-    offload._check_offloadable()
-    alloc_ms = reload._timed_regrow()
-    try:
-        h_out = offload.offload_async(timing=timing)
-    except BaseException:
-        reload._shrink()
-        raise
-    try:
-        h_in = reload.reload_async(timing=timing, _grown_ms=alloc_ms)
-    except BaseException:
-        h_out.wait(timeout)
-        raise
-    out, inn = h_out.wait(timeout), h_in.wait(timeout)
-    if timing:
-        out.span_ms = inn.span_ms = h_out._transfer.span_ms([h_in._transfer])
-    return out, inn
-
-
-@contextlib.contextmanager
-def offloaded(*sets: SwapSet, timeout: Optional[float] = DEFAULT_TIMEOUT_S):
-    """Offloads the sets for the duration of the block and reloads them after, also on error."""
-    done: list[SwapSet] = []
-    try:
-        for s in sets:
-            s.offload(timeout)
-            done.append(s)
-        yield sets
-    finally:
-        for s in reversed(done):
-            s.reload(timeout)
+        with self._lock:
+            if self.state not in (RESIDENT, DISCARDED):
+                raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload (or discard()) first so "
+                                      f"no data is lost by accident{self._busy_hint()}")
+            self._drop_kept()
+            self._entries = []

@@ -18,7 +18,10 @@ Direction parse_direction(const std::string& s) {
 void register_copy(py::module_& m) {
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer", "An in-flight submission of copies.")
       .def("done", &Transfer::done, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "Blocks until done; TransferTimeoutError after timeout_s seconds (the copies keep running: wait "
+           "again). inf (or 1e9 s and more) waits without bound; NaN or negative: InvalidArgumentError. In a "
+           "fork() child of the process that made a host engine: NotAvailableError.")
       .def("completed_copies", &Transfer::completed_copies, py::call_guard<py::gil_scoped_release>())
       .def("elapsed_ms", &Transfer::elapsed_ms)
       .def("span_ms", &Transfer::span_ms, py::arg("others"),

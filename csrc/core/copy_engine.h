@@ -7,17 +7,37 @@
 // one worker thread per direction, with the same handles, so the host-only build exercises the same API.
 #pragma once
 
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "core/errors.h"
 
 namespace colomem {
 
 enum class Direction { D2H, H2D };
 
 inline const char* direction_name(Direction d) { return d == Direction::D2H ? "d2h" : "h2d"; }
+
+// Waits longer than this are treated as unbounded: a duration of more seconds, converted to the clock's
+// integer ticks and added to now(), would overflow.
+constexpr double kUnboundedWaitS = 1e9;
+
+// A wait's bound as a steady_clock duration; nullopt means no bound (inf, or beyond kUnboundedWaitS).
+// NaN and negative timeouts name no bound a caller could mean, so they are refused.
+inline std::optional<std::chrono::steady_clock::duration> wait_bound(double timeout_s) {
+  if (std::isnan(timeout_s)) throw InvalidArgument("timeout is NaN; pass seconds >= 0, or None (inf) for no bound");
+  if (timeout_s < 0)
+    throw InvalidArgument(cat("timeout is negative (", timeout_s, " s); pass seconds >= 0, or None (inf) for no "
+                              "bound"));
+  if (timeout_s >= kUnboundedWaitS) return std::nullopt;
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+}
 
 struct CopyOp {
   uintptr_t dst;
@@ -31,7 +51,8 @@ class Transfer {
   // True once every copy of the submission completed. Throws CudaError if the device reported an error.
   virtual bool done() = 0;
   // Blocks (GIL released by the binding) until done or timeout_s passed; Timeout then, and the transfer
-  // keeps running: wait again. timeout_s < 0 waits without bound (not used by colomem itself).
+  // keeps running: wait again. inf (or any timeout of kUnboundedWaitS or more) waits without bound; NaN
+  // and negative timeouts are InvalidArgument (see wait_bound).
   virtual void wait(double timeout_s) = 0;
   // Number of leading copies (in submission order) that completed.
   virtual size_t completed_copies() = 0;
@@ -59,6 +80,9 @@ class CopyEngine {
   virtual uintptr_t stream(Direction dir) const = 0;
 };
 
+// The host backend's worker threads exist only in the process that created the engine: after fork() a
+// child holds the engine object but no threads, so its submit(), done() and wait() raise NotAvailable
+// instead of queueing copies nothing would ever run.
 // device >= 0: CUDA engine (NotAvailable in the host-only build); device < 0: host backend.
 std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
 std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes);

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "core/copy_engine.h"
 #include "core/errors.h"
 
@@ -17,29 +19,56 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Raised in a fork() child that uses an engine (or a transfer) of its parent: the worker threads that would
+// run the copies were not copied into the child, so waiting would never end.
+void check_not_forked(pid_t owner, const char* what) {
+  pid_t self = getpid();
+  if (self == owner) return;
+  throw NotAvailable(cat("host copy engine: ", what, " in process ", static_cast<long long>(self),
+                         ", a fork() child of process ", static_cast<long long>(owner),
+                         " where the engine was created; its copy threads do not survive fork(), so no copy "
+                         "would run. Fork before the first offload or reload, or start child processes with "
+                         "the 'spawn' (or 'forkserver') method"));
+}
+
 class HostTransfer : public Transfer {
  public:
   std::vector<CopyOp> ops;
   size_t chunk = 0;
   std::atomic<size_t> completed{0};
-  std::mutex mu;
-  std::condition_variable cv;
+  // Held by pointer so a fork() child can leak them: a mutex copied while locked, or a condition variable
+  // with waiters in the parent, would block for ever on destruction in the child.
+  struct Sync {
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  std::unique_ptr<Sync> sync = std::make_unique<Sync>();
+  std::mutex& mu = sync->mu;
+  std::condition_variable& cv = sync->cv;
   bool finished = false;
   bool timing = false;
   double ms = 0;
   Clock::time_point started, ended;
+  pid_t owner = getpid();
+
+  ~HostTransfer() override {
+    if (getpid() != owner) (void)sync.release();
+  }
 
   bool done() override {
+    check_not_forked(owner, "done() on a transfer started");
     std::lock_guard<std::mutex> lk(mu);
     return finished;
   }
   void wait(double timeout_s) override {
+    auto bound = wait_bound(timeout_s);  // before the lock: a bad timeout is refused at once
+    check_not_forked(owner, "wait() on a transfer started");
     std::unique_lock<std::mutex> lk(mu);
-    if (timeout_s < 0) {
+    if (!bound) {
       cv.wait(lk, [&] { return finished; });
       return;
     }
-    if (!cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return finished; }))
+    if (!cv.wait_for(lk, *bound, [&] { return finished; }))
       throw Timeout(cat("host ", direction_name(direction), " transfer of ", nbytes, " bytes not done after ",
                         timeout_s, " s (", completed.load(), "/", ncopies,
                         " copies done); it keeps running, wait again"));
@@ -85,7 +114,7 @@ class HostTransfer : public Transfer {
 class Worker {
  public:
   Worker() : th_([this] { loop(); }) {}
-  ~Worker() {
+  ~Worker() {  // never run in a fork() child: see ~HostCopyEngine
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
@@ -119,15 +148,24 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<HostTransfer>> q_;
   bool stop_ = false;
-  std::thread th_;
+  std::thread th_;  // last: started once the members above exist
 };
 
 class HostCopyEngine : public CopyEngine {
  public:
   explicit HostCopyEngine(size_t chunk) : chunk_(chunk) {}
+  ~HostCopyEngine() override {
+    if (getpid() != owner_) {
+      // A fork() child: the worker threads are not in this process (joining would wait for ever), and their
+      // mutex and condition variable were copied mid-use (destroying them can block too). Leak the workers.
+      (void)d2h_.release();
+      (void)h2d_.release();
+    }
+  }
 
   std::shared_ptr<Transfer> submit(Direction dir, const std::vector<CopyOp>& ops, uintptr_t wait_stream,
                                    uintptr_t signal_stream, bool timing) override {
+    check_not_forked(owner_, "submit()");
     require(wait_stream == 0 && signal_stream == 0,
             "the host copy engine has no streams: pass wait_stream=0 and signal_stream=0");
     auto t = std::make_shared<HostTransfer>();
@@ -141,7 +179,7 @@ class HostCopyEngine : public CopyEngine {
       t->nchunks += (op.nbytes + chunk_ - 1) / chunk_;
     }
     t->ncopies = ops.size();
-    (dir == Direction::D2H ? d2h_ : h2d_).push(t);
+    (dir == Direction::D2H ? d2h_ : h2d_)->push(t);
     return t;
   }
   int device() const override { return -1; }
@@ -150,7 +188,9 @@ class HostCopyEngine : public CopyEngine {
 
  private:
   size_t chunk_;
-  Worker d2h_, h2d_;  // declared last: destroyed (drained, joined) first
+  pid_t owner_ = getpid();
+  // declared last: destroyed (drained, joined) first
+  std::unique_ptr<Worker> d2h_ = std::make_unique<Worker>(), h2d_ = std::make_unique<Worker>();
 };
 
 }  // namespace

@@ -72,13 +72,13 @@ class CudaTransfer : public Transfer {
   bool done() override { return poll(); }
 
   void wait(double timeout_s) override {
+    auto bound = wait_bound(timeout_s);  // nullopt: no bound (inf or huge); NaN / negative refused
     auto t0 = Clock::now();
-    auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                             timeout_s < 0 ? 1e9 : timeout_s));
+    auto deadline = bound ? t0 + *bound : Clock::time_point::max();
     int spins = 0;
     while (!poll()) {
       auto now = Clock::now();
-      if (now >= deadline)
+      if (bound && now >= deadline)
         throw Timeout(cat(direction_name(direction), " transfer of ", nbytes, " bytes not done after ", timeout_s,
                           " s (", completed_copies(), "/", ncopies, " copies done). It keeps running: wait "
                           "again, or check that the GPU is not hung (nvidia-smi)"));
