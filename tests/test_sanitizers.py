@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_TESTS = ["tests/test_pool.py", "tests/test_swap.py", "tests/test_copy_engine.py"]
+CORE_TESTS = ["tests/test_pool.py", "tests/test_swap.py", "tests/test_copy_engine.py", "tests/test_reliability_pool.py",
+              "tests/test_reliability_swap.py", "tests/test_reliability_bridge.py"]
 
 
 def _runtime(name):
