@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE_TESTS = ["tests/test_pool.py", "tests/test_swap.py", "tests/test_copy_engine.py", "tests/test_reliability_pool.py",
-              "tests/test_reliability_swap.py", "tests/test_reliability_bridge.py"]
+              "tests/test_reliability_swap.py", "tests/test_reliability_bridge.py",
+              "tests/test_reliability_sockets.py"]
 
 
 def _runtime(name):

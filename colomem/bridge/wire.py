@@ -78,12 +78,19 @@ def _bad(what: str, field: str, why: str) -> PeerError:
                      f"versions may differ")
 
 
+def _present(d: dict, key: str, what: str, required: bool, field: str) -> bool:
+    """Whether d has key; a missing required key is a PeerError naming the field."""
+    if key in d:
+        return True
+    if required:
+        raise _bad(what, field, "is missing")
+    return False
+
+
 def _int(d: dict, key: str, what: str, lo: int = 0, hi: int = I64, required: bool = True,
          field: Optional[str] = None) -> Optional[int]:
     field = field or key
-    if key not in d:
-        if required:
-            raise _bad(what, field, "is missing")
+    if not _present(d, key, what, required, field):
         return None
     return _as_int(d[key], what, field, lo, hi)
 
@@ -97,9 +104,7 @@ def _as_int(v: Any, what: str, field: str, lo: int = 0, hi: int = I64) -> int:
 
 
 def _bool(d: dict, key: str, what: str, required: bool = True) -> Optional[bool]:
-    if key not in d:
-        if required:
-            raise _bad(what, key, "is missing")
+    if not _present(d, key, what, required, key):
         return None
     v = d[key]
     if type(v) is not bool:  # "false" and 0 are not booleans
@@ -110,9 +115,7 @@ def _bool(d: dict, key: str, what: str, required: bool = True) -> Optional[bool]
 def _str(d: dict, key: str, what: str, required: bool = True, none_ok: bool = False,
          field: Optional[str] = None) -> Optional[str]:
     field = field or key
-    if key not in d:
-        if required:
-            raise _bad(what, field, "is missing")
+    if not _present(d, key, what, required, field):
         return None
     v = d[key]
     if v is None and none_ok:
@@ -126,8 +129,7 @@ def _str(d: dict, key: str, what: str, required: bool = True, none_ok: bool = Fa
 
 def _list(d: dict, key: str, what: str, max_len: int, field: Optional[str] = None) -> list:
     field = field or key
-    if key not in d:
-        raise _bad(what, field, "is missing")
+    _present(d, key, what, True, field)
     v = d[key]
     if not isinstance(v, (list, tuple)):
         raise _bad(what, field, f"must be a list, got {type(v).__name__}")
