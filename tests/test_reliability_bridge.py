@@ -316,3 +316,12 @@ def test_callable_acks_of_the_wrong_type_are_refusals(ack):
             bridge.sync(named(3, n=1), version=0, send=lambda d: ack)
     finally:
         bridge.close()
+
+
+def test_the_workers_receiver_validates_a_bucket_before_reading_it():
+    from colomem.engines.vllm.worker.receive import apply_bucket
+
+    for bad in ({"version": "1", "seq": 0}, {"version": 1, "seq": 1.5}, {"version": -1, "seq": 0}, []):
+        with pytest.raises(PeerError):
+            apply_bucket(object(), bad)      # refused before the worker's state is looked at
+

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from colomem.bridge import wire
 from colomem.bridge.buckets import Entry, dtype_name
 from colomem.errors import ColomemError, InvalidArgumentError, PeerError
 
@@ -47,8 +48,9 @@ def start_version(worker: "ColomemWorkerExtension", st: WorkerState, version: in
 def apply_bucket(worker: "ColomemWorkerExtension", msg: dict) -> dict:
     """Loads one bucket. Returns its ACK only after the copies out of the buffer finished, so the trainer may
     refill it; the last bucket's ACK carries the version's report."""
+    wire.validate_bucket(msg, entries=False)     # typed fields before anything reads them (PeerError)
     st = attached(worker)
-    version, seq = int(msg["version"]), int(msg["seq"])
+    version, seq = msg["version"], msg["seq"]
     sync = st.sync
     if seq == 0:
         sync = start_version(worker, st, version)
