@@ -78,6 +78,7 @@ class Budget:
     advice: list = field(default_factory=list)
     offload: list = field(default_factory=list)       # minimal set to offload for the rollout to fit
     suggested_gpu_memory_utilization: Optional[float] = None
+    placement: Optional[dict] = None                 # what the runner's planner would pick (--offload auto)
 
     @staticmethod
     def total(items) -> float:
@@ -105,7 +106,7 @@ class Budget:
                 "rollout_fits": self.rollout_fits, "train_fits": self.train_fits, "fits": self.fits,
                 "offload_at_least": self.offload,
                 "suggested_gpu_memory_utilization": self.suggested_gpu_memory_utilization,
-                "advice": self.advice}
+                "placement": self.placement, "advice": self.advice}
 
 
 def lora_params(shape: Shape, r: int) -> float:
@@ -192,6 +193,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     left = [i for i in b.trainer_state if i.name not in b.offload]
     b.rollout = base + [Item(f"trainer {i.name} (not offloaded)", i.bytes) for i in left]
 
+    b.placement = predicted_placement(b, base, vllm_asleep_gib * GiB)
+
     # ---- advice
     total_state = Budget.total(b.trainer_state)
     if not b.rollout_fits:
@@ -201,10 +204,13 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
                         f"--max-model-len) or raise vLLM tensor parallel (weights {weights / GiB:.1f} GiB per GPU)")
     elif b.offload:
         b.advice.append(f"offload at least: {', '.join(b.offload)} ({(total_state - kept) / GiB:.1f} GiB) before "
-                        f"vLLM wakes; colomem's switch offloads all trainer state ({total_state / GiB:.1f} GiB)")
+                        f"vLLM wakes")
     else:
         b.advice.append(f"the trainer state ({total_state / GiB:.1f} GiB) fits next to the awake rollout; offloading "
                         "it still frees room for a larger KV cache")
+    if b.placement is not None:
+        b.advice.append(f"the runner's planner (--offload auto) would pick: {b.placement['label']} "
+                        f"({b.placement['why']}); it measures the real figures on the first step")
     if not b.train_fits:
         over = Budget.total(b.train) - b.gpu_bytes
         tips = []
@@ -219,12 +225,36 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
         if gpus == 1:
             tips.append("shard over more GPUs (ZeRO)")
         b.advice.append(f"training does not fit: {over / GiB:.1f} GiB over. Try: {', '.join(tips) or 'a larger GPU'}")
-    b.advice.append(f"pinned host memory for the offload: {total_state / GiB:.1f} GiB per GPU "
-                    f"({total_state * gpus / GiB:.1f} GiB for {gpus} GPU(s) on one host)")
+    moved = total_state
+    if b.placement is not None:
+        keep = set(b.placement["keep"])
+        moved = sum(i.bytes for i in b.trainer_state if _CATEGORY.get(i.name, "other") not in keep)
+    b.advice.append(f"pinned host memory for the offload: {moved / GiB:.1f} GiB per GPU with that placement "
+                    f"({moved * gpus / GiB:.1f} GiB for {gpus} GPU(s) on one host; everything: "
+                    f"{total_state / GiB:.1f} GiB per GPU)")
     if host_gib is not None and total_state * gpus > host_gib * GiB:
         b.advice.append(f"host RAM ({host_gib:.0f} GiB) is smaller than the offload ({total_state * gpus / GiB:.1f} "
                         "GiB): use LoRA, ZeRO-3 across more hosts, or keep part of the state on the GPU")
     return b
+
+
+# the estimate's state items -> the trainer's state categories the planner keeps or moves
+_CATEGORY = {"params (bf16)": "params", "frozen base (bf16)": "params", "adapter (bf16)": "params",
+             "fp32 master": "master", "adapter fp32 master": "master", "Adam m+v (fp32)": "optim",
+             "adapter Adam m+v": "optim"}
+
+
+def predicted_placement(b: Budget, rollout_base: list, vllm_asleep: float) -> Optional[dict]:
+    """The placement colomem.runner.placement would choose from these estimates instead of measurements."""
+    from colomem.runner.placement import MemoryFigures, choose
+
+    state: dict[str, int] = {}
+    for i in b.trainer_state:
+        state[_CATEGORY.get(i.name, "other")] = state.get(_CATEGORY.get(i.name, "other"), 0) + int(i.bytes)
+    shared = sum(i.bytes for i in rollout_base if i.name in ("trainer CUDA context", "weight bridge buffers"))
+    fig = MemoryFigures(total=int(b.gpu_bytes), rollout_used=int(Budget.total(rollout_base)),
+                        trainer_left=int(shared), train_peak=int(Budget.total(b.train) - vllm_asleep), state=state)
+    return choose("auto", "auto", [fig]).to_dict()
 
 
 def format_budget(b: Budget) -> str:

@@ -109,3 +109,16 @@ def test_bridge_buffers_count_in_both_phases():
     assert _items(estimate(7e9, kv_gib=40, bridge_gib=0).rollout)["weight bridge buffers"] == 0
     with pytest.raises(ValueError):
         estimate(7e9, bridge_gib=-1)
+
+
+def test_the_budget_predicts_the_runners_placement():
+    from colomem.budget import estimate
+
+    small = estimate(1.54e9, kv_gib=36, micro_batch=8, seq_len=768, gpu_gib=139.8)
+    assert small.placement["label"] == "nothing moves" and small.to_dict()["placement"] == small.placement
+    big = estimate(7.6e9, kv_gib=20, micro_batch=2, seq_len=768, gpu_gib=139.8)
+    # vLLM + the trainer's peak do not fit together, the whole state beside the awake rollout neither: the
+    # Adam moments go first
+    assert big.placement["rollout_sleeps"] and "optim" not in big.placement["keep"]
+    assert "master" in big.placement["keep"] and "params" in big.placement["keep"]
+    assert any("56.6 GiB per GPU with that placement" in a for a in big.advice)
