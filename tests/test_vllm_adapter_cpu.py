@@ -287,7 +287,8 @@ def test_oom_at_wake_rolls_back_and_names_the_knob(fake_vllm):
 def test_oom_precheck_leaves_vllm_asleep(fake_vllm, monkeypatch):
     r = make()
     r.sleep()
-    monkeypatch.setattr(r, "_free_bytes", lambda: 1 << 20)   # 1 MiB free, the weights need 1 MiB + margin
+    from colomem.engines.vllm import wake_memory
+    monkeypatch.setattr(wake_memory, "free_bytes", lambda device: 1 << 20)   # 1 MiB free, the weights need more
     n = len(r.llm.calls)
     with pytest.raises(CudaOutOfMemoryError, match="still asleep"):
         r.wake_weights()

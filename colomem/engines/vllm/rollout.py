@@ -20,14 +20,15 @@ from colomem.engines.reports import SyncStats
 from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, PeerError,
                             PhaseOrderError, PoolClosedError, StaleWeightsError, TransferTimeoutError,
                             WeightCheckError, is_oom)
-from colomem.units import format_bytes
 
 from .checks import checksum_parts, finish_checksums, hashed_pick, same_layout, tensor_checksum
 from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
+from . import wake_memory
 from .transports import ListenerTransport, Transport, make_transport
+from .wake_memory import wake_oom_message
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +278,10 @@ class VLLMRollout:
 
     def _wake(self, tags: tuple) -> None:
         need = sum(self._tag_bytes.get(t, 0) for t in tags)
-        free = self._free_bytes()
+        free = wake_memory.free_bytes(self.device)
         if need and free is not None and free < need + _WAKE_MARGIN:
-            raise CudaOutOfMemoryError(self._oom_message(tags, need, free, "before waking (vLLM still asleep)"))
+            raise CudaOutOfMemoryError(wake_oom_message(tags, need, free, "before waking (vLLM still asleep)",
+                                                        self.device))
         try:
             self._calls.call(lambda llm: llm.wake_up(tags=list(tags)), self.wake_timeout_s,
                              f"wake_up({list(tags)})")
@@ -294,23 +296,8 @@ class VLLMRollout:
                          timeout=self.wake_timeout_s)
             except ColomemError as rb:
                 log.error("rolling back the partial wake failed: %s", rb)
-            raise CudaOutOfMemoryError(self._oom_message(tags, need, self._free_bytes(),
-                                                         "vLLM was put back to sleep")) from exc
-
-    def _oom_message(self, tags: tuple, need: int, free: Optional[int], state: str) -> str:
-        what = "weights" if "weights" in tags else "KV cache"
-        knobs = ("offload more of the trainer first (it must be offloaded before the wake) or use a smaller "
-                 "model/tensor_parallel_size" if what == "weights" else
-                 "lower gpu_memory_utilization (--gpu-memory-utilization) or max_model_len (--max-model-len), "
-                 "or offload more of the trainer (smaller micro-batch)")
-        free_s = "unknown" if free is None else format_bytes(free)
-        return (f"waking vLLM's {what} needs {format_bytes(need)} but {free_s} is free on cuda:{self.device}; "
-                f"{state}. To fit: {knobs}.")
-
-    def _free_bytes(self) -> Optional[int]:
-        if not torch.cuda.is_available():
-            return None
-        return int(torch.cuda.mem_get_info(self.device)[0])
+            raise CudaOutOfMemoryError(wake_oom_message(tags, need, wake_memory.free_bytes(self.device),
+                                                        "vLLM was put back to sleep", self.device)) from exc
 
     def _refresh_tag_bytes(self) -> None:
         try:
