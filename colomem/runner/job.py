@@ -166,6 +166,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if runner.stop_requested is not None:
             summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}"
     except BaseException as e:  # recorded, then raised again after cleanup
+        # a peer that died inside a collective of the trainer: say so, naming this rank and the phase
+        e = ranks.peer_failure(e, getattr(getattr(runner, "machine", None), "failed", None)) or e
         error = e
         if isinstance(e, KeyboardInterrupt):
             summary["status"] = "interrupted"     # Ctrl-C: the user stopped it, nothing failed

@@ -171,6 +171,25 @@ class Ranks:
                                       "another rank is stuck or died") from None
         return t.tolist()
 
+    def peer_failure(self, error: BaseException, during: Optional[str] = None) -> Optional[BarrierTimeoutError]:
+        """The BarrierTimeoutError naming this rank for `error` when it is a RuntimeError raised inside
+        torch.distributed (a collective outside these helpers, e.g. the trainer's gradient all-reduce, saw a
+        peer die or hang) while several ranks run; None for anything else. The cause stays chained."""
+        if self.world_size == 1 or type(error) is not RuntimeError or error.__traceback__ is None:
+            return None
+        tb = error.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" not in tb.tb_frame.f_code.co_filename:
+            return None
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f" during {during}" if during else ""
+        out = BarrierTimeoutError(
+            f"rank {self.rank}: a collective with the other ranks failed{where} ({detail}); another rank is "
+            "stuck or died: see its log")
+        out.__cause__ = error
+        return out
+
     def exchange(self, obj) -> list:
         """Every rank's `obj` (small, picklable), in rank order (bounded by the group's timeout)."""
         if self.world_size == 1:
