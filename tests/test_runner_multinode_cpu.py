@@ -295,3 +295,26 @@ def test_a_peer_failure_inside_torch_distributed_is_named_as_one():
         raise RuntimeError("a bug of this rank")
     assert Ranks(1, 2, 1, 1).peer_failure(raised(ours)) is None                # not from torch.distributed
     assert Ranks(1, 2, 1, 1).peer_failure(ValueError("x")) is None
+
+
+def test_a_node_whose_cache_lacks_the_model_says_what_to_do(tmp_path, monkeypatch):
+    # with torch.distributed started, a rank other than 0 that builds the config-built model (its node does
+    # not share rank 0's cache) gets a directory without config or weights: refused, not loaded
+    import colomem.grpo.tiny_model as tiny
+    from colomem.errors import ConfigError
+    from colomem.runner.config import config_from_dict
+    from colomem.runner.job import _model_path
+    from colomem.runner.ranks import Ranks
+
+    hollow = tmp_path / "models" / "tiny-x"
+    hollow.mkdir(parents=True)
+    (hollow / "done").write_text("ok\n")
+    (hollow / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(tiny, "model_dir", lambda *a, **k: hollow)
+    r = Ranks(1, 2, 0, 1, local_world_size=1)
+    monkeypatch.setattr(r, "barrier", lambda *a, **k: None)
+    with pytest.raises(ConfigError, match="rank 1: the config-built model .* has no config.json") as e:
+        _model_path(config_from_dict({"backend": "cpu"}), "0123456789>", r, lambda *_: None)
+    assert "COLOMEM_CACHE" in str(e.value) and str(hollow) in str(e.value)
+    (hollow / "config.json").write_text("{}")                   # a complete cache entry is used as it is
+    assert _model_path(config_from_dict({"backend": "cpu"}), "0123456789>", r, lambda *_: None) == str(hollow)
