@@ -291,6 +291,13 @@ def test_a_peer_failure_inside_torch_distributed_is_named_as_one():
     assert str(e).startswith("rank 1: a collective with the other ranks failed during train (Connection closed")
     assert "stuck or died" in str(e)
     assert Ranks().peer_failure(gloo) is None                                  # one rank: nothing to blame
+    class DistBackendError(RuntimeError):                                      # what NCCL failures raise
+        pass
+    fake["DistBackendError"] = DistBackendError
+    exec(compile("def barrier():\n    raise DistBackendError('NCCL communicator was aborted')\n",
+                 os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py"), "exec"), fake)
+    nccl = raised(fake["barrier"])
+    assert "rank 0: a collective with the other ranks failed (NCCL" in str(Ranks(0, 2, 0, 1).peer_failure(nccl))
     def ours():
         raise RuntimeError("a bug of this rank")
     assert Ranks(1, 2, 1, 1).peer_failure(raised(ours)) is None                # not from torch.distributed

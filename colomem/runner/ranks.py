@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from colomem.errors import InvalidArgumentError
+from colomem.errors import ColomemError, InvalidArgumentError
 
 from .phases import PhaseTimeoutError
 
@@ -175,7 +175,8 @@ class Ranks:
         """The BarrierTimeoutError naming this rank for `error` when it is a RuntimeError raised inside
         torch.distributed (a collective outside these helpers, e.g. the trainer's gradient all-reduce, saw a
         peer die or hang) while several ranks run; None for anything else. The cause stays chained."""
-        if self.world_size == 1 or type(error) is not RuntimeError or error.__traceback__ is None:
+        if self.world_size == 1 or not isinstance(error, RuntimeError) or isinstance(error, ColomemError) \
+                or error.__traceback__ is None:
             return None
         tb = error.__traceback__
         while tb.tb_next is not None:
