@@ -166,6 +166,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if runner.stop_requested is not None:
             summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}"
     except BaseException as e:  # recorded, then raised again after cleanup
+        # a peer that died inside a collective of the trainer: say so, naming this rank and the phase
+        e = ranks.peer_failure(e, getattr(getattr(runner, "machine", None), "failed", None)) or e
         error = e
         if isinstance(e, KeyboardInterrupt):
             summary["status"] = "interrupted"     # Ctrl-C: the user stopped it, nothing failed
@@ -286,6 +288,14 @@ def _model_path(cfg, alphabet: str, ranks: Ranks, say) -> str:
     ranks.barrier("model built")           # the others then find it in the cache
     if not ranks.is_main:
         path = model_dir(cfg.model_shape, alphabet, seed=cfg.seed, dtype=cfg.dtype, log=lambda *_: None)
+        # a node that does not share rank 0's cache builds the model itself, but with torch.distributed
+        # started, Hugging Face writes the weights on rank 0 only: what is left here has no config or weights
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(
+                f"rank {ranks.rank}: the config-built model in {path} has no config.json or weights (the cache is "
+                "not shared with rank 0's node, and only rank 0 writes a model). Put COLOMEM_CACHE on a filesystem "
+                "every node shares, or build the model on each node first (one process per node, e.g. a 1-step "
+                "run without torchrun), after deleting that directory")
     return str(path)
 
 

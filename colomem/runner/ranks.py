@@ -9,6 +9,11 @@ Work split for W ranks and vLLM tensor-parallel size TP (TP divides W): every ra
 for a step; rollout group g = rank // TP (the ranks of one vLLM engine) generates the prompt groups i with
 (i % W) // TP == g, and rank r trains on the groups i with i % W == r, a subset of its rollout group's.
 TP = 1: each rank generates exactly what it trains on. TP = W: one engine generates everything.
+
+Several nodes (torchrun --nnodes N --nproc-per-node P): RANK is global, LOCAL_RANK (0..P-1) picks the GPU on
+its node, LOCAL_WORLD_SIZE = P. torchrun numbers the ranks of one node consecutively, so a rollout group
+(TP consecutive ranks) stays on one node when TP divides P; a TP that does not is refused, since one vLLM
+engine cannot span nodes.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from colomem.errors import InvalidArgumentError
+from colomem.errors import ColomemError, InvalidArgumentError
 
 from .phases import PhaseTimeoutError
 
@@ -35,6 +40,37 @@ def _env_int(name: str, default: int) -> int:
     return int(v)
 
 
+def _check_layout(rank: int, world: int, local: int, tp: int, local_world: Optional[int]) -> None:
+    """InvalidArgumentError unless the ranks and the tensor-parallel size make a layout the job can run."""
+    if world < 1:
+        raise InvalidArgumentError(f"WORLD_SIZE={world}: a job has at least one rank")
+    if not 0 <= rank < world:
+        raise InvalidArgumentError(f"RANK={rank} but WORLD_SIZE={world}: a rank lies in 0..WORLD_SIZE-1")
+    if tp < 1 or world % tp:
+        raise InvalidArgumentError(
+            f"tensor_parallel_size={tp} must divide the number of ranks ({world}): in a colocated job every GPU "
+            f"runs a trainer rank, so start it with torchrun --nproc-per-node {max(tp, world)}")
+    if local_world is None:
+        return
+    if local_world < 1 or world % local_world:
+        raise InvalidArgumentError(
+            f"LOCAL_WORLD_SIZE={local_world} does not divide WORLD_SIZE={world}: start every node with the "
+            "same torchrun --nproc-per-node")
+    if not 0 <= local < local_world:
+        raise InvalidArgumentError(f"LOCAL_RANK={local} but LOCAL_WORLD_SIZE={local_world}: a local rank lies in "
+                                   "0..LOCAL_WORLD_SIZE-1")
+    if tp > local_world or local_world % tp:
+        raise InvalidArgumentError(
+            f"tensor_parallel_size={tp} does not fit the {local_world} ranks per node: one vLLM engine spans TP "
+            f"GPUs of one node, so start each node with torchrun --nproc-per-node a multiple of {tp} (at least "
+            f"{tp}), or lower --tensor-parallel-size")
+    if tp > 1 and rank % local_world != local:
+        raise InvalidArgumentError(
+            f"RANK={rank} with LOCAL_RANK={local} and LOCAL_WORLD_SIZE={local_world}: the ranks of one node must "
+            "be numbered consecutively for a tensor-parallel engine to stay on its node; start the job with "
+            "torchrun, which numbers them so")
+
+
 @dataclass
 class Ranks:
     rank: int = 0
@@ -44,6 +80,10 @@ class Ranks:
     barrier_timeout_s: float = 300.0
     group: Any = None                    # gloo group for barriers / metric reductions (None: world 1)
     owns_process_group: bool = False
+    local_world_size: Optional[int] = None   # ranks per node (LOCAL_WORLD_SIZE); None: unknown, not checked
+
+    def __post_init__(self) -> None:
+        _check_layout(self.rank, self.world_size, self.local_rank, self.tp, self.local_world_size)
 
     @property
     def is_main(self) -> bool:
@@ -56,13 +96,8 @@ class Ranks:
         world = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         local = _env_int("LOCAL_RANK", rank)
-        if rank >= world:
-            raise InvalidArgumentError(f"RANK={rank} but WORLD_SIZE={world}")
-        if tp < 1 or world % tp:
-            raise InvalidArgumentError(
-                f"tensor_parallel_size={tp} must divide the number of ranks ({world}): in a colocated job every GPU "
-                f"runs a trainer rank, so start it with torchrun --nproc-per-node {max(tp, world)}")
-        r = cls(rank, world, local, tp, float(barrier_timeout_s))
+        local_world = _env_int("LOCAL_WORLD_SIZE", 0) or None
+        r = cls(rank, world, local, tp, float(barrier_timeout_s), local_world_size=local_world)
         if world > 1:
             import torch.distributed as dist
 
@@ -82,6 +117,12 @@ class Ranks:
         return r
 
     # -- work split ---------------------------------------------------------------------------------------
+    @property
+    def node(self) -> Optional[int]:
+        """This rank's node (rank // LOCAL_WORLD_SIZE; torchrun numbers a node's ranks consecutively), None
+        when the ranks per node are unknown."""
+        return None if self.local_world_size is None else self.rank // self.local_world_size
+
     @property
     def rollout_group(self) -> int:
         return self.rank // self.tp
@@ -129,6 +170,26 @@ class Ranks:
             raise BarrierTimeoutError(f"rank {self.rank}: reducing metrics over the ranks failed ({e}); "
                                       "another rank is stuck or died") from None
         return t.tolist()
+
+    def peer_failure(self, error: BaseException, during: Optional[str] = None) -> Optional[BarrierTimeoutError]:
+        """The BarrierTimeoutError naming this rank for `error` when it is a RuntimeError raised inside
+        torch.distributed (a collective outside these helpers, e.g. the trainer's gradient all-reduce, saw a
+        peer die or hang) while several ranks run; None for anything else. The cause stays chained."""
+        if self.world_size == 1 or not isinstance(error, RuntimeError) or isinstance(error, ColomemError) \
+                or error.__traceback__ is None:
+            return None
+        tb = error.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" not in tb.tb_frame.f_code.co_filename:
+            return None
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f" during {during}" if during else ""
+        out = BarrierTimeoutError(
+            f"rank {self.rank}: a collective with the other ranks failed{where} ({detail}); another rank is "
+            "stuck or died: see its log")
+        out.__cause__ = error
+        return out
 
     def exchange(self, obj) -> list:
         """Every rank's `obj` (small, picklable), in rank order (bounded by the group's timeout)."""
