@@ -183,3 +183,13 @@ def test_every_shipped_config_loads():
         cfg = load_run_config(["--config", str(path)])
         assert cfg.model is not None or cfg.model_shape in SHAPES, path.name
 
+
+
+def test_help_lists_every_option_without_failing():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "colomem.runner", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--offload" in out.stdout and "--rollout-sleep" in out.stdout and "--placement-margin" in out.stdout

@@ -87,7 +87,7 @@ class RunConfig(_Strict):
         "auto", description="colomem switch, whether vLLM sleeps while the trainer trains: auto (never when "
                             "both fit with nothing moving), always, never (needs offload none or auto)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
-                                                              "the larger of 2 GiB and 3 % of the GPU")
+                                                              "the larger of 2 GiB and 3 percent of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")
     weights_backup: Optional[Literal["vllm", "pool"]] = Field(None, description="unset: vllm")
     pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
