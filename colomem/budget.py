@@ -250,7 +250,8 @@ def predicted_placement(b: Budget, rollout_base: list, vllm_asleep: float) -> Op
 
     state: dict[str, int] = {}
     for i in b.trainer_state:
-        state[_CATEGORY.get(i.name, "other")] = state.get(_CATEGORY.get(i.name, "other"), 0) + int(i.bytes)
+        cat = _CATEGORY.get(i.name, "other")
+        state[cat] = state.get(cat, 0) + int(i.bytes)
     shared = sum(i.bytes for i in rollout_base if i.name in ("trainer CUDA context", "weight bridge buffers"))
     fig = MemoryFigures(total=int(b.gpu_bytes), rollout_used=int(Budget.total(rollout_base)),
                         trainer_left=int(shared), train_peak=int(Budget.total(b.train) - vllm_asleep), state=state)

@@ -29,7 +29,14 @@ from colomem.units import format_bytes
 # The trainer state categories (colomem.engines.deepspeed.state.CATEGORIES), in the order they stay on the
 # GPU: "other" (module buffers) and the bf16 "params" first, then gradients, fp32 masters, Adam moments.
 KEEP_ORDER = (("params", "other"), ("grads",), ("master",), ("optim",))
-ALL_CATEGORIES = tuple(c for group in KEEP_ORDER for c in group)
+
+
+def _kept_first(groups: int) -> tuple[str, ...]:
+    """The categories of the first `groups` groups of KEEP_ORDER."""
+    return tuple(c for group in KEEP_ORDER[:groups] for c in group)
+
+
+ALL_CATEGORIES = _kept_first(len(KEEP_ORDER))
 OFFLOAD_MODES = ("auto", "all", "optimizer", "none")
 SLEEP_MODES = ("auto", "always", "never")
 _OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: masters and moments go
@@ -114,8 +121,7 @@ def candidates(offload: str, rollout_sleep: str) -> list[Placement]:
     elif offload == "all":
         out.append(Placement((), True))
     else:
-        for i in range(len(KEEP_ORDER), -1, -1):
-            out.append(Placement(tuple(c for group in KEEP_ORDER[:i] for c in group), True))
+        out += [Placement(_kept_first(i), True) for i in range(len(KEEP_ORDER), -1, -1)]
     return out
 
 
@@ -130,24 +136,29 @@ def _need(p: Placement, fig: MemoryFigures) -> int:
     return fig.rollout_used + fig.kept_bytes(p.keep)
 
 
+def _margin(fig: MemoryFigures, margin: Optional[int]) -> int:
+    return margin if margin is not None else default_margin(fig.total)
+
+
+def _short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int:
+    """Bytes missing on that GPU for placement p (<= 0: it fits, with the margin)."""
+    return _need(p, fig) + _margin(fig, margin) - fig.total
+
+
 def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
            margin: Optional[int] = None) -> Placement:
     """The cheapest allowed placement that fits on every GPU (figures: one per rank), with the reason. With
     a single allowed placement, that one, fitting or not (the user asked for it; an out-of-memory then says
     which phase ran out)."""
     allowed = candidates(offload, rollout_sleep)
-    if not allowed:
-        raise ConfigError(f"offload={offload} with rollout_sleep={rollout_sleep} allows no placement")
     if not figures:
-        return allowed[-1] if len(allowed) > 1 else allowed[0]
-    def short(p: Placement, f: MemoryFigures) -> int:      # bytes missing on that GPU (<= 0: fits)
-        return _need(p, f) + (margin if margin is not None else default_margin(f.total)) - f.total
+        return allowed[-1]
     for p in allowed:
-        worst = max(figures, key=lambda f: short(p, f))
-        fits = short(p, worst) <= 0
+        worst = max(figures, key=lambda f: _short(p, f, margin))
+        fits = _short(p, worst, margin) <= 0
         if fits or p is allowed[-1]:
-            m = margin if margin is not None else default_margin(worst.total)
-            why = f"needs {format_bytes(_need(p, worst))} + {format_bytes(m)} margin of {format_bytes(worst.total)}"
+            why = (f"needs {format_bytes(_need(p, worst))} + {format_bytes(_margin(worst, margin))} margin of "
+                   f"{format_bytes(worst.total)}")
             if p.rollout_sleeps and p.trainer_moves:
                 moved = sum(int(worst.state.get(c, 0)) for c in ALL_CATEGORIES if c not in p.keep)
                 why += f"; moves {format_bytes(moved)} of trainer state a step"
@@ -168,8 +179,7 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
     if not figures:
         return ""
     def spare(q: Placement) -> int:            # the smallest head room over the GPUs
-        return min(f.total - (margin if margin is not None else default_margin(f.total)) - _need(q, f)
-                   for f in figures)
+        return -max(_short(q, f, margin) for f in figures)
     total = min(f.total for f in figures)
     parts = []
     here = spare(p)
