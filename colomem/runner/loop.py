@@ -35,8 +35,8 @@ from .checkpoints import Checkpointer
 from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, median, memory_snapshot, peak_reserved,
-                       release_cache, reset_peak)
+from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_total, median, memory_snapshot,
+                       peak_reserved, release_cache, reset_peak)
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +195,7 @@ class ColocatedRunner:
         self._plan_after_step = False
         self.alarm.baseline = None           # the floor after sleep is the new placement's from the next step
         c = self.cfg
-        total = None
-        if self.device is not None:
-            import torch
-
-            if torch.cuda.is_available():
-                total = int(torch.cuda.mem_get_info(self.device)[1])
+        total = gpu_total(self.device)
         by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
         mine = figures_from_step(rec.memory, by_cat, total or 0)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)

@@ -21,15 +21,22 @@ from .phases import ORDER, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
 MEMORY_KEYS = ("allocated", "reserved", "driver_used", "pinned_host")
 
 
+def _cuda(device: Optional[int]):
+    """torch.cuda when the run has a GPU device and CUDA is there; None otherwise (the CPU backend)."""
+    if device is None:
+        return None
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() else None
+
+
 def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
     snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
-    if device is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info(device)
-            snap.update(allocated=int(torch.cuda.memory_allocated(device)),
-                        reserved=int(torch.cuda.memory_reserved(device)), driver_used=int(total - free))
+    cuda = _cuda(device)
+    if cuda is not None:
+        free, total = cuda.mem_get_info(device)
+        snap.update(allocated=int(cuda.memory_allocated(device)), reserved=int(cuda.memory_reserved(device)),
+                    driver_used=int(total - free))
     pinned = int(extra_pinned)
     if pool is not None and not getattr(pool, "closed", True):
         pinned += int(pool.stats()["reserved_bytes"])
@@ -39,30 +46,29 @@ def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> 
 
 def reset_peak(device: Optional[int]) -> None:
     """Starts the allocator's peak count over (the placement planner reads the train phase's peak)."""
-    if device is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats(device)
+    cuda = _cuda(device)
+    if cuda is not None:
+        cuda.reset_peak_memory_stats(device)
 
 
 def release_cache(device: Optional[int]) -> None:
     """Gives the allocator's cached blocks back to the driver (a resident trainer's activations, before
     vLLM wakes beside it)."""
-    if device is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    cuda = _cuda(device)
+    if cuda is not None:
+        cuda.empty_cache()
 
 
 def peak_reserved(device: Optional[int]) -> Optional[int]:
     """The allocator's peak reserved bytes since reset_peak; None without a GPU."""
-    if device is None:
-        return None
-    import torch
+    cuda = _cuda(device)
+    return int(cuda.max_memory_reserved(device)) if cuda is not None else None
 
-    return int(torch.cuda.max_memory_reserved(device)) if torch.cuda.is_available() else None
+
+def gpu_total(device: Optional[int]) -> Optional[int]:
+    """The GPU's memory in bytes; None without a GPU."""
+    cuda = _cuda(device)
+    return int(cuda.mem_get_info(device)[1]) if cuda is not None else None
 
 
 @dataclass
