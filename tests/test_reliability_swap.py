@@ -35,6 +35,16 @@ def run_child(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# a child's set: one BIG tensor in an unpinned pool, and a copy of its bytes to compare with
+ONE_SET_CHILD = f"""
+import json, torch, colomem
+pool = colomem.PinnedPool(0, pin=False)
+t = torch.arange({BIG // 8}, dtype=torch.int64)
+want = t.clone()
+s = colomem.SwapSet.from_tensors([t], pool, device="cpu")
+"""
+
+
 def big_tensor() -> torch.Tensor:
     return torch.arange(BIG // 8, dtype=torch.int64)  # every 8 bytes distinct: a misplaced chunk shows
 
@@ -135,13 +145,8 @@ def test_one_handle_waited_from_several_threads_finishes_once(pool):
 
 # -- item: closing the pool under a copy in flight -------------------------------------------------------
 def test_force_close_waits_for_the_offload_in_flight_and_the_set_stays_resident():
-    out = run_child(f"""
-        import json, torch, colomem
+    out = run_child(ONE_SET_CHILD + textwrap.dedent("""
         from colomem.errors import PoolClosedError
-        pool = colomem.PinnedPool(0, pin=False)
-        t = torch.arange({BIG // 8}, dtype=torch.int64)
-        want = t.clone()
-        s = colomem.SwapSet.from_tensors([t], pool, device="cpu")
         h = s.offload_async()
         running_at_close = not h.done()
         pool.close(force=True)          # waits for the copy, then unmaps the pool
@@ -150,9 +155,9 @@ def test_force_close_waits_for_the_offload_in_flight_and_the_set_stays_resident(
             err = None
         except PoolClosedError as exc:
             err = str(exc)
-        print(json.dumps({{"running_at_close": running_at_close, "closed": pool.closed, "err": err,
-                          "state": s.state, "intact": torch.equal(t, want)}}))
-    """)
+        print(json.dumps({"running_at_close": running_at_close, "closed": pool.closed, "err": err,
+                          "state": s.state, "intact": torch.equal(t, want)}))
+    """))
     assert out["running_at_close"], "the copy had finished before close(): the case was not exercised"
     assert out["closed"]
     assert out["err"] and "still resident" in out["err"]
@@ -176,18 +181,13 @@ def test_close_refuses_with_pool_busy_naming_the_copy_when_it_outlasts_the_bound
 
 
 def test_reload_finished_before_close_completes_normally():
-    out = run_child(f"""
-        import json, torch, colomem
-        pool = colomem.PinnedPool(0, pin=False)
-        t = torch.arange({BIG // 8}, dtype=torch.int64)
-        want = t.clone()
-        s = colomem.SwapSet.from_tensors([t], pool, device="cpu")
+    out = run_child(ONE_SET_CHILD + textwrap.dedent("""
         s.offload(60)
         h = s.reload_async()
         pool.close(force=True)          # waits for the reload's copy first
         h.wait(60)
-        print(json.dumps({{"state": s.state, "intact": torch.equal(t, want)}}))
-    """)
+        print(json.dumps({"state": s.state, "intact": torch.equal(t, want)}))
+    """))
     assert out == {"state": "resident", "intact": True}
 
 
