@@ -202,14 +202,14 @@ def top_level(report: dict) -> None:
     full_c, full_t = res("full_colomem"), res("full_timesplit")
     report["switch_overhead_fraction"] = over_rounds("full", "colomem", "switch_overhead_fraction")
     step_c = over_rounds("full", "colomem", "step_s")
-    report["step_s_by_mode"] = {m: over_rounds("full", m, "step_s") for m in MODES
-                                if over_rounds("full", m, "step_s") is not None}
-    report["first_step_s_by_mode"] = {m: over_rounds("full", m, "first_step_s") for m in MODES
-                                      if over_rounds("full", m, "first_step_s") is not None}
-    report["wall_s_by_mode"] = {m: over_rounds("full", m, "run_wall_s") for m in MODES
-                                if over_rounds("full", m, "run_wall_s") is not None}
+    def by_mode(key):                      # the full fine-tune's modes that ran: mode -> median over rounds
+        vals = {m: over_rounds("full", m, key) for m in MODES}
+        return {m: v for m, v in vals.items() if v is not None}
+    report["step_s_by_mode"] = by_mode("step_s")
+    report["first_step_s_by_mode"] = by_mode("first_step_s")
+    report["wall_s_by_mode"] = by_mode("run_wall_s")
     for mode, key in VERSUS.items():
-        other = over_rounds("full", mode, "step_s")
+        other = report["step_s_by_mode"].get(mode)
         if step_c and other:
             report[key] = other / step_c
     if full_c.get("switch_s") and full_t.get("switch_s"):
