@@ -2,6 +2,7 @@
 offloads that move only what the plan says; a CPU job run with nothing moving trains exactly as one that
 moves everything."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from colomem.engines.deepspeed.strategies import ColomemOffload
 from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
+from colomem.runner.loop import ColocatedRunner
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
+                                      sync_bucket,
                                       figures_from_step, kv_hint, needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
@@ -120,6 +123,48 @@ def test_figures_come_from_a_step_that_moved_everything():
     cpu = {"rollout": {"driver_used": None}, "offload": {"reserved": None}, "train": {"peak_reserved": None}}
     assert figures_from_step(cpu, {}, 0) is None
     assert EVERYTHING_MOVES.keep == () and EVERYTHING_MOVES.rollout_sleeps
+
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def test_the_weight_bridge_grows_to_one_bucket_a_sync_when_the_placement_leaves_the_memory():
+    f = figs(total=140, rollout=60, left=1, peak=45)       # nothing moves: 34 GB free beside the 2 GB margin
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    # a 3.09 GB sync in one bucket (rounded up to 64 MiB), two buffers of it
+    assert sync_bucket(p, [f], 3_087_428_608, 512 * MiB, 2, margin=2 * GB) == 3008 * MiB
+    # never beyond 4 GiB, and never smaller than what the bridge has
+    assert sync_bucket(p, [f], 15 * GB, 512 * MiB, 2, margin=2 * GB) == 4 * GiB
+    assert sync_bucket(p, [f], 400 * MiB, 512 * MiB, 2, margin=2 * GB) is None
+    # little room: halved until two buffers fit beside the margin and 1 GiB
+    tight = figs(total=140, rollout=60, left=1, peak=45 + 30)      # 4 GB free
+    assert sync_bucket(choose("auto", "auto", [tight], margin=2 * GB), [tight], 3 * GB, 512 * MiB, 2,
+                       margin=2 * GB) == 1472 * MiB
+    full = figs(total=140, rollout=137.5, peak=90)
+    assert sync_bucket(choose("auto", "auto", [full], margin=2 * GB), [full], 3 * GB, 512 * MiB, 2,
+                       margin=2 * GB) is None
+    assert sync_bucket(p, [], 3 * GB, 512 * MiB, 2) is None
+
+
+def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():
+    f = figs(total=140, rollout=60, left=1, peak=45)
+    said, r = [], make(bucket_bytes=512 * MiB)
+
+    def runner(bucket_bytes, transport="listener"):
+        return SimpleNamespace(cfg=SimpleNamespace(bucket_bytes=bucket_bytes, sync_transport=transport),
+                               rollout=r, placement=choose("auto", "auto", [f], margin=2 * GB), print=said.append)
+
+    rec = SimpleNamespace(metrics={"sync/nbytes": 3 * GB})
+    assert ColocatedRunner._grow_sync_bucket(runner("512MiB"), rec, [f], 2 * GB) == 0
+    assert ColocatedRunner._grow_sync_bucket(runner("auto", "direct"), rec, [f], 2 * GB) == 0
+    assert r.bucket_bytes == 512 * MiB and not said
+    taken = ColocatedRunner._grow_sync_bucket(runner("auto"), rec, [f], 2 * GB)
+    assert r.bucket_bytes == 2880 * MiB and taken == 2 * (2880 - 512) * MiB
+    assert len(said) == 1 and "buckets of 2.81 GiB x 2" in said[0]
+    # the KV-cache hint counts what the larger buffers take
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    assert "up to 0.51 (now 0.30)" in kv_hint(p, [f], 0.3, margin=2 * GB, taken=taken)
+    r.close()
 
 
 # ------------------------------------------------------------------------------ partial offload, moved

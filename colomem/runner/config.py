@@ -92,7 +92,8 @@ class RunConfig(_Strict):
     weights_backup: Optional[Literal["vllm", "pool"]] = Field(None, description="unset: vllm")
     pool_bytes: str = Field("1GiB", description="pinned pool initial size (grows by segments)")
     pool_max_bytes: Optional[str] = Field(None, description="pinned pool cap; unset = no cap")
-    bucket_bytes: str = Field("512MiB", description="weight-bridge bucket size")
+    bucket_bytes: str = Field("auto", description="weight-bridge bucket size; auto: 512MiB, grown after the "
+                                                  "first step (up to 4GiB) when the placement leaves the memory")
     engine_in_process: bool = Field(False, description="vLLM's engine core and worker in the trainer's "
                                                        "process (needs sync_transport direct)")
     sync_transport: Literal["listener", "direct"] = Field(
@@ -126,8 +127,8 @@ class RunConfig(_Strict):
 
     @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes", "placement_margin")
     @classmethod
-    def _size(cls, v):
-        if v is not None:
+    def _size(cls, v, info):
+        if v is not None and not (info.field_name == "bucket_bytes" and v == "auto"):
             parse_bytes(v)
         return v
 
@@ -201,10 +202,15 @@ class RunConfig(_Strict):
                           tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
-                          bucket_bytes=self.bucket_bytes, sync_transport=self.sync_transport,
+                          bucket_bytes=self.start_bucket_bytes, sync_transport=self.sync_transport,
                           engine_in_process=self.engine_in_process, dtype=self.dtype, device=device)
 
     # derived settings -------------------------------------------------------------------------------------
+    @property
+    def start_bucket_bytes(self) -> str:
+        """The weight bridge's bucket size at start (auto starts small; the planner may grow it)."""
+        return "512MiB" if self.bucket_bytes == "auto" else self.bucket_bytes
+
     @property
     def effective_sleep_level(self) -> int:
         if self.sleep_level is not None:

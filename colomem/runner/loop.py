@@ -25,10 +25,11 @@ from typing import Any, Callable, Optional, Sequence
 from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
 from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
-from colomem.units import parse_bytes
+from colomem.units import format_bytes, parse_bytes
 
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
+                        sync_bucket,
                         needs_measuring)
 from .ranks import Ranks
 from .checkpoints import Checkpointer
@@ -207,13 +208,31 @@ class ColocatedRunner:
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
             self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
             self.placement_figures = every
-            hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin)
+            grown = self._grow_sync_bucket(rec, figs, margin)
+            hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if hint:
             self.print(f"[colomem] KV cache: {hint}")
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
-                               "kv_hint": hint, "figures": self.placement_figures})
+                               "kv_hint": hint, "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
+                               "figures": self.placement_figures})
+
+    def _grow_sync_bucket(self, rec: StepRecord, figs: list, margin: Optional[int]) -> int:
+        """With --bucket-bytes auto: larger weight-bridge buckets when the placement leaves the memory (fewer
+        round trips to vLLM's worker a sync). Returns the GPU bytes the larger buffers take."""
+        c, r = self.cfg, self.rollout
+        current, buffers = getattr(r, "bucket_bytes", None), getattr(r, "bucket_buffers", None)
+        if c.bucket_bytes != "auto" or c.sync_transport != "listener" or not hasattr(r, "set_bucket_bytes") \
+                or not isinstance(current, int) or not isinstance(buffers, int):
+            return 0
+        new = sync_bucket(self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0), current, buffers, margin)
+        if new is None:
+            return 0
+        r.set_bucket_bytes(new)
+        self.print(f"[colomem] weight sync: buckets of {format_bytes(new)} x {buffers} from now on (were "
+                   f"{format_bytes(current)}: fewer round trips a sync; the placement leaves the memory)")
+        return buffers * (new - current)
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:

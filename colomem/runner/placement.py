@@ -172,14 +172,15 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
 
 
 def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
-            margin: Optional[int] = None) -> str:
+            margin: Optional[int] = None, taken: int = 0) -> str:
     """What the memory left free would buy the rollout: a larger --gpu-memory-utilization (more KV cache) with
     this placement, and with everything moving. Empty when less than 1 GiB would be gained. More KV cache
-    makes rollouts faster only when a step's sequences do not all fit in the cache vLLM has now."""
+    makes rollouts faster only when a step's sequences do not all fit in the cache vLLM has now. taken: bytes
+    the job takes from what is free after the figures were measured (a larger weight-bridge bucket)."""
     if not figures:
         return ""
     def spare(q: Placement) -> int:            # the smallest head room over the GPUs
-        return -max(_short(q, f, margin) for f in figures)
+        return -max(_short(q, f, margin) for f in figures) - taken
     total = min(f.total for f in figures)
     parts = []
     here = spare(p)
@@ -196,6 +197,29 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
     return "; ".join(parts)
 
 
+# The largest bucket the planner grows the weight bridge to: beyond it a sync gains nothing measurable (a 7B
+# model syncs fastest with 4 GiB buckets), while each buffer of it stays allocated for the whole job.
+MAX_SYNC_BUCKET = 4 << 30
+_BUCKET_ROUND = 64 << 20
+
+
+def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int, current: int, buffers: int,
+                margin: Optional[int] = None) -> Optional[int]:
+    """A larger weight-bridge bucket when placement p leaves the GPU memory for it, else None. Each bucket of
+    a sync costs a round trip to vLLM's worker, so one bucket holding all sync_bytes is fastest; the bridge
+    holds `buffers` of them for the whole job, so the growth must fit in what p leaves free, keeping 1 GiB
+    beside the margin. Halved until it fits; None when no larger bucket does."""
+    if not figures or sync_bytes <= current:
+        return None
+    spare = -max(_short(p, f, margin) for f in figures) - (1 << 30)
+    target = min(MAX_SYNC_BUCKET, -(-sync_bytes // _BUCKET_ROUND) * _BUCKET_ROUND)
+    while target > current:
+        if buffers * (target - current) <= spare:
+            return target
+        target = -(-(target // 2) // _BUCKET_ROUND) * _BUCKET_ROUND
+    return None
+
+
 def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
     step lacks what they need (no GPU, or a phase missing)."""
@@ -210,5 +234,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[M
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step", "kv_hint",
-           "needs_measuring"]
+           "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "kv_hint", "needs_measuring", "sync_bucket"]
