@@ -130,8 +130,10 @@ class BridgeImporter:
                 conn.send(encode(ATTACHED, ok=False, error=str(exc)), [], 1.0)
             except Exception:  # noqa: BLE001 - the peer may be gone already; the original error matters
                 pass
-            for b in buffers:
-                b.close()
+            try:
+                _buffers.close_all(buffers)
+            except ColomemError:
+                pass  # a buffer the GPU still uses stays mapped; the error that ended the attach matters
             conn.close()
             raise
         return cls(conn, buffers, fields, dev, float(timeout))
@@ -376,12 +378,11 @@ class BridgeImporter:
         try:
             self._conn.close()
         finally:
-            for buf, owners in zip(self._buffers, self._owners):
-                if len(owners) == 0:
-                    buf.close()
-                # else: the views' owners hold the buffer; its destructor unmaps when the last one goes
+            # a buffer with live views is left to its owners: its destructor unmaps when the last one goes
+            idle = [buf for buf, owners in zip(self._buffers, self._owners) if len(owners) == 0]
             self._buffers = []
             self._reasm.reset()
+            _buffers.close_all(idle)
 
     def __enter__(self) -> "BridgeImporter":
         return self
