@@ -307,7 +307,9 @@ class SwapSet:
         handle = SwapHandle(self, running, finish, time.perf_counter())
         self._pending = handle
         setattr(exc, "handle", handle)
-        exc.add_note(f"{self.name}: copies queued before this failure were still running, so the set keeps its "
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+; .handle carries the same on older ones
+        if add_note is not None:
+            add_note(f"{self.name}: copies queued before this failure were still running, so the set keeps its "
                      "pool blocks and storages until they finish: wait_pending() (or this error's .handle.wait()) "
                      "waits for them, then raises this error again and the set is usable")
 

@@ -5,6 +5,8 @@ injected at the engine's boundary: the real host engine runs the copies, then th
 core's error with them attached, as the CUDA engine does (tests/gpu/test_cuda_waits_gpu.py triggers the real
 failure)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def test_failed_offload_keeps_its_blocks_until_the_queued_copies_finish(pool, fa
         s.offload(60)
     handle = info.value.handle
     assert isinstance(handle, colomem.SwapHandle)
-    assert "wait_pending" in "".join(getattr(info.value, "__notes__", []))
+    assert sys.version_info < (3, 11) or "wait_pending" in "".join(info.value.__notes__)
     # the copy may still be writing into the block: it is neither freed nor handed to another offload
     assert s.state == "offloading" and pool.stats()["in_use_bytes"] >= BIG
     for call in (s.offload, s.reload, s.close):
