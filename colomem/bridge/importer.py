@@ -3,7 +3,6 @@ mapped in this process, and the tensors of each bucket as views into them. See c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
