@@ -87,13 +87,15 @@ class CopyEngine:
     """
     Chunked async copies; one stream per direction.
     """
-    def __init__(self, device: int, chunk_bytes: int = 67108864, small_copy_bytes: int = 1048576) -> None:
-        ...
+    def __init__(self, device: int, chunk_bytes: int = 67108864, small_copy_bytes: int = 1048576, failure_wait_s: float = 30.0) -> None:
+        """
+        failure_wait_s: how long a submit() that failed after queueing some copies waits for them before it raises (inf: no bound). Past it, the error carries .transfer, done once those copies are: keep their memory until then.
+        """
     def stream(self, arg0: str) -> int:
         ...
     def submit(self, direction: str, copies: collections.abc.Sequence[tuple[int, int, int]], wait_stream: int = 0, signal_stream: int = 0, timing: bool = False) -> Transfer:
         """
-        copies: list of (dst_address, src_address, nbytes). The engine stream first waits for work queued on wait_stream; signal_stream waits for completion.
+        copies: list of (dst_address, src_address, nbytes). The engine stream first waits for work queued on wait_stream; signal_stream waits for completion. A failure after some copies were queued is raised once those finished; if they still ran after failure_wait_s, the error's .transfer is done when they are (until then their memory must stay allocated).
         """
     @property
     def chunk_bytes(self) -> int:
@@ -154,9 +156,9 @@ class IpcBuffer:
     """
     A VMM device buffer mapped in this process.
     """
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
         """
-        Wait for the device to go idle, unmap, release this process's share. Idempotent.
+        Waits up to timeout_s (inf: no bound) for the work queued on the device before the call, then unmaps and releases this process's share. TransferTimeoutError if that work still runs: the buffer stays mapped and usable, close again. Idempotent.
         """
     @property
     def closed(self) -> bool:
@@ -198,9 +200,9 @@ def build_info() -> dict:
     """
     How this module was built, and what it sees at run time.
     """
-def checksum(ptr: int, nbytes: int, stride_words: int = 1, stream: int = 0, device: int = -1) -> int:
+def checksum(ptr: int, nbytes: int, stride_words: int = 1, stream: int = 0, device: int = -1, timeout_s: float = 60.0) -> int:
     """
-    64-bit order-dependent checksum of [ptr, ptr+nbytes). stride_words=1 reads every 8-byte word, N every N-th plus the last word and the tail. device=-1: host memory; else device memory on that GPU, computed on `stream` (synchronises only that stream).
+    64-bit order-dependent checksum of [ptr, ptr+nbytes). stride_words=1 reads every 8-byte word, N every N-th plus the last word and the tail. device=-1: host memory; else device memory on that GPU, computed on `stream`, waiting up to timeout_s (inf: no bound) for that stream only: TransferTimeoutError after that (nothing is left waiting; retry). NaN or negative timeout_s: InvalidArgumentError.
     """
 def checksum_buffer(data: typing.Any, stride_words: int = 1) -> int:
     """

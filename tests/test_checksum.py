@@ -2,6 +2,7 @@
 tests/gpu/test_bridge_ipc.py) against a pure-Python reference and frozen values."""
 
 import ctypes
+import math
 import os
 import pickle
 
@@ -122,6 +123,18 @@ def test_bad_arguments():
         _C.checksum_buffer(b"abc", 0)
     with pytest.raises(InvalidArgumentError):
         _C.checksum(0, 16, 1, 0, -1)  # null pointer with bytes to read
+
+
+def test_checksum_timeout_is_optional_and_checked():
+    data = bytes(range(256)) * 4
+    buf = ctypes.create_string_buffer(data, len(data))
+    ptr = ctypes.addressof(buf)
+    want = _C.checksum_buffer(data, 1)
+    assert _C.checksum(ptr, len(data), 1, 0, -1) == want  # the signature without the timeout still works
+    assert _C.checksum(ptr, len(data), 1, 0, -1, timeout_s=math.inf) == want
+    for bad in (math.nan, -1.0):
+        with pytest.raises(InvalidArgumentError, match="timeout"):
+            _C.checksum(ptr, len(data), 1, 0, -1, timeout_s=bad)
 
 
 def test_host_only_build_refuses_device_checksum():

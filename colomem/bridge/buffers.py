@@ -179,6 +179,19 @@ def map_imported(fd: int, nbytes: int, device: torch.device) -> Any:
     return _C.ImportedBuffer(fd, nbytes, device.index)
 
 
+def close_all(buffers: list) -> None:
+    """Closes every buffer, also after one failed (a CUDA buffer's close() times out while work queued on the
+    GPU still runs, and stays mapped), then raises the first failure."""
+    first: Optional[ColomemError] = None
+    for b in buffers:
+        try:
+            b.close()
+        except ColomemError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 def view(buf: Any, nbytes: int, device: torch.device, owner: Any) -> torch.Tensor:
     """A uint8 tensor over the buffer's first `nbytes` that keeps `owner` alive."""
     if device.type == "cpu":

@@ -3,7 +3,6 @@ mapped in this process, and the tensors of each bucket as views into them. See c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -130,8 +129,10 @@ class BridgeImporter:
                 conn.send(encode(ATTACHED, ok=False, error=str(exc)), [], 1.0)
             except Exception:  # noqa: BLE001 - the peer may be gone already; the original error matters
                 pass
-            for b in buffers:
-                b.close()
+            try:
+                _buffers.close_all(buffers)
+            except ColomemError:
+                pass  # a buffer the GPU still uses stays mapped; the error that ended the attach matters
             conn.close()
             raise
         return cls(conn, buffers, fields, dev, float(timeout))
@@ -376,12 +377,11 @@ class BridgeImporter:
         try:
             self._conn.close()
         finally:
-            for buf, owners in zip(self._buffers, self._owners):
-                if len(owners) == 0:
-                    buf.close()
-                # else: the views' owners hold the buffer; its destructor unmaps when the last one goes
+            # a buffer with live views is left to its owners: its destructor unmaps when the last one goes
+            idle = [buf for buf, owners in zip(self._buffers, self._owners) if len(owners) == 0]
             self._buffers = []
             self._reasm.reset()
+            _buffers.close_all(idle)
 
     def __enter__(self) -> "BridgeImporter":
         return self

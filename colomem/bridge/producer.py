@@ -454,11 +454,12 @@ class WeightBridge:
     def _release(self) -> None:
         self._views = []
         self._packer = None
-        for b in self._buffers:
-            b.close()
-        self._buffers = []
-        if self._server is not None:
-            self._server.close()
+        buffers, self._buffers = self._buffers, []
+        try:
+            _buffers.close_all(buffers)
+        finally:
+            if self._server is not None:
+                self._server.close()
 
     def __enter__(self) -> "WeightBridge":
         return self

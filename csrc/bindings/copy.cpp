@@ -1,6 +1,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bindings/errors.h"
 #include "core/copy_engine.h"
 #include "core/errors.h"
 
@@ -12,6 +13,19 @@ Direction parse_direction(const std::string& s) {
   if (s == "d2h") return Direction::D2H;
   if (s == "h2d") return Direction::H2D;
   throw InvalidArgument(cat("direction must be 'd2h' or 'h2d', got '", s, "'"));
+}
+
+// A submission that failed with copies still running: the cause's Python class, with the transfer of those
+// copies as `.transfer` (the caller keeps their memory until it is done). GIL held.
+[[noreturn]] void raise_partial(const PartialSubmission& p) {
+  py::object running = py::cast(p.running());
+  set_python_error(p.cause(), /*fallback=*/true);
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (value) PyObject_SetAttrString(value, "transfer", running.ptr());
+  PyErr_Restore(type, value, tb);
+  throw py::error_already_set();
 }
 }  // namespace
 
@@ -34,7 +48,10 @@ void register_copy(py::module_& m) {
   py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
                                                       "Chunked async copies; one stream per direction.")
       .def(py::init(&make_copy_engine), py::arg("device"), py::arg("chunk_bytes") = 64ull << 20,
-           py::arg("small_copy_bytes") = 1ull << 20)
+           py::arg("small_copy_bytes") = 1ull << 20, py::arg("failure_wait_s") = kFailedSubmitWaitS,
+           "failure_wait_s: how long a submit() that failed after queueing some copies waits for them before "
+           "it raises (inf: no bound). Past it, the error carries .transfer, done once those copies are: keep "
+           "their memory until then.")
       .def(
           "submit",
           [](CopyEngine& e, const std::string& direction, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& copies,
@@ -43,13 +60,19 @@ void register_copy(py::module_& m) {
             ops.reserve(copies.size());
             for (const auto& [dst, src, n] : copies) ops.push_back({dst, src, n});
             Direction d = parse_direction(direction);
-            py::gil_scoped_release nogil;
-            return e.submit(d, ops, wait_stream, signal_stream, timing);
+            try {
+              py::gil_scoped_release nogil;
+              return e.submit(d, ops, wait_stream, signal_stream, timing);
+            } catch (const PartialSubmission& p) {  // the GIL is back: nogil ended with the try block
+              raise_partial(p);
+            }
           },
           py::arg("direction"), py::arg("copies"), py::arg("wait_stream") = 0, py::arg("signal_stream") = 0,
           py::arg("timing") = false,
           "copies: list of (dst_address, src_address, nbytes). The engine stream first waits for work queued on "
-          "wait_stream; signal_stream waits for completion.")
+          "wait_stream; signal_stream waits for completion. A failure after some copies were queued is raised "
+          "once those finished; if they still ran after failure_wait_s, the error's .transfer is done when they "
+          "are (until then their memory must stay allocated).")
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("chunk_bytes", &CopyEngine::chunk_bytes)
       .def("stream", [](const CopyEngine& e, const std::string& d) { return e.stream(parse_direction(d)); });

@@ -2,6 +2,8 @@
 // (PoolExhaustedError is also a MemoryError, TransferTimeoutError also a TimeoutError, ...).
 #include <pybind11/pybind11.h>
 
+#include "bindings/errors.h"
+
 #include "core/errors.h"
 
 namespace py = pybind11;
@@ -65,30 +67,41 @@ void register_errors(py::module_& m) {
                "CUDA ran out of device memory; free some (offload, lower the KV cache) and retry.");
 
   py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const CudaOutOfMemory& e) {
-      raise_cuda(g_oom, e);
-    } catch (const CudaError& e) {
-      raise_cuda(g_cuda, e);
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(g_invalid, e.what());
-    } catch (const PoolExhausted& e) {
-      PyErr_SetString(g_exhausted, e.what());
-    } catch (const DoubleRelease& e) {
-      PyErr_SetString(g_double, e.what());
-    } catch (const PoolClosed& e) {
-      PyErr_SetString(g_closed, e.what());
-    } catch (const PoolBusy& e) {
-      PyErr_SetString(g_busy, e.what());
-    } catch (const Timeout& e) {
-      PyErr_SetString(g_timeout, e.what());
-    } catch (const NotAvailable& e) {
-      PyErr_SetString(g_unavailable, e.what());
-    } catch (const PeerError& e) {
-      PyErr_SetString(g_peer, e.what());
-    } catch (const Error& e) {
-      PyErr_SetString(g_base, e.what());
-    }
+    if (p) set_python_error(p, /*fallback=*/false);
   });
+}
+
+bool set_python_error(std::exception_ptr p, bool fallback) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const CudaOutOfMemory& e) {
+    raise_cuda(g_oom, e);
+  } catch (const CudaError& e) {
+    raise_cuda(g_cuda, e);
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(g_invalid, e.what());
+  } catch (const PoolExhausted& e) {
+    PyErr_SetString(g_exhausted, e.what());
+  } catch (const DoubleRelease& e) {
+    PyErr_SetString(g_double, e.what());
+  } catch (const PoolClosed& e) {
+    PyErr_SetString(g_closed, e.what());
+  } catch (const PoolBusy& e) {
+    PyErr_SetString(g_busy, e.what());
+  } catch (const Timeout& e) {
+    PyErr_SetString(g_timeout, e.what());
+  } catch (const NotAvailable& e) {
+    PyErr_SetString(g_unavailable, e.what());
+  } catch (const PeerError& e) {
+    PyErr_SetString(g_peer, e.what());
+  } catch (const Error& e) {
+    PyErr_SetString(g_base, e.what());
+  } catch (const std::exception& e) {
+    if (!fallback) throw;  // pybind11's own translators map the standard exceptions
+    PyErr_SetString(g_base, e.what());
+  } catch (...) {
+    if (!fallback) throw;
+    PyErr_SetString(g_base, "unknown C++ exception in the colomem core");
+  }
+  return true;
 }

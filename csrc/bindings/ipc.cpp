@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "core/checksum.h"
+#include "core/copy_engine.h"  // wait_bound
 #include "core/errors.h"
 #include "core/unix_socket.h"
 #include "cuda/ipc_buffer.h"
@@ -84,8 +85,11 @@ void register_buffers(py::module_& m) {
       .def_property_readonly("device", &IpcBuffer::device)
       .def_property_readonly("uuid", &IpcBuffer::uuid)
       .def_property_readonly("closed", &IpcBuffer::closed)
-      .def("close", &IpcBuffer::close, py::call_guard<py::gil_scoped_release>(),
-           "Wait for the device to go idle, unmap, release this process's share. Idempotent.");
+      .def("close", &IpcBuffer::close, py::arg("timeout_s") = IpcBuffer::kCloseWaitS,
+           py::call_guard<py::gil_scoped_release>(),
+           "Waits up to timeout_s (inf: no bound) for the work queued on the device before the call, then "
+           "unmaps and releases this process's share. TransferTimeoutError if that work still runs: the buffer "
+           "stays mapped and usable, close again. Idempotent.");
 
   py::class_<ExportableBuffer, IpcBuffer, std::shared_ptr<ExportableBuffer>>(
       m, "ExportableBuffer", "Device memory another process can map (cuMemCreate, POSIX-fd handle).")
@@ -116,15 +120,19 @@ void register_buffers(py::module_& m) {
 void register_checksum(py::module_& m) {
   m.def(
       "checksum",
-      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device) -> uint64_t {
+      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device,
+         double timeout_s) -> uint64_t {
+        (void)wait_bound(timeout_s);  // refused the same way on both paths
         py::gil_scoped_release nogil;
         if (device < 0) return host_checksum(reinterpret_cast<const void*>(ptr), nbytes, stride_words);
-        return device_checksum(ptr, nbytes, stride_words, stream, device);
+        return device_checksum(ptr, nbytes, stride_words, stream, device, timeout_s);
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("stride_words") = 1, py::arg("stream") = 0, py::arg("device") = -1,
+      py::arg("timeout_s") = kChecksumWaitS,
       "64-bit order-dependent checksum of [ptr, ptr+nbytes). stride_words=1 reads every 8-byte word, N every "
       "N-th plus the last word and the tail. device=-1: host memory; else device memory on that GPU, computed "
-      "on `stream` (synchronises only that stream).");
+      "on `stream`, waiting up to timeout_s (inf: no bound) for that stream only: TransferTimeoutError after "
+      "that (nothing is left waiting; retry). NaN or negative timeout_s: InvalidArgumentError.");
   m.def(
       "checksum_into",
       [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream, int device) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,27 @@ class Transfer {
   size_t nchunks = 0;
 };
 
+// What submit() throws when it failed after some of its copies were already queued and those were still
+// running when its bounded wait for them ended (CUDA backend; the host backend checks everything before it
+// queues anything). `cause` is the failure; `running` a transfer that is done once the copies queued before
+// it are, until when their memory must stay allocated. The binding raises the cause's Python class with
+// `running` as the exception's `.transfer`.
+class PartialSubmission : public Error {
+ public:
+  PartialSubmission(std::exception_ptr cause, std::shared_ptr<Transfer> running, const std::string& what)
+      : Error(what), cause_(std::move(cause)), running_(std::move(running)) {}
+  const std::exception_ptr& cause() const { return cause_; }
+  const std::shared_ptr<Transfer>& running() const { return running_; }
+
+ private:
+  std::exception_ptr cause_;
+  std::shared_ptr<Transfer> running_;
+};
+
+// How long a CUDA submit() that failed part-way waits for the copies it had queued before it reports the
+// failure (they run into memory the caller would free on the error): past this, PartialSubmission.
+constexpr double kFailedSubmitWaitS = 30.0;
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -84,9 +106,13 @@ class CopyEngine {
 // child holds the engine object but no threads, so its submit(), done() and wait() raise NotAvailable
 // instead of queueing copies nothing would ever run.
 // device >= 0: CUDA engine (NotAvailable in the host-only build); device < 0: host backend.
-std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
+// failure_wait_s: see kFailedSubmitWaitS (inf: no bound; NaN or negative refused); the host backend has no use
+// for it but checks it the same way.
+std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes,
+                                             double failure_wait_s);
 std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes);
-std::shared_ptr<CopyEngine> make_cuda_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes);
+std::shared_ptr<CopyEngine> make_cuda_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes,
+                                                  double failure_wait_s);
 
 }  // namespace colomem
 

@@ -200,9 +200,11 @@ std::shared_ptr<CopyEngine> make_host_copy_engine(size_t chunk_bytes) {
   return std::make_shared<HostCopyEngine>(chunk_bytes);
 }
 
-std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes) {
+std::shared_ptr<CopyEngine> make_copy_engine(int device, size_t chunk_bytes, size_t small_copy_bytes,
+                                             double failure_wait_s) {
+  (void)wait_bound(failure_wait_s);  // refused on both backends alike
   if (device < 0) return make_host_copy_engine(chunk_bytes);
-  return make_cuda_copy_engine(device, chunk_bytes, small_copy_bytes);
+  return make_cuda_copy_engine(device, chunk_bytes, small_copy_bytes, failure_wait_s);
 }
 
 }  // namespace colomem

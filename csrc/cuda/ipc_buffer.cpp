@@ -4,9 +4,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cctype>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
+#include <thread>
 
+#include "core/copy_engine.h"  // wait_bound
 #include "cuda/cuda_check.h"
 #include "cuda/driver_api.h"
 
@@ -83,12 +87,101 @@ bool shutting_down(CUresult r) { return r == CUDA_ERROR_DEINITIALIZED; }
 
 // ---------------------------------------------------------------------------------------------------------
 
-IpcBuffer::~IpcBuffer() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!closed_) {
-    closed_ = true;
-    unmap_and_release(/*sync=*/true);
+// cudaDeviceSynchronize has no timeout, so it runs on a helper thread the caller can stop waiting for; the
+// thread holds only this state and ends when the device drains, however long after the caller gave up.
+struct DeviceDrain {
+  using Clock = std::chrono::steady_clock;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  cudaError_t status = cudaSuccess;
+
+  static std::shared_ptr<DeviceDrain> start(int device) {
+    auto d = std::make_shared<DeviceDrain>();
+    std::thread([d, device] {
+      cudaError_t st = cudaSetDevice(device);
+      if (st == cudaSuccess) st = cudaDeviceSynchronize();
+      (void)cudaGetLastError();
+      std::lock_guard<std::mutex> lk(d->mu);
+      d->done = true;
+      d->status = st;
+      d->cv.notify_all();
+    }).detach();
+    return d;
   }
+
+  // True once the device drained; false when the deadline (none: no bound) passed first.
+  bool wait_until(std::optional<Clock::time_point> deadline) {
+    std::unique_lock<std::mutex> lk(mu);
+    if (!deadline) {
+      cv.wait(lk, [&] { return done; });
+      return true;
+    }
+    return cv.wait_until(lk, *deadline, [&] { return done; });
+  }
+};
+
+namespace {
+
+using Clock = DeviceDrain::Clock;
+
+// Whether the process is tearing CUDA down: the driver reclaims every mapping, nothing is left to wait for.
+bool cuda_unloading() {
+  int current = 0;
+  cudaError_t state = cudaGetDevice(&current);
+  if (state == cudaErrorCudartUnloading || state == cudaErrorInitializationError) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return false;
+}
+
+// Waits until the work queued on `device` before this call completed: true, or false at the deadline. A
+// drain left running by an earlier wait that gave up (`pending`) is waited for first, so a buffer whose
+// close() is retried under a hung device keeps one blocked thread, not one per try; then a fresh drain
+// covers the work queued since.
+bool drain_device(std::shared_ptr<DeviceDrain>& pending, int device, std::optional<Clock::time_point> deadline) {
+  if (pending && !pending->wait_until(deadline)) return false;
+  pending = DeviceDrain::start(device);
+  if (!pending->wait_until(deadline)) return false;
+  if (pending->status != cudaSuccess && pending->status != cudaErrorCudartUnloading)
+    warn(cat("cudaDeviceSynchronize before unmapping an IPC buffer failed: ", cudaGetErrorString(pending->status)));
+  pending.reset();
+  return true;
+}
+
+}  // namespace
+
+IpcBuffer::~IpcBuffer() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  if (cuda_unloading()) return;  // the process is exiting: the driver reclaims everything
+  if (!mapped_) {
+    unmap_and_release();
+    return;
+  }
+  lock.unlock();
+  // A close() that already timed out left its drain running: the device is known to be stuck, so do not
+  // make the owner (often Python's garbage collector, holding the GIL) wait once more.
+  const bool stuck = drain_ && !drain_->wait_until(Clock::now());
+  bool drained = false;
+  if (!stuck) {
+    try {
+      drained = drain_device(drain_, device_, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                                  std::chrono::duration<double>(kCloseWaitS)));
+    } catch (const std::exception& e) {
+      warn(cat("waiting for cuda:", device_, " before unmapping an IPC buffer failed: ", e.what()));
+    }
+  }
+  if (!drained) {
+    warn(cat("an IPC buffer of ", nbytes_, " bytes on cuda:", device_, " was dropped while work queued on the "
+             "device had not finished; its mapping stays in place (the driver reclaims it when the process exits) "
+             "so that work does not fault. Close buffers explicitly once the GPU is idle"));
+    return;
+  }
+  lock.lock();
+  unmap_and_release();
 }
 
 uintptr_t IpcBuffer::ptr() const {
@@ -102,11 +195,43 @@ bool IpcBuffer::closed() const {
   return closed_;
 }
 
-void IpcBuffer::close() {
-  std::lock_guard<std::mutex> lock(mu_);
+void IpcBuffer::close(double timeout_s) {
+  const auto bound = wait_bound(timeout_s);  // NaN / negative refused before anything changes
+  const std::optional<Clock::time_point> deadline =
+      bound ? std::optional<Clock::time_point>(Clock::now() + *bound) : std::nullopt;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto no_other_closer = [&] { return !closing_; };
+  if (!deadline) {
+    closing_cv_.wait(lock, no_other_closer);
+  } else if (!closing_cv_.wait_until(lock, *deadline, no_other_closer)) {
+    throw Timeout(cat("closing an IPC buffer on cuda:", device_, ": another close() of it was still waiting for "
+                      "the device after ", timeout_s, " s; the buffer stays mapped. Close again once the GPU's "
+                      "queued work finished (nvidia-smi shows whether it is hung)"));
+  }
   if (closed_) return;
+  if (mapped_ && !cuda_unloading()) {
+    closing_ = true;
+    lock.unlock();  // ptr(), closed() and export_fd() stay answerable while the device drains
+    bool drained = false;
+    try {
+      drained = drain_device(drain_, device_, deadline);
+    } catch (...) {
+      lock.lock();
+      closing_ = false;
+      closing_cv_.notify_all();
+      throw;
+    }
+    lock.lock();
+    closing_ = false;
+    closing_cv_.notify_all();
+    if (!drained)
+      throw Timeout(cat("closing an IPC buffer of ", nbytes_, " bytes on cuda:", device_, ": the work queued on the "
+                        "device before close() was still running after ", timeout_s, " s, and unmapping under it "
+                        "would fault. The buffer stays mapped and usable: close again with a longer timeout once "
+                        "the GPU is idle (nvidia-smi shows whether it is hung)"));
+  }
   closed_ = true;
-  unmap_and_release(/*sync=*/true);
+  unmap_and_release();
 }
 
 void IpcBuffer::map_handle() {
@@ -125,24 +250,11 @@ void IpcBuffer::map_handle() {
   COLOMEM_CU_CHECK(d.cuMemSetAccess(addr, nbytes_, &access, 1));
 }
 
-void IpcBuffer::unmap_and_release(bool sync) noexcept {
+void IpcBuffer::unmap_and_release() noexcept {
   if (!mapped_ && ptr_ == 0 && handle_ == 0) return;
-  int current = 0;
-  cudaError_t state = cudaGetDevice(&current);
-  if (state == cudaErrorCudartUnloading || state == cudaErrorInitializationError) {
-    (void)cudaGetLastError();  // the process is exiting: the driver reclaims everything, stay quiet
-    return;
-  }
+  if (cuda_unloading()) return;  // the process is exiting: the driver reclaims everything, stay quiet
   try {
     const DriverApi& d = driver();
-    if (sync && mapped_) {
-      // Kernels queued in this process may still read or write the range: unmapping under them faults.
-      DeviceGuard guard(device_);
-      cudaError_t err = cudaDeviceSynchronize();
-      if (err != cudaSuccess && err != cudaErrorCudartUnloading)
-        warn(cat("cudaDeviceSynchronize before unmapping an IPC buffer failed: ", cudaGetErrorString(err)));
-      (void)cudaGetLastError();
-    }
     CUresult r;
     if (mapped_ && (r = d.cuMemUnmap(static_cast<CUdeviceptr>(ptr_), nbytes_)) != CUDA_SUCCESS && !shutting_down(r))
       warn(cat("cuMemUnmap of an IPC buffer failed: ", cu_error_name(r)));
@@ -180,7 +292,7 @@ ExportableBuffer::ExportableBuffer(int device, size_t nbytes) {
   try {
     map_handle();
   } catch (...) {
-    unmap_and_release(/*sync=*/false);  // nothing ran on it yet: skip the device sync ~IpcBuffer would do
+    unmap_and_release();  // nothing ran on it yet: no device work to wait for
     throw;
   }
 }
@@ -216,7 +328,7 @@ ImportedBuffer::ImportedBuffer(int fd, size_t nbytes, int device) {
   try {
     map_handle();
   } catch (...) {
-    unmap_and_release(/*sync=*/false);
+    unmap_and_release();
     throw;
   }
 }

@@ -3,17 +3,22 @@
 //
 // Lifetime: the physical memory lives until the exporter and every importer released it (the driver
 // counts the handles), so an importer's mapping stays valid when the exporter exits. close() unmaps and
-// releases this process's share; nothing stays mapped after it.
+// releases this process's share; nothing stays mapped after it. Kernels of this process may still use the
+// range, so close() first waits, bounded, for the work queued on the device before it was called.
 //
 // Plain C++ header (no CUDA types): the host-only build links stubs (host_only/ipc_stub.cpp).
 #pragma once
 
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
 namespace colomem {
+
+struct DeviceDrain;  // a device-wide synchronisation on a helper thread (ipc_buffer.cpp)
 
 class IpcBuffer {
  public:
@@ -25,15 +30,22 @@ class IpcBuffer {
   size_t nbytes() const { return nbytes_; }  // mapped size (a multiple of the allocation granularity)
   int device() const { return device_; }
   const std::string& uuid() const { return uuid_; }
-  // Waits for the device to go idle (pending kernels may still read the buffer), unmaps, releases.
-  void close();
+  // How long close() waits by default, and the destructor at most, for the device's queued work.
+  static constexpr double kCloseWaitS = 60.0;
+  // Waits up to timeout_s (inf: no bound; see wait_bound) for the work queued on the device in this process
+  // before the call (kernels may still read or write the buffer; unmapping under them faults), then unmaps
+  // and releases. Timeout if that work is still running then: the buffer stays mapped and usable, close
+  // again. Other threads keep ptr() and export_fd() meanwhile; a concurrent close() waits, within its own
+  // timeout, for the first one's outcome. Idempotent.
+  void close(double timeout_s);
   bool closed() const;
 
  protected:
   IpcBuffer() = default;
   // Reserves an address range, maps handle_ there, grants read-write access to device_.
   void map_handle();
-  void unmap_and_release(bool sync) noexcept;
+  // Unmaps and releases without waiting for the device: only once nothing can use the range.
+  void unmap_and_release() noexcept;
 
   unsigned long long handle_ = 0;  // CUmemGenericAllocationHandle; 0 = none
   uintptr_t ptr_ = 0;              // reserved address range; 0 = none
@@ -43,6 +55,9 @@ class IpcBuffer {
   std::string uuid_;
   mutable std::mutex mu_;
   bool closed_ = false;
+  bool closing_ = false;                // a close() waits for the device (mu_ not held meanwhile)
+  std::condition_variable closing_cv_;  // signalled when that wait ends
+  std::shared_ptr<DeviceDrain> drain_;  // the wait of a close() that timed out, while it still runs
 };
 
 class ExportableBuffer : public IpcBuffer {

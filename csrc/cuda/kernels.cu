@@ -2,10 +2,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
+#include <vector>
 
 #include "core/checksum.h"
+#include "core/copy_engine.h"  // wait_bound
 #include "cuda/cuda_check.h"
 #include "cuda/driver_api.h"
+#include "cuda/event_wait.h"
 #include "cuda/kernels.h"
 
 namespace colomem {
@@ -81,6 +85,18 @@ void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
                             " is not CUDA memory; pass device=-1 for host memory"));
 }
 
+// A private non-blocking stream per device for reading results back once they are known to be ready: a copy
+// to pageable memory returns only when it completed, so on the caller's stream it would wait, without bound,
+// for whatever was queued there after the checksum. Created on first use, kept for the process.
+cudaStream_t readback_stream(int device) {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard<std::mutex> lk(mu);
+  if (streams.size() <= static_cast<size_t>(device)) streams.resize(device + 1, nullptr);
+  if (!streams[device]) COLOMEM_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking));
+  return streams[device];
+}
+
 }  // namespace
 
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
@@ -110,13 +126,15 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
   COLOMEM_CUDA_CHECK(cudaGetLastError());
 }
 
-uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device) {
+uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device,
+                         double timeout_s) {
+  const auto bound = wait_bound(timeout_s);  // a bad timeout is refused before any work is queued
   require_device(device);
   DeviceGuard guard(device);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   void* scratch = nullptr;
   COLOMEM_CUDA_CHECK(cudaMallocAsync(&scratch, sizeof(uint64_t), s));
-  struct FreeScratch {
+  struct FreeScratch {  // stream-ordered: freed after the kernels, also when the caller stopped waiting
     void* p;
     cudaStream_t s;
     ~FreeScratch() {
@@ -124,9 +142,22 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
     }
   } free_scratch{scratch, s};
   device_checksum_into(ptr, nbytes, stride_words, reinterpret_cast<uintptr_t>(scratch), stream, device);
+  cudaEvent_t ready = nullptr;
+  COLOMEM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  struct DestroyEvent {  // destruction of an event still pending is deferred by the runtime: safe on timeout
+    cudaEvent_t e;
+    ~DestroyEvent() { (void)cudaEventDestroy(e); }
+  } destroy_ready{ready};
+  COLOMEM_CUDA_CHECK(cudaEventRecord(ready, s));
+  if (!wait_event_until(ready, deadline_after(bound)))
+    throw Timeout(cat("checksum of ", nbytes, " bytes on cuda:", device, " not done after ", timeout_s,
+                      " s: its stream (", hex(stream), ") is still busy with work queued before it. Nothing "
+                      "waits for it any more; retry with a longer timeout, or check that the GPU is not hung "
+                      "(nvidia-smi)"));
   uint64_t value = 0;
-  COLOMEM_CUDA_CHECK(cudaMemcpyAsync(&value, scratch, sizeof(value), cudaMemcpyDeviceToHost, s));
-  COLOMEM_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaStream_t rb = readback_stream(device);
+  COLOMEM_CUDA_CHECK(cudaMemcpyAsync(&value, scratch, sizeof(value), cudaMemcpyDeviceToHost, rb));
+  COLOMEM_CUDA_CHECK(cudaStreamSynchronize(rb));  // only this 8-byte copy is on it: its data is ready
   return value;
 }
 

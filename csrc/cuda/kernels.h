@@ -6,10 +6,16 @@
 
 namespace colomem {
 
+// How long device_checksum waits by default for its stream to get through the work queued before it.
+constexpr double kChecksumWaitS = 60.0;
+
 // The checksum of core/checksum.h over device memory [ptr, ptr + nbytes) on `device`, computed on `stream`
-// (a cudaStream_t as an integer; 0 = legacy default stream). Synchronises only that stream. ptr must be
-// 8-byte aligned.
-uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device);
+// (a cudaStream_t as an integer; 0 = legacy default stream). Waits up to timeout_s (inf: no bound; NaN or
+// negative: InvalidArgument) for the stream to get there and only for that stream; Timeout after that, with
+// nothing left waiting (the kernels still run on the stream and free their scratch memory themselves).
+// ptr must be 8-byte aligned.
+uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device,
+                         double timeout_s);
 
 // Same, but asynchronous: writes the value to the 8-byte device location `out` when `stream` gets there.
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,

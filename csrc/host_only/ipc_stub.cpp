@@ -15,9 +15,9 @@ namespace {
 IpcBuffer::~IpcBuffer() = default;
 uintptr_t IpcBuffer::ptr() const { unavailable("IpcBuffer.ptr"); }
 bool IpcBuffer::closed() const { return true; }
-void IpcBuffer::close() {}
+void IpcBuffer::close(double) {}
 void IpcBuffer::map_handle() { unavailable("IpcBuffer"); }
-void IpcBuffer::unmap_and_release(bool) noexcept {}
+void IpcBuffer::unmap_and_release() noexcept {}
 
 ExportableBuffer::ExportableBuffer(int, size_t) { unavailable("ExportableBuffer"); }
 int ExportableBuffer::export_fd() { unavailable("ExportableBuffer.export_fd"); }
@@ -27,7 +27,7 @@ std::string device_uuid(int) { unavailable("device_uuid"); }
 int device_by_uuid(const std::string&) { unavailable("device_by_uuid"); }
 size_t ipc_granularity(int) { unavailable("ipc_granularity"); }
 
-uint64_t device_checksum(uintptr_t, size_t, size_t, uintptr_t, int) { unavailable("checksum on a CUDA device"); }
+uint64_t device_checksum(uintptr_t, size_t, size_t, uintptr_t, int, double) { unavailable("checksum on a CUDA device"); }
 void device_checksum_into(uintptr_t, size_t, size_t, uintptr_t, uintptr_t, int) {
   unavailable("checksum on a CUDA device");
 }
