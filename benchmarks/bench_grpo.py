@@ -14,19 +14,26 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)
   still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
-All sync the trained weights through the same bridge. --rounds 2 runs the modes A B C A B C (interleaved);
-each mode's figures are then the medians over its rounds.
+All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
+runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
+importable):
+  trl          TRL's GRPOTrainer, vLLM colocated in its process, trainer resident, vLLM awake (no sleep)
+  trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
+Their vLLM runs eager exactly when the runner's does in this call (the config's enforce_eager and --extra).
+--rounds 2 runs the modes A B C A B C (interleaved); each mode's figures are then the medians over its rounds.
 
 Reported per run (medians over the steps after the first, which pays one-time pinning): step time, switch time
 (offload, barriers, wake, sync, check, sleep, reload) and its share of the step, each phase, GPU memory in use
 while both sides sleep, what the trainer process still reserves after its offload, and the logprob gap
 between rollout and trainer (the check that the rollout really used the trained weights).
 Writes grpo_bench.json (top level: default_steps, reward_first5_mean, reward_last5_mean from the default run,
-switch_overhead_fraction for the 1.5B full fine-tune, speedup_vs_timesplit) and grpo_bench.md; prints the table.
+switch_overhead_fraction for the 1.5B full fine-tune, speedup_vs_<mode>: that mode's step median over the
+default colomem mode's, e.g. speedup_vs_timesplit, speedup_vs_trl) and grpo_bench.md; prints the table.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,10 +48,15 @@ MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
-         "timesplit": ["--switch", "timesplit"]}
+         "timesplit": ["--switch", "timesplit"],
+         "trl": [], "trl_sleep": ["--trl-sleep"]}
+# modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
+PEER_SCRIPTS = {"trl": "benchmarks/bench_trl.py", "trl_sleep": "benchmarks/bench_trl.py"}
+PEER_MODULES = {"trl": "trl", "trl_sleep": "trl"}        # what must be importable, else the mode is skipped
 # top-level speedups of the planner's default against each other layout, on the full fine-tune
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
-          "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident"}
+          "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
+          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep"}
 GiB = float(1 << 30)
 
 
@@ -86,11 +98,11 @@ def _env() -> dict:
     return env
 
 
-def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float) -> dict:
-    """Runs the colocated runner in a fresh process; returns rc, wall time and the log tail."""
+def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float,
+            script: str = "runners/grpo_colocated.py") -> dict:
+    """Runs the colocated runner (or a peer's script) in a fresh process; returns rc, wall time, log tail."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "runners" / "grpo_colocated.py"), *args, "--out", str(out_dir),
-           "--no-progress"]
+    cmd = [sys.executable, str(ROOT / script), *args, "--out", str(out_dir), "--no-progress"]
     log_path = out_dir / "run.log"
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
@@ -116,7 +128,9 @@ def analyse(out_dir: Path) -> dict:
     warm = steps[1:] if len(steps) > 1 else steps
     res = {"status": summary.get("status"), "error": summary.get("error"), "steps_done": len(steps),
            "build_s": summary.get("build_s"), "backend": summary.get("backend"),
-           "model_shape": (summary.get("config") or {}).get("model_shape")}
+           "model_shape": (summary.get("config") or {}).get("model_shape"),
+           "vllm_enforce_eager": (summary.get("trl") or {}).get("vllm_enforce_eager",
+                                                                (summary.get("config") or {}).get("enforce_eager"))}
     if not steps:
         return res
     phases = sorted({p for r in warm for p in r["phase_s"]})
@@ -224,6 +238,30 @@ def top_level(report: dict) -> None:
         report["switch_overhead_fraction_if_work_x"] = {str(k): sw / (sw + k * work) for k in (2, 4, 8, 16)}
 
 
+def runner_eager(args: list[str]) -> bool:
+    """Whether the runner's vLLM runs eager with these flags (its config's enforce_eager, then the flags)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from colomem.runner.config import load_run_config
+
+    return bool(load_run_config(args).enforce_eager)
+
+
+def run_peer(mode: str, name: str, args: list[str], out_dir: Path, timeout_s: float) -> dict:
+    """A peer's mode: its script on the same job (the runner's flags), its vLLM eager exactly when the
+    runner's is; skipped, with the reason, when the peer's package is not importable."""
+    module = PEER_MODULES[mode]
+    if importlib.util.find_spec(module) is None:
+        why = f"{module} is not importable here (pip install it to run the {mode} mode)"
+        print(f"[bench] {name}: skipped: {why}", flush=True)
+        return {"rc": "skipped", "wall_s": 0.0, "result": {"status": "skipped", "error": why}}
+    eager = runner_eager([a for a in args if a not in MODES[mode]])      # the peer's own flags left out
+    info = run_one(name, args + (["--eager"] if eager else []), out_dir, timeout_s, script=PEER_SCRIPTS[mode])
+    info["result"] = analyse(out_dir)
+    info["result"]["run_wall_s"] = info["wall_s"]
+    return info
+
+
 def read_default(path: Path) -> dict:
     """default_steps and the reward at the start and end of the default job (a run dir or its metrics.jsonl)."""
     p = path / "metrics.jsonl" if path.is_dir() else path
@@ -254,6 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")
     ap.add_argument("--extra", default="", help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64'")
     ap.add_argument("--run-timeout-s", type=float, default=480.0)
+    ap.add_argument("--peer-timeout-s", type=float, default=480.0, help="bound on each run of a peer's mode (trl)")
     ap.add_argument("--run-default", action="store_true", help="also run the default tiny job (40 steps)")
     ap.add_argument("--default-run", help="an existing default run (directory or metrics.jsonl) to report")
     a = ap.parse_args(argv)
@@ -295,9 +334,12 @@ def main(argv=None) -> int:
                 args = ["--config", str(ROOT / CONFIGS[cfg]), *MODES[mode], "--steps", str(a.steps)]
                 args += a.extra.split()
                 d = out / name
-                info = run_one(name, args, d, a.run_timeout_s)
-                info["result"] = analyse(d)
-                info["result"]["run_wall_s"] = info["wall_s"]
+                if mode in PEER_SCRIPTS:
+                    info = run_peer(mode, name, args, d, a.peer_timeout_s)
+                else:
+                    info = run_one(name, args, d, a.run_timeout_s)
+                    info["result"] = analyse(d)
+                    info["result"]["run_wall_s"] = info["wall_s"]
                 report["runs"][name] = info
                 save()                  # on disk after every run: a later timeout keeps what finished
 
@@ -307,7 +349,10 @@ def main(argv=None) -> int:
     keys = ("default_steps", "reward_first5_mean", "reward_last5_mean", "switch_overhead_fraction",
             "step_s_by_mode", *VERSUS.values(), "speedup_vs_timesplit_lora")
     print("\n" + json.dumps({k: report.get(k) for k in keys}, indent=1))
-    bad = [n for n, r in report["runs"].items() if r.get("result", {}).get("status") != "ok"]
+    for n, r in sorted(report["runs"].items()):
+        if r.get("result", {}).get("status") == "skipped":
+            print(f"[bench] {n}: skipped: {r['result'].get('error')}")
+    bad = [n for n, r in report["runs"].items() if r.get("result", {}).get("status") not in ("ok", "skipped")]
     return 1 if bad else 0
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -111,16 +112,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         start, resume_from, resumed = _resume_point(cfg, ident, out, steps)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
-        alphabet = eval_plan.alphabet(task.alphabet) if eval_plan else task.alphabet   # config-built tokenizer
-        if not cfg.model:
-            alphabet += template_characters(cfg.chat_template)
-        model_path = _model_path(cfg, alphabet, ranks, say)
-        tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
-        if isinstance(task, DatasetTask):
-            task.bind(tokenizer, chat_template=cfg.chat_template,
-                      max_prompt_tokens=cfg.max_model_len - task.max_new_tokens, log=say)
-        reward_specs, metric_specs = _rewards(cfg, task, reward_fns)
-        _check_lengths(cfg, task, tokenizer)
+        model_path = _model_path(cfg, _alphabet(cfg, task, eval_plan), ranks, say)
+        tokenizer, reward_specs, metric_specs = _bind(cfg, task, model_path, reward_fns, say)
         config_json = cfg.model_dump(mode="json")
         summary.update(backend=backend, switch=cfg.switch, world_size=ranks.world_size, model=model_path,
                        task=_task_label(cfg), steps=steps, config=config_json)
@@ -202,6 +195,55 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
     if error is not None:
         raise error
     return RunResult(out, summary, runner.records if runner else [])
+
+
+@dataclass
+class JobInputs:
+    """What a run of a config trains on, built as run_job builds it: the task, the model directory, its
+    tokenizer, the reward functions (summed into the reward) and the metric functions (logged only)."""
+    task: Any
+    model_path: str
+    tokenizer: Any
+    reward_specs: list
+    metric_specs: list
+    max_new_tokens: int
+
+
+def job_inputs(cfg, *, say: Callable[[str], None] = print) -> JobInputs:
+    """The inputs of a single-process run of `cfg`, without engines: another trainer (a peer baseline) run
+    on them trains on the same model (the same cached directory of a config-built one), tokenizer, prompts
+    and rewards as the runner."""
+    task = _task(cfg)
+    model_path = cfg.model
+    if not model_path:
+        from colomem.grpo.tiny_model import model_dir
+
+        model_path = str(model_dir(cfg.model_shape, _alphabet(cfg, task, evaluation.plan(cfg, task)),
+                                   seed=cfg.seed, dtype=cfg.dtype, log=say))
+    tokenizer, reward_specs, metric_specs = _bind(cfg, task, model_path, None, say)
+    return JobInputs(task, model_path, tokenizer, reward_specs, metric_specs,
+                     cfg.grpo.max_new_tokens or task.max_new_tokens)
+
+
+def _alphabet(cfg, task, eval_plan) -> str:
+    """The config-built tokenizer's characters: the task's, those only the eval set holds, the chat
+    template's (part of the model's cache key: the same config finds the same model)."""
+    alphabet = eval_plan.alphabet(task.alphabet) if eval_plan else task.alphabet
+    if not cfg.model:
+        alphabet += template_characters(cfg.chat_template)
+    return alphabet
+
+
+def _bind(cfg, task, model_path: str, reward_fns, say):
+    """(tokenizer, reward specs, metric specs) of the run; a dataset task is bound to the tokenizer, and the
+    prompts' lengths are checked against max_model_len."""
+    tokenizer = _tokenizer(model_path, cfg.trust_remote_code)
+    if isinstance(task, DatasetTask):
+        task.bind(tokenizer, chat_template=cfg.chat_template,
+                  max_prompt_tokens=cfg.max_model_len - task.max_new_tokens, log=say)
+    reward_specs, metric_specs = _rewards(cfg, task, reward_fns)
+    _check_lengths(cfg, task, tokenizer)
+    return tokenizer, reward_specs, metric_specs
 
 
 def _dist_backend() -> str:

@@ -1,0 +1,111 @@
+"""The TRL baseline's harness (benchmarks/bench_trl.py) on the CPU: TRL's GRPOTrainer on the runner's tiny
+job (its model, prompts and rewards), without vLLM; and how bench_grpo runs it as one more mode."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def trl_run(tmp_path_factory):
+    """Two steps of the default job's shape (fewer prompts, to stay quick), in a fresh process."""
+    pytest.importorskip("trl")
+    out = tmp_path_factory.mktemp("trl-cpu")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    env.update(COLOMEM_CACHE=str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_trl.py"), "--config", str(REPO / "configs/default.yaml"),
+           "--no-vllm", "--steps", "2", "--prompts-per-step", "4", "--micro-batch", "16", "--no-progress",
+           "--out", str(out)]
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, summary, [r for r in steps if "phase_s" in r]
+
+
+def test_trl_runs_the_runner_job_and_writes_its_summary(trl_run):
+    out, summary, steps = trl_run
+    assert summary["status"] == "ok" and summary["backend"] == "cpu"
+    assert summary["steps_done"] == 2 and len(steps) == 2
+    assert Path(summary["model"]).name.startswith("tiny-")          # the runner's config-built, cached model
+    assert summary["trl"]["use_vllm"] is False and summary["trl"]["optimizer_steps_per_step"] == 1
+    assert summary["trl"]["grpo_config"]["steps_per_generation"] == 2        # 32 rows in micro-batches of 16
+    assert summary["first_step_s"] > 0 and summary["step_s_median"] > 0
+    assert summary["steps_wall_s"] == pytest.approx(sum(r["step_s"] for r in steps))
+    for r in steps:
+        assert r["step_s"] > 0 and r["switch_s"] == 0.0            # no vLLM: nothing to sync or wake
+        assert {"rollout", "score", "train"} <= set(r["phase_s"])
+        assert sum(r["phase_s"].values()) == pytest.approx(r["step_s"])
+        assert r["samples_total"] == 4 * 8
+        assert 0.0 <= r["reward_mean"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0
+        assert 1 <= r["completion_len_mean"] <= 3                   # the successor task's 2 digits + EOS
+        # TRL's own mean of the reward it received is the runner reward functions' mean
+        assert r["trl/reward"] == pytest.approx(r["reward_mean"], abs=1e-5)
+    assert summary["step_s_median"] == steps[1]["step_s"]         # the first step is left out of the medians
+
+
+def test_bench_grpo_reads_a_trl_run_as_one_more_mode(trl_run):
+    out, summary, steps = trl_run
+    bench = _load("bench_grpo")
+    res = bench.analyse(out)
+    assert res["status"] == "ok" and res["steps_done"] == 2
+    assert res["step_s"] == steps[1]["step_s"] and res["first_step_s"] == steps[0]["step_s"]
+    report = {"runs": {"full_colomem": {"result": {"step_s": 2.0}}, "full_trl": {"result": {**res, "step_s": 3.0}}}}
+    bench.top_level(report)
+    assert report["speedup_vs_trl"] == pytest.approx(1.5)          # the peer's step over colomem's
+
+
+def test_one_trl_step_is_one_runner_step_of_the_benchmark_job(tmp_path):
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    from colomem.runner.config import load_run_config
+
+    bench = _load("bench_trl")
+    cfg = load_run_config(["--config", str(REPO / "configs/grpo_1p5b_full.yaml")])
+    kw, notes = bench.trl_settings(cfg, steps=5, max_new_tokens=256, use_vllm=True, sleep=False, cuda=True,
+                                   out=tmp_path)
+    ds = kw.pop("deepspeed")
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"]
+    assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_accumulation_steps"] == 32
+    assert ds["optimizer"]["params"]["lr"] == cfg.lr and ds["gradient_clipping"] == cfg.max_grad_norm
+    args = GRPOConfig(**{**kw, "use_cpu": True, "bf16": False})   # this machine: no GPU for bf16 checks
+    assert args.generation_batch_size == 32 * 8                   # one generation = the runner's step
+    assert args.steps_per_generation == args.gradient_accumulation_steps == 32   # = one optimizer step
+    assert args.max_steps == 5 and args.num_iterations == 1
+    assert args.max_completion_length == 256 and args.vllm_mode == "colocate"
+    assert args.vllm_gpu_memory_utilization == cfg.gpu_memory_utilization and not args.vllm_enable_sleep_mode
+    assert args.beta == 0.0 and args.loss_type == "dapo" and not args.vllm_importance_sampling_correction
+    assert any("n - 1" in n for n in notes)
+
+
+def test_a_peer_mode_without_its_package_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    bench = _load("bench_grpo")
+    monkeypatch.setitem(bench.PEER_MODULES, "trl", "no_such_module_for_this_test")
+    info = bench.run_peer("trl", "full_trl", [], tmp_path / "full_trl", 10.0)
+    assert info["result"]["status"] == "skipped" and "no_such_module_for_this_test" in info["result"]["error"]
+    report = {"runs": {"full_colomem": {"result": {"step_s": 2.0}}, "full_trl": info}}
+    bench.top_level(report)
+    assert "speedup_vs_trl" not in report
+
+
+def test_the_peer_runs_eager_exactly_when_the_runner_does():
+    bench = _load("bench_grpo")
+    cfg = ["--config", str(REPO / "configs/grpo_1p5b_full.yaml")]
+    assert bench.runner_eager(cfg) is True                         # the config's enforce_eager
+    assert bench.runner_eager(cfg + ["--enforce-eager", "false"]) is False
