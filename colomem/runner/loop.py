@@ -30,6 +30,7 @@ from colomem.units import parse_bytes
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
                         needs_measuring)
+from .inrank import check_group_agrees, rollout_digest
 from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
@@ -266,6 +267,8 @@ class ColocatedRunner:
             work.append(("eval", lambda: evaluator.evaluate(self.rollout, self.version)))
         sync, done = self.awake_window(rec, k, work)
         completions = done["rollout"]
+        # the shards of one in-rank engine must have generated the same completions (TP 1: nothing to compare)
+        check_group_agrees(ranks, rollout_digest(gen_idx, completions), f"step {k}")
         alarm = self.alarm.observe(k, rec.memory.get("sleep", {}).get("driver_used"))
         if alarm:
             self.print(f"[colomem] ALARM step {k}: {alarm}")
