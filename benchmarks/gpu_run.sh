@@ -4,7 +4,8 @@
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
 # (offload(keep=...) tests), syncbench,
-# dsbench, grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
+# dsbench, inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
+# grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
 # creation). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
@@ -70,6 +71,8 @@ stage() {  # the stages run in the order given on the command line
     dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
     grpobench) run bench_grpo "${GRPOBENCH_TIMEOUT_S:-400}" python3 benchmarks/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
+    inrank) run bench_inrank "${INRANK_TIMEOUT_S:-560}" python3 benchmarks/bench_inrank.py --out "$OUT/inrank" ${INRANK_ARGS:-} ;;
+    inranktest) run inrank_tests 400 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_inrank_engine_gpu.py ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -150,13 +150,13 @@ def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():
     f = figs(total=140, rollout=60, left=1, peak=45)
     said, r = [], make(bucket_bytes=512 * MiB)
 
-    def runner(bucket_bytes, transport="listener"):
-        return SimpleNamespace(cfg=SimpleNamespace(bucket_bytes=bucket_bytes, sync_transport=transport),
+    def runner(bucket_bytes, engine="cross-process"):
+        return SimpleNamespace(cfg=SimpleNamespace(bucket_bytes=bucket_bytes, effective_engine=engine),
                                rollout=r, placement=choose("auto", "auto", [f], margin=2 * GB), print=said.append)
 
     rec = SimpleNamespace(metrics={"sync/nbytes": 3 * GB})
     assert ColocatedRunner._grow_sync_bucket(runner("512MiB"), rec, [f], 2 * GB) == 0
-    assert ColocatedRunner._grow_sync_bucket(runner("auto", "direct"), rec, [f], 2 * GB) == 0
+    assert ColocatedRunner._grow_sync_bucket(runner("auto", "in-rank"), rec, [f], 2 * GB) == 0
     assert r.bucket_bytes == 512 * MiB and not said
     taken = ColocatedRunner._grow_sync_bucket(runner("auto"), rec, [f], 2 * GB)
     assert r.bucket_bytes == 2880 * MiB and taken == 2 * (2880 - 512) * MiB

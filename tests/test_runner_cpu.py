@@ -406,13 +406,15 @@ def test_default_task_is_learned_on_cpu(cache_env, tmp_path):
     assert sum(r[-3:]) / 3 > sum(r[:3]) / 3 + 0.1, r
 
 
-def test_tensor_parallel_engines_are_refused_before_anything_starts():
+def test_a_cross_process_engine_over_several_ranks_is_refused_before_anything_starts():
     from colomem.errors import InvalidArgumentError
     from colomem.runner.ranks import Ranks
 
     cfg = config_from_dict({"tensor_parallel_size": 2, "backend": "gpu"})
-    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1"):
-        build_engines(cfg, "gpu", "/nonexistent", None, Ranks(), grad_accum=1)
+    assert cfg.effective_engine == "in-rank"                          # TP above 1: the engine inside the ranks
+    forced = cfg.model_copy(update={"engine": "cross-process"})       # past the run config's own check
+    with pytest.raises(InvalidArgumentError, match="needs the in-rank engine"):
+        build_engines(forced, "gpu", "/nonexistent", None, Ranks(), grad_accum=1)
 
 
 def test_a_float32_checkpoint_trains_on_the_cpu(cache_env, tmp_path):

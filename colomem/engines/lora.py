@@ -112,6 +112,26 @@ def walk_modules(model: Any) -> Iterator[tuple[str, Any, Optional[list]]]:
             yield prefix, mod, params
 
 
+def _lora_params(mod: Any, merged: bool) -> tuple[list, list, list]:
+    """(base params, adapter factors, adapter names) of a peft LoRA layer, in the order `full` gets them."""
+    layer = mod.base_layer
+    adapters = merged_adapters(mod) if merged else []
+    base = [layer.weight] + ([layer.bias] if getattr(layer, "bias", None) is not None else [])
+    factors = [w for a in adapters for w in (mod.lora_A[a].weight, mod.lora_B[a].weight)]
+    return base, factors, adapters
+
+
+def param_groups(model: "Module", *, merged: bool = True) -> Iterator[list]:
+    """The parameter lists named_weights hands to `full`, one per call, in its order (what a `full` that
+    gathers several modules at once must know ahead)."""
+    for _, mod, params in walk_modules(model):
+        if params is not None:
+            yield [p for _, p in params]
+        else:
+            base, factors, _ = _lora_params(mod, merged)
+            yield base + factors
+
+
 def named_weights(model: "Module", *, merged: bool = True, full: FullParams = detached,
                   direct: bool = True) -> Iterator[tuple[str, "Tensor", bool]]:
     """(HF name, tensor, is_direct) of every weight the rollout loads: LoRA merged into the base (merged=True)
@@ -123,10 +143,7 @@ def named_weights(model: "Module", *, merged: bool = True, full: FullParams = de
                 for (pn, _), t in zip(params, tensors):
                     yield prefix + pn, t, direct
             continue
-        layer = mod.base_layer
-        adapters = merged_adapters(mod) if merged else []
-        base = [layer.weight] + ([layer.bias] if getattr(layer, "bias", None) is not None else [])
-        factors = [w for a in adapters for w in (mod.lora_A[a].weight, mod.lora_B[a].weight)]
+        base, factors, adapters = _lora_params(mod, merged)
         with full(base + factors) as tensors:
             weight = tensors[0]
             if adapters:
@@ -160,4 +177,4 @@ def merged_named_weights(model: "Module") -> Iterator[tuple[str, "Tensor"]]:
 
 __all__ = ["DEFAULT_TARGET_MODULES", "build_lora_config", "check_lora_layers", "detached", "is_peft_model",
            "lora_layer_class", "merge_adapters", "merged_adapters", "merged_named_weights", "named_weights",
-           "walk_modules", "weight_sizes"]
+           "param_groups", "walk_modules", "weight_sizes"]

@@ -98,17 +98,18 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
     trainer: Optional[Trainer] = None
     try:
         if backend == "gpu":
-            if cfg.tensor_parallel_size > 1:
-                # Each rank would start its own engine over every GPU, and the bridge maps one GPU's buffers:
-                # refuse before anything is started instead of hanging in vLLM's startup.
+            if cfg.tensor_parallel_size > 1 and cfg.effective_engine != "in-rank":
+                # A cross-process engine belongs to one rank; its TP workers would be processes of its own
+                # on GPUs the other ranks train on (the run config refuses this too: here for callers of
+                # build_engines that build the config some other way)
                 raise InvalidArgumentError(
-                    f"tensor_parallel_size={cfg.tensor_parallel_size} is not supported by the colocated runner "
-                    f"yet (vLLM engines spanning torchrun ranks need a per-shard weight sync); run one engine per "
-                    f"GPU: torchrun --nproc-per-node N with tensor_parallel_size=1 (data parallel)")
+                    f"tensor_parallel_size={cfg.tensor_parallel_size} needs the in-rank engine (--engine in-rank "
+                    "or auto): the cross-process engine cannot span the torchrun ranks")
             pool = _pool(cfg, cpu=False)
             from colomem.engines.vllm import VLLMRollout
 
-            vllm_rollout = VLLMRollout(model_path, config=cfg.vllm_config(device=ranks.local_rank))
+            vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group)
+            vllm_rollout = VLLMRollout(model_path, config=vcfg)
             rollout = vllm_rollout
             vllm_rollout.sleep()                 # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer

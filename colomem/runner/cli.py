@@ -13,7 +13,8 @@ DESCRIPTION = """Colocated GRPO: vLLM rollouts and DeepSpeed training take turns
 Without arguments it runs the embedded default job: a tiny Qwen2 (random weights, tokenizer trained here)
 learns the `successor` task (">345" -> "67") with GRPO. On a machine without a GPU it runs a short CPU
 version of the same loop. Every flag below can also be set in a YAML file given with --config (flags win).
-Several GPUs: torchrun --nproc-per-node N runners/grpo_colocated.py ... (one vLLM engine per GPU).
+Several GPUs: torchrun --nproc-per-node N runners/grpo_colocated.py ... (one vLLM engine per GPU; with
+--tensor-parallel-size TP, one engine per TP ranks of a node, inside the ranks: --engine in-rank).
 The same job: colomem-grpo, or python -m colomem.runner.
 """
 

@@ -94,12 +94,11 @@ class RunConfig(_Strict):
     pool_max_bytes: Optional[str] = Field(None, description="pinned pool cap; unset = no cap")
     bucket_bytes: str = Field("auto", description="weight-bridge bucket size; auto: 512MiB, grown after the "
                                                   "first step (up to 4GiB) when the placement leaves the memory")
-    engine_in_process: bool = Field(False, description="vLLM's engine core and worker in the trainer's "
-                                                       "process (needs sync_transport direct)")
-    sync_transport: Literal["listener", "direct"] = Field(
-        "listener", description="weight sync into vLLM: listener (a thread in vLLM's worker serves the bridge, "
-                                "no RPC per sync), direct (engine_in_process: the trainer's tensors are read "
-                                "in place)")
+    engine: Literal["auto", "in-rank", "cross-process"] = Field(
+        "auto", description="where vLLM runs: cross-process (its engine in a process of its own, weights over the "
+                            "bridge), in-rank (inside every torchrun rank, distributed_executor_backend "
+                            "external_launcher: each rank holds its tensor-parallel shard and reads its trainer's "
+                            "tensors in place), auto (cross-process at tensor_parallel_size 1, in-rank above)")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
@@ -144,8 +143,11 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross(self):
-        if self.tensor_parallel_size > 1 and self.backend == "cpu":
-            raise ValueError("tensor_parallel_size > 1 needs the gpu backend")
+        from .inrank import engine_problem
+
+        problem = engine_problem(self.engine, self.tensor_parallel_size, self.backend)
+        if problem:
+            raise ValueError(problem)
         # what only the engines know (their combinations of options) is checked here too, so a bad value is
         # found before vLLM starts (20-60 s), not after
         for side, build in (("rollout", self.vllm_config), ("trainer", self.deepspeed_config)):
@@ -177,9 +179,6 @@ class RunConfig(_Strict):
             candidates(self.offload, self.rollout_sleep)
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        if (self.sync_transport == "direct") != self.engine_in_process:
-            raise ValueError("sync_transport direct goes with engine_in_process true (the trainer's tensors are "
-                             "handed to vLLM's worker in the same process), listener with false")
         return self
 
     # the engines' own configs: built (and so validated) when the run config is, before anything starts
@@ -194,22 +193,34 @@ class RunConfig(_Strict):
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload)
 
-    def vllm_config(self, device: int = 0) -> "VLLMConfig":
-        """The rollout engine's options (colomem.engines.vllm.VLLMConfig) this run asks for."""
+    def vllm_config(self, device: int = 0, rollout_group: int = 0) -> "VLLMConfig":
+        """The rollout engine's options (colomem.engines.vllm.VLLMConfig) this run asks for, on the rank of
+        rollout group `rollout_group` (the in-rank engine's seed is its group's: colomem.runner.inrank)."""
         from colomem.engines.vllm.config import VLLMConfig
 
+        from .inrank import engine_seed
+
+        in_rank = self.effective_engine == "in-rank"
         return VLLMConfig(gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
-                          tensor_parallel_size=self.tensor_parallel_size, seed=self.seed,
+                          tensor_parallel_size=self.tensor_parallel_size,
+                          seed=engine_seed(self.seed, rollout_group) if in_rank else self.seed,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
-                          bucket_bytes=self.start_bucket_bytes, sync_transport=self.sync_transport,
-                          engine_in_process=self.engine_in_process, dtype=self.dtype, device=device)
+                          bucket_bytes=self.start_bucket_bytes, sync_transport="direct" if in_rank else "listener",
+                          engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device)
 
     # derived settings -------------------------------------------------------------------------------------
     @property
     def start_bucket_bytes(self) -> str:
         """The weight bridge's bucket size at start (auto starts small; the planner may grow it)."""
         return "512MiB" if self.bucket_bytes == "auto" else self.bucket_bytes
+
+    @property
+    def effective_engine(self) -> str:
+        """'in-rank' or 'cross-process': what --engine auto resolves to (colomem.runner.inrank)."""
+        from .inrank import resolve_engine
+
+        return resolve_engine(self.engine, self.tensor_parallel_size)
 
     @property
     def effective_sleep_level(self) -> int:

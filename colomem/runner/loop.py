@@ -31,6 +31,7 @@ from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
                         sync_bucket,
                         needs_measuring)
+from .inrank import check_group_agrees, rollout_digest
 from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
@@ -223,7 +224,7 @@ class ColocatedRunner:
         round trips to vLLM's worker a sync). Returns the GPU bytes the larger buffers take."""
         c, r = self.cfg, self.rollout
         current, buffers = getattr(r, "bucket_bytes", None), getattr(r, "bucket_buffers", None)
-        if c.bucket_bytes != "auto" or c.sync_transport != "listener" or not hasattr(r, "set_bucket_bytes") \
+        if c.bucket_bytes != "auto" or c.effective_engine != "cross-process" or not hasattr(r, "set_bucket_bytes") \
                 or not isinstance(current, int) or not isinstance(buffers, int):
             return 0
         new = sync_bucket(self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0), current, buffers, margin)
@@ -285,6 +286,8 @@ class ColocatedRunner:
             work.append(("eval", lambda: evaluator.evaluate(self.rollout, self.version)))
         sync, done = self.awake_window(rec, k, work)
         completions = done["rollout"]
+        # the shards of one in-rank engine must have generated the same completions (TP 1: nothing to compare)
+        check_group_agrees(ranks, rollout_digest(gen_idx, completions), f"step {k}")
         alarm = self.alarm.observe(k, rec.memory.get("sleep", {}).get("driver_used"))
         if alarm:
             self.print(f"[colomem] ALARM step {k}: {alarm}")

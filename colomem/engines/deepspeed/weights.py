@@ -19,10 +19,12 @@ from colomem.engines import lora
 from colomem.engines.hf_export import adapter_key
 from colomem.errors import ColomemError
 
+from .gather import BucketedGather
 from .state import storage_nbytes
 from .strategies import OffloadStrategy
 
 ALIGN = 256             # staged weights start on this byte boundary
+GATHER_BUCKET_BYTES = 512 << 20   # ZeRO-3 on several ranks: parameter bytes gathered per collective
 
 
 def _aligned(nbytes: int) -> int:
@@ -66,11 +68,14 @@ class Staging:
 class WeightExport:
     """The rollout's view of an engine's module (a transformers model, or a peft model over one)."""
 
-    def __init__(self, model: torch.nn.Module, *, zero_stage: int, world_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, *, zero_stage: int, world_size: int, device: torch.device,
+                 gather_bucket_bytes: int = GATHER_BUCKET_BYTES):
         self.model = model
         self.zero_stage = zero_stage
         self.world_size = world_size
         self.device = device
+        self.gather_bucket_bytes = int(gather_bucket_bytes)
+        self.last_gathers = 0          # collectives the last walk over partitioned weights made
 
     @property
     def complete_locally(self) -> bool:
@@ -92,8 +97,24 @@ class WeightExport:
             yield [p.data for p in params]
 
     def iter_weights(self, merged: bool) -> Iterator[tuple[str, Tensor, bool]]:
-        """(HF name, full tensor, direct); direct: a view of the engine's own storage (not a temporary)."""
-        return lora.named_weights(self.model, merged=merged, full=self.full_params, direct=self.complete_locally)
+        """(HF name, full tensor, direct); direct: a view of the engine's own storage (not a temporary).
+        ZeRO-3 partitions on several ranks are gathered a bucket of modules at a time (gather.py)."""
+        if self.complete_locally or not all(hasattr(p, "ds_tensor") for p in self.model.parameters()):
+            return lora.named_weights(self.model, merged=merged, full=self.full_params,
+                                      direct=self.complete_locally)
+        return self._gathered_weights(merged)
+
+    def _gathered_weights(self, merged: bool) -> Iterator[tuple[str, Tensor, bool]]:
+        import deepspeed
+
+        full = BucketedGather(list(lora.param_groups(self.model, merged=merged)), self.gather_bucket_bytes,
+                              lambda p: int(p.ds_numel) * p.element_size(),
+                              lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=None))
+        try:
+            yield from lora.named_weights(self.model, merged=merged, full=full, direct=False)
+        finally:
+            full.close()
+            self.last_gathers = full.gathers
 
     def weight_meta(self, merged: bool) -> Iterator[tuple[str, int, bool]]:
         """(name, aligned bytes, direct) of every weight, from shapes only (nothing gathered or computed)."""

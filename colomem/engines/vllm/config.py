@@ -88,6 +88,7 @@ class VLLMConfig(BaseModel):
     check_sample: int = 8
     sync_transport: str = "listener"
     engine_in_process: bool = False
+    external_launcher: bool = False      # in-process engine of a torchrun rank (launcher.py): TP over the ranks
     fast_load: bool = True
     rpc_timeout_s: float = 120.0
     generate_timeout_s: float = 1800.0
@@ -143,6 +144,9 @@ class VLLMConfig(BaseModel):
     @model_validator(mode="after")
     def _together(self) -> "VLLMConfig":
         check_sync_transport(self.sync_transport, self.engine_in_process)
+        if self.external_launcher and not self.engine_in_process:
+            raise ValueError("external_launcher=True builds vLLM's worker inside this torchrun rank: it needs "
+                             "engine_in_process=True (and sync_transport='direct')")
         if self.lora_mode == "adapter":
             if self.lora is None:
                 raise ValueError("lora_mode='adapter' needs lora=LoraSpec(r, alpha, target_modules)")
@@ -166,6 +170,8 @@ class VLLMConfig(BaseModel):
             enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype,
             logprobs_mode=self.logprobs_mode,
         )
+        if self.external_launcher:
+            kw["distributed_executor_backend"] = "external_launcher"
         if self.max_num_seqs is not None:
             kw["max_num_seqs"] = self.max_num_seqs
         if self.effective_lora_mode == "adapter":

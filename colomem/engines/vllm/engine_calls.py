@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional
 
 from colomem.errors import ColomemError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
 
+from .launcher import kept_random_state, launcher_env
+
 log = logging.getLogger(__name__)
 
 
@@ -135,7 +137,8 @@ class EngineCalls:
 
 
 def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
-    """vllm.LLM(**kwargs); with in_process, EngineCore and its worker run in this process."""
+    """vllm.LLM(**kwargs); with in_process, EngineCore and its worker run in this process (with the external
+    launcher: as this torchrun rank's shard of a tensor-parallel engine), the caller's random state kept."""
     from vllm import LLM
 
     # The runner touches CUDA (pool, trainer) before vLLM starts its engine process; a forked engine
@@ -151,9 +154,14 @@ def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) ->
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     was_cached = getattr(vllm_envs, "_is_envs_cache_enabled", lambda: False)()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if kwargs.get("distributed_executor_backend") == "external_launcher":
+        os.environ.update(launcher_env(os.environ))      # a one-process job started without torchrun
     try:
         set_device()
-        return LLM(**kwargs)
+        import torch
+
+        with kept_random_state(torch.cuda.current_device() if torch.cuda.is_available() else None):
+            return LLM(**kwargs)
     finally:
         if old is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
