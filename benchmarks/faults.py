@@ -43,8 +43,10 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from job_procs import (Job, engine_pid, gpu_apps, group_pids, proc_name, read_lines, step_lines,  # noqa: E402
-                       wait_group_gone)
+from job_procs import (Job, engine_pid, gpu_apps, gpu_used_mib, group_pids, proc_name, read_lines,  # noqa: E402
+                       step_lines, wait_group_gone)
+
+HELD_MIB = 512          # GPU memory in use after a run beyond what was before it that counts as held
 
 
 @dataclass
@@ -134,7 +136,8 @@ def run_one(name: str, fault: Fault, out: Path, job_args: list, target_step: int
     """One job with one fault; the record of what happened."""
     metrics, status = out / "metrics.jsonl", out / "status.json"
     before = len(read_lines(metrics)[0])
-    rec: dict = {"fault": name, "target_phase": fault.phase, "target_step": target_step, "bounded_by": fault.bounded_by}
+    rec: dict = {"fault": name, "target_phase": fault.phase, "target_step": target_step, "bounded_by": fault.bounded_by,
+                 "gpu_used_before_mib": gpu_used_mib()}
     with Job(job_args, out.parent / f"{name}.log") as job:
         rec["command"] = shlex.join(["python3", "-m", "colomem.runner", *job_args])
         t_inject = None
@@ -168,6 +171,7 @@ def run_one(name: str, fault: Fault, out: Path, job_args: list, target_step: int
         apps = gpu_apps()
         rec["gpu_held_by_job_mib"] = None if apps is None else {str(p): m for p, m in apps.items() if p in job.seen}
         rec["gpu_apps_after"] = None if apps is None else {str(p): m for p, m in apps.items()}
+        rec["gpu_used_after_mib"] = gpu_used_mib()
         rec["job_pids_seen"] = sorted(job.seen)
     # the harness killed the group on leaving the with-block: what is left now is a real orphan
     rec["alive_after_kill"] = group_pids(job.pgid)
@@ -199,7 +203,9 @@ def run_one(name: str, fault: Fault, out: Path, job_args: list, target_step: int
         "exit_code": fault.codes is None or code in fault.codes,
         "message": bool(rec["error_line"] and re.search(fault.expect, rec["error_line"])),
         "no_process_left": not rec["left_alive"] and not rec["alive_after_kill"],
-        "no_gpu_memory_held": not rec["gpu_held_by_job_mib"],
+        "no_gpu_memory_held": not rec["gpu_held_by_job_mib"] and (
+            rec["gpu_used_before_mib"] is None or rec["gpu_used_after_mib"] is None
+            or rec["gpu_used_after_mib"] - rec["gpu_used_before_mib"] < HELD_MIB),
         "metrics_parse": bad == 0 and rec["metrics_lines"] > 0,
         "landed_in_target_phase": fault.phase is None or rec["landed"] == fault.phase,
         "checkpoint": not fault.checkpoint or rec["checkpoint_after"] is not None,

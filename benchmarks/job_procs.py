@@ -77,10 +77,36 @@ def gpu_apps(timeout_s: float = 20.0) -> Optional[dict[int, int]]:
     return apps
 
 
+def gpu_used_mib(timeout_s: float = 20.0) -> Optional[int]:
+    """Memory in use on GPU 0 (nvidia-smi), whoever holds it: in a container nvidia-smi may not list the
+    processes (other pid namespace), this total still says whether memory was left held."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = r.stdout.strip().splitlines()[:1]
+    return int(first[0]) if r.returncode == 0 and first and first[0].strip().isdigit() else None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def engine_pid(pgid: int, runner: int) -> Optional[int]:
-    """vLLM's EngineCore among the job's processes (its title is VLLM::EngineCore), else None."""
-    for pid in group_pids(pgid):
-        if pid != runner and proc_name(pid).startswith("VLLM::EngineCor"):
+    """vLLM's EngineCore among the job's processes: its title is VLLM::EngineCore (setproctitle), else the
+    runner's child started by multiprocessing's spawn that is not its resource tracker; None if none."""
+    pids = [p for p in group_pids(pgid) if p != runner]
+    for pid in pids:
+        if proc_name(pid).startswith("VLLM::EngineCor"):
+            return pid
+    for pid in pids:
+        f = _stat_fields(pid)
+        cmd = _cmdline(pid)
+        if f is not None and int(f[1]) == runner and "spawn_main" in cmd and "resource_tracker" not in cmd:
             return pid
     return None
 
