@@ -145,3 +145,19 @@ def test_saves_come_after_the_next_offload_and_lora_saves_adapter_and_merged_mod
     assert (last / "model" / "adapter_config.json").is_file() and (last / "model" / "adapter_model.safetensors").is_file()
     assert (last / "model-merged" / "config.json").is_file() and (last / "model-merged" / "tokenizer.json").is_file()
     assert (last / "model" / "tokenizer.json").is_file()
+
+
+def test_cli_says_which_checkpoint_resume_auto_continues_from(tmp_path, capsys):
+    from colomem.runner.checkpoints import newest
+    from colomem.runner.cli import _say_how_to_resume
+
+    _say_how_to_resume(tmp_path)                          # no checkpoint: nothing to say
+    assert capsys.readouterr().err == ""
+    for step in (2, 10, 4):
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step-{step}" / "state.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-step-12").mkdir()   # a save cut short is no checkpoint
+    assert newest(tmp_path / "checkpoints").name == "step-10"
+    _say_how_to_resume(tmp_path)
+    assert capsys.readouterr().err.strip() == (f"to continue from step-10: run the same command with --resume auto "
+                                               f"--out {tmp_path}")

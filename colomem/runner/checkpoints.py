@@ -48,6 +48,12 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under root (what `--resume auto` picks), None when there is none."""
+    found = _steps(root)
+    return found[-1][1] if found else None
+
+
 class CheckpointError(ColomemError):
     """A checkpoint could not be written (full disk, permissions); the earlier ones are intact."""
 
@@ -163,4 +169,4 @@ class Checkpointer:
         return path
 
 
-__all__ = ["CheckpointError", "Checkpointer", "FORMAT", "find", "identity", "load_state", "save"]
+__all__ = ["CheckpointError", "Checkpointer", "FORMAT", "find", "identity", "load_state", "newest", "save"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from colomem.errors import ColomemError
@@ -23,7 +24,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .config import build_arg_parser, load_run_config
     from colomem.errors import ConfigError
 
-    from .job import run_job
+    from .job import default_out_dir, run_job
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")           # nothing is downloaded
@@ -37,18 +38,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out = Path(cfg.out) if cfg.out else default_out_dir()
     try:
-        result = run_job(cfg)
+        result = run_job(cfg, out_dir=out)
         if result.summary.get("status") == "interrupted":
             print(f"interrupted: {result.summary.get('error')}; outputs in {result.out_dir}", file=sys.stderr)
+            _say_how_to_resume(out)
             return 130
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ColomemError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        _say_how_to_resume(out)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        _say_how_to_resume(out)
         return 130
     return 0
+
+
+def _say_how_to_resume(out: Path) -> None:
+    """After a run that stopped early: the newest checkpoint and the flags that continue from it."""
+    from .checkpoints import newest
+
+    path = newest(out / "checkpoints")
+    if path is not None:
+        print(f"to continue from {path.name}: run the same command with --resume auto --out {out}",
+              file=sys.stderr)

@@ -26,6 +26,7 @@ from .loop import ColocatedRunner, RunResult
 from .reporters import make_reporters
 from .reporters import resolve as resolve_reporters
 from .ranks import Ranks
+from .status import StatusFile
 from .timeline import MetricsWriter, memory_table, phase_table
 
 
@@ -93,6 +94,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         raise ConfigError(f"cannot create the output directory {str(out)!r}: {e.strerror}; choose another --out") \
             from None
     writer = rank_writer = None
+    status: Optional[StatusFile] = None
     reporters: list = []
     engines: Optional[Engines] = None
     runner: Optional[ColocatedRunner] = None
@@ -122,6 +124,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             writer.write({"event": "start", "time": t_start, "backend": backend, "steps": steps,
                           "world_size": ranks.world_size, "config": config_json})
             reporters = make_reporters(resolve_reporters(cfg.report_to), out, config_json)
+            status = StatusFile(out / "status.json", steps)
         if ranks.world_size > 1:
             rank_writer = MetricsWriter(out / "ranks" / f"rank{ranks.rank}.jsonl")
         evaluator = evaluation.make_evaluator(
@@ -153,6 +156,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                                  grad_accum=grad_accum, print_fn=print_fn)
         runner.version = resumed
         runner.evaluator = evaluator
+        runner.status = status
         with _stop_on_signals(runner, say):
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
@@ -184,6 +188,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             writer.close()
         if rank_writer is not None:
             rank_writer.close()
+        if status is not None:
+            status.finish(summary["status"], summary.get("error"))
         for r in reporters:
             try:
                 r.close()

@@ -37,7 +37,8 @@ from .checkpoints import Checkpointer
 from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_total, median, memory_snapshot,
+from .status import StatusFile
+from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_total, host_usage, median, memory_snapshot,
                        peak_reserved, release_cache, reset_peak)
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class ColocatedRunner:
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self._save_due: Optional[int] = None
         self.final_checkpoint: dict[str, Any] = {}
+        self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
     def _memory(self) -> dict:
@@ -108,6 +110,8 @@ class ColocatedRunner:
     @contextlib.contextmanager
     def phase(self, rec: StepRecord, name: str):
         self.machine.enter(name)
+        if self.status is not None:
+            self.status.phase(rec.step, name)
         self.watchdog.start(f"phase {name!r} of step {rec.step}")
         t0 = time.perf_counter()
         ok = False
@@ -128,6 +132,8 @@ class ColocatedRunner:
 
     @contextlib.contextmanager
     def timed(self, rec: StepRecord, name: str):
+        if self.status is not None:
+            self.status.phase(rec.step, name)
         t0 = time.perf_counter()
         try:
             yield
@@ -320,6 +326,7 @@ class ColocatedRunner:
         rec.metrics.update({f"train/{n}": v for n, v in train.items()})
         rec.metrics["weight_version"] = self.version
         rec.metrics.update(self._switch_details(sync))
+        rec.metrics.update(host_usage())
         if alarm:
             rec.metrics["memory_alarm"] = alarm
         if shown:

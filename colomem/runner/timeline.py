@@ -44,6 +44,19 @@ def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> 
     return snap
 
 
+def host_usage() -> dict[str, Optional[int]]:
+    """This process's resident host memory (bytes) and open file descriptors, from /proc (None elsewhere):
+    per step, so a host-side leak (memory or descriptors growing step after step) shows in the metrics."""
+    out: dict[str, Optional[int]] = {"host/rss_bytes": None, "host/open_fds": None}
+    try:
+        with open("/proc/self/statm") as f:
+            out["host/rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out["host/open_fds"] = len(os.listdir("/proc/self/fd")) - 1     # less the one listdir holds
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def reset_peak(device: Optional[int]) -> None:
     """Starts the allocator's peak count over (the placement planner reads the train phase's peak)."""
     cuda = _cuda(device)

@@ -72,14 +72,35 @@ class EngineCalls:
         self._thread = EngineThread(init)
 
     def attach(self, llm: Any) -> None:
-        """The engine was built: remember it and the processes it started (killed at shutdown if needed)."""
+        """The engine was built: remember it and the processes it started (killed at shutdown if needed).
+        An engine in processes of its own is told to end itself if this process dies without closing it (a
+        SIGKILL), instead of holding its GPU memory as an orphan (worker/trainer_watch.py)."""
         self.llm = llm
         self.pids = engine_pids(llm)
+        if self.pids:
+            try:
+                self.rpc("colomem_watch_trainer", os.getpid())
+            except ColomemError as exc:
+                log.warning("vLLM's engine will outlive this process if it is killed (no trainer watch: %s)", exc)
 
     def engine_dead(self) -> bool:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         res = getattr(core, "resources", None)
         return bool(getattr(res, "engine_dead", False))
+
+    def death_note(self, wait_s: float = 2.0) -> str:
+        """How vLLM's engine process ended, for the error a user reads ("killed by SIGKILL ...")."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        mgr = getattr(getattr(core, "resources", None), "engine_manager", None)
+        for p in getattr(mgr, "processes", []) or []:
+            try:
+                p.join(wait_s)                  # a dying engine may still be exiting
+                code = p.exitcode
+            except Exception:  # noqa: BLE001  (not ours to wait for, or already reaped elsewhere)
+                code = None
+            if code is not None:
+                return describe_exit(code)
+        return "its exit status is unknown; its log above may say why"
 
     def start(self, fn: Callable[[Any], Any], what: str) -> concurrent.futures.Future:
         """Queues fn(llm) without waiting for it (collect it with wait)."""
@@ -88,8 +109,10 @@ class EngineCalls:
         if self.broken:
             raise PeerError(f"the vLLM engine is unusable ({self.broken}); close() it and start a new one")
         if self.engine_dead():
-            self.broken = "engine process died"
-            raise PeerError(f"vLLM's engine process died before {what}; close() and start a new VLLMRollout")
+            note = self.death_note()
+            self.broken = f"its engine process died, {note}"
+            raise PeerError(f"vLLM's engine process died before {what} ({note}); close() this rollout and "
+                            "start a new one")
         llm = self.llm
         return self._thread.submit(lambda: fn(llm))
 
@@ -105,8 +128,10 @@ class EngineCalls:
             if isinstance(exc, ColomemError):
                 raise
             if type(exc).__name__ == "EngineDeadError" or self.engine_dead():
-                self.broken = "engine process died"
-                raise PeerError(f"vLLM's engine process died during {what}: {exc}") from exc
+                note = self.death_note()
+                self.broken = f"its engine process died, {note}"
+                raise PeerError(f"vLLM's engine process died during {what} ({note}): {exc}; close() this "
+                                "rollout and start a new one") from exc
             raise
 
     def call(self, fn: Callable[[Any], Any], timeout: float, what: str) -> Any:
@@ -134,6 +159,20 @@ class EngineCalls:
         finally:
             _kill(pids)
             self._thread.stop()
+
+
+def describe_exit(code: int) -> str:
+    """A process's exit code as words: "exit code 1 ...", "killed by SIGKILL ..."."""
+    if code >= 0:
+        return f"exit code {code}; its log above says why"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = ""
+    if -code == signal.SIGKILL:
+        why = " (by another process, or by the kernel's out-of-memory killer: `dmesg` says so)"
+    return f"killed by {name}{why}"
 
 
 def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
@@ -215,4 +254,4 @@ def _kill(pids: list) -> None:
             pass
 
 
-__all__ = ["EngineCalls", "EngineThread", "build_llm", "engine_pids"]
+__all__ = ["EngineCalls", "EngineThread", "build_llm", "describe_exit", "engine_pids"]

@@ -124,6 +124,8 @@ class ListenerTransport:
         try:
             states = self._calls.rpc("colomem_listener_state", timeout=min(30.0, self._opt.rpc_timeout_s))
         except Exception as ask:  # noqa: BLE001 - the sync's own error is the one to report
+            if self._calls.broken:        # the engine itself is gone: that is why the sync failed
+                raise PeerError(f"the weight sync to vLLM failed: {ask}") from exc
             log.debug("asking vLLM's worker about its bridge listener failed: %s", ask)
             return
         stopped = [s for s in states if isinstance(s, dict) and not s.get("listening")]

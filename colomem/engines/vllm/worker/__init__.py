@@ -15,6 +15,7 @@ returns `colomem.errors.error_payload(exc)` instead and the parent re-raises the
     load_plan.py      load_weights recorded once, replayed as plain copies
     pool_backup.py    weights_backup="pool"
     wake_rollback.py  undoing a wake that ran out of memory
+    trainer_watch.py  ending the engine's process when the trainer that started it is gone
     ../checks.py      checksums and parameter sampling (shared with the trainer process)
 
 Importing this package does not import vLLM; only the functions that need vLLM's internals do.
@@ -34,6 +35,7 @@ from ..checks import CHECKSUM_SAMPLE_WORDS, checksum_parts, finish_checksums, pa
 from . import pool_backup, receive
 from .listener import Listener
 from .state import SyncState, WorkerState, torch_device
+from .trainer_watch import TrainerWatch
 from .wake_rollback import rollback_wake
 
 DEFAULT_COPY_TIMEOUT_S = 300.0
@@ -155,6 +157,18 @@ class ColomemWorkerExtension:
         """sync_transport='direct' (vLLM's engine in the trainer's process): the trainer's (name, tensor)
         pairs straight into the model. Returns the same report as a bridge sync's last bucket."""
         return receive.load_direct(self, named, version)
+
+    @rpc_method
+    def colomem_watch_trainer(self, pid: int, interval_s: float = 1.0, grace_s: float = 10.0) -> dict:
+        """From now on this process ends itself once the trainer process `pid` is gone (trainer_watch.py):
+        a trainer killed outright must not leave the engine holding its GPU memory. Nothing to watch when
+        the engine runs in the trainer's own process; idempotent."""
+        st = self._colomem()
+        if int(pid) == os.getpid():
+            return {"watching": False, "pid": os.getpid()}
+        if st.trainer_watch is None or not st.trainer_watch.watching:
+            st.trainer_watch = TrainerWatch(int(pid), float(interval_s), float(grace_s)).start()
+        return {"watching": True, "pid": os.getpid(), "trainer_pid": int(pid)}
 
     # -- checks -----------------------------------------------------------------------------------------
     @rpc_method

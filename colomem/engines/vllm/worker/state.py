@@ -45,6 +45,7 @@ class WorkerState:
     backup: PoolBackup = field(default_factory=PoolBackup)
     last_ack: dict = field(default_factory=dict)
     listener: Any = None                                 # Listener while the bridge is served by a thread
+    trainer_watch: Any = None                            # TrainerWatch: ends the engine if the trainer dies
 
 
 def torch_device(worker: Any) -> torch.device:

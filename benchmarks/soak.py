@@ -1,0 +1,161 @@
+"""The default job run long, watching for what grows step after step (GPU host, or --backend cpu).
+
+    python3 benchmarks/soak.py --out DIR --steps 1000 --time-limit-s 240 [--backend cpu] [-- runner args]
+
+Runs `python -m colomem.runner --steps N` as a subprocess in a session of its own and stops it (SIGTERM: the
+step under way finishes) once --time-limit-s has passed since the job started, whichever comes first. Per
+step, from the job's metrics.jsonl: the GPU memory in use after the rollout went to sleep (`driver_used`
+after `sleep`: the floor of the step), the pinned pool's bytes, the runner's RSS and open file descriptors
+(`host/rss_bytes`, `host/open_fds`); vLLM's EngineCore, when there is one, is sampled from outside by pid
+(RSS and descriptors) as each step line arrives. Growth = median of the last 10 % of the steps minus the
+median of the first 10 %, after a warm-up of --warmup-steps. Output: DIR/soak.json (soak_steps,
+soak_seconds, soak_driver_used_growth_mib, soak_rss_growth_mib, soak_fd_growth, soak_pool_growth_mib, the
+engine's growth, the per-step series) and DIR/soak.log. Every wait has a deadline; the job's process group
+is killed at the end whatever happened.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from job_procs import Job, engine_pid, read_lines, rss_and_fds, step_lines  # noqa: E402
+
+MIB = float(1 << 20)
+GROWTH = ("median of the last 10 % of the steps minus the median of the first 10 % (at least one step each), "
+          "after a warm-up of {w} steps")
+
+
+class Tail:
+    """The JSON lines appended to a file since the last read (a line still being written waits)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rest = path, 0, b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *whole, self.rest = (self.rest + data).split(b"\n")
+        out = []
+        for line in whole:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+def growth(values: list, warmup: int) -> Optional[float]:
+    """Median of the last tenth minus median of the first tenth of `values` after `warmup` (None values out)."""
+    xs = [v for v in values[warmup:] if v is not None]
+    if len(xs) < 2:
+        return None
+    k = max(1, len(xs) // 10)
+    return statistics.median(xs[-k:]) - statistics.median(xs[:k])
+
+
+def series(lines: list[dict]) -> dict[str, list]:
+    """Per step: GPU memory used and pool bytes after sleep, the runner's RSS and descriptors."""
+    steps = [d for d in step_lines(lines) if not d.get("failed")]
+    after_sleep = [(d.get("memory") or {}).get("sleep") or {} for d in steps]
+    return {"step": [d["step"] for d in steps],
+            "driver_used_bytes": [m.get("driver_used") for m in after_sleep],
+            "pool_bytes": [m.get("pinned_host") for m in after_sleep],
+            "rss_bytes": [d.get("host/rss_bytes") for d in steps],
+            "open_fds": [d.get("host/open_fds") for d in steps],
+            "step_s": [d.get("step_s") for d in steps],
+            "time": [d.get("time") for d in steps]}
+
+
+def summarize(s: dict, engine: dict, warmup: int, seconds: Optional[float]) -> dict:
+    def mib(x: Optional[float]) -> Optional[float]:
+        return None if x is None else x / MIB
+
+    return {
+        "soak_steps": len(s["step"]),
+        "soak_seconds": seconds,
+        "soak_driver_used_growth_mib": mib(growth(s["driver_used_bytes"], warmup)),
+        "soak_rss_growth_mib": mib(growth(s["rss_bytes"], warmup)),
+        "soak_fd_growth": growth(s["open_fds"], warmup),
+        "soak_pool_growth_mib": mib(growth(s["pool_bytes"], warmup)),
+        "engine_rss_growth_mib": mib(growth(engine.get("rss_bytes", []), warmup)),
+        "engine_fd_growth": growth(engine.get("open_fds", []), warmup),
+        "step_s_median": statistics.median([x for x in s["step_s"] if x]) if any(s["step_s"]) else None,
+        "growth": GROWTH.format(w=warmup),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--time-limit-s", type=float, default=240.0,
+                   help="the job is stopped (SIGTERM) this long after it started, build included")
+    p.add_argument("--stop-timeout-s", type=float, default=60.0, help="longest a stopped job may take to exit")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--backend", default="auto", choices=("auto", "gpu", "cpu"))
+    p.add_argument("runner_args", nargs="*", help="after --: more arguments for the job")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    job_out = a.out / "job"
+    metrics = job_out / "metrics.jsonl"
+    args = ["--backend", a.backend, "--steps", str(a.steps), "--out", str(job_out), "--no-progress", "--no-plots",
+            "--report-to", "none", *a.runner_args]
+    engine: dict[str, list] = {"step": [], "rss_bytes": [], "open_fds": []}
+    stopped_by_time = False
+    with Job(args, a.out / "soak.log") as job:
+        tail, epid = Tail(metrics), None
+        deadline = job.t0 + a.time_limit_s
+        while job.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            new = step_lines(tail.read())
+            if new:
+                if epid is None:
+                    epid = engine_pid(job.pgid, job.pid)
+                if epid is not None:      # the engine right after the step line: asleep, like the runner's sample
+                    rss, fds = rss_and_fds(epid)
+                    engine["step"].append(new[-1]["step"])
+                    engine["rss_bytes"].append(rss)
+                    engine["open_fds"].append(fds)
+        if job.proc.poll() is None:
+            stopped_by_time = True
+            job.proc.send_signal(signal.SIGTERM)
+        code = job.wait(a.stop_timeout_s)
+    lines, bad = read_lines(metrics)
+    s = series(lines)
+    t = [x for x in s["time"] if x]
+    seconds = (t[-1] - t[0]) if len(t) > 1 else None
+    result = {
+        **summarize(s, engine, a.warmup_steps, seconds),
+        "steps_asked": a.steps,
+        "time_limit_s": a.time_limit_s,
+        "stopped_by_time_limit": stopped_by_time,
+        "exit_code": code,
+        "metrics_bad_lines": bad,
+        "memory_alarms": [d.get("memory_alarm") for d in step_lines(lines) if d.get("memory_alarm")],
+        "command": shlex.join(["python3", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "job_command": shlex.join(["python3", "-m", "colomem.runner", *args]),
+        "series": s,
+        "engine_series": engine,
+    }
+    (a.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    keys = ("soak_steps", "soak_seconds", "soak_driver_used_growth_mib", "soak_rss_growth_mib", "soak_fd_growth",
+            "soak_pool_growth_mib", "engine_rss_growth_mib", "engine_fd_growth")
+    print(json.dumps({k: result[k] for k in keys}))
+    return 0 if code in (0, 130) and s["step"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
