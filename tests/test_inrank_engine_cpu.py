@@ -72,6 +72,24 @@ def test_the_cross_process_engine_is_built_as_before():
     assert "distributed_executor_backend" not in kw and kw["seed"] == 7
 
 
+def test_an_engine_process_started_from_a_torchrun_rank_hosts_its_own_store(monkeypatch):
+    # torchrun sets TORCHELASTIC_USE_AGENT_STORE in its ranks; an engine process inheriting it would wait for a
+    # store nobody serves (its own one-process group's); the rank keeps the variable
+    import types
+
+    from colomem.engines.vllm.engine_calls import build_llm
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        LLM=lambda **kw: seen.append(os.environ.get("TORCHELASTIC_USE_AGENT_STORE")) or "engine"))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert build_llm({"model": "/m"}, False, lambda: None) == "engine"
+    assert seen == [None] and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    build_llm({"model": "/m"}, False, lambda: None)
+    assert seen == [None, None] and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+
+
 def test_the_external_launcher_needs_the_engine_in_process():
     from colomem.engines.vllm.config import VLLMConfig
     from colomem.errors import InvalidArgumentError

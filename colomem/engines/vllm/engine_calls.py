@@ -9,16 +9,19 @@ not exit in time. A daemon thread stuck in such a call does not keep the interpr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
 import signal
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from colomem.errors import ColomemError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
 
 from .launcher import kept_random_state, launcher_env
+
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"   # set by torchrun in every rank it starts
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,20 @@ def describe_exit(code: int) -> str:
     return f"killed by {name}{why}"
 
 
+@contextlib.contextmanager
+def _without_agent_store() -> Iterator[None]:
+    """Hides torchrun's TORCHELASTIC_USE_AGENT_STORE from an engine process started meanwhile (it inherits
+    this environment). vLLM's engine sets up a process group of its own (world 1, a tcp:// store it hosts);
+    with that variable set, torch instead connects to a store it expects torchrun's agent to host at that
+    address, which nobody serves there, and the engine waits for it until its timeout."""
+    old = os.environ.pop(AGENT_STORE_VAR, None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ[AGENT_STORE_VAR] = old
+
+
 def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
     """vllm.LLM(**kwargs); with in_process, EngineCore and its worker run in this process (with the external
     launcher: as this torchrun rank's shard of a tensor-parallel engine), the caller's random state kept."""
@@ -184,7 +201,8 @@ def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) ->
     # then cannot initialise CUDA, so spawn unless the user chose otherwise.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if not in_process:
-        return LLM(**kwargs)
+        with _without_agent_store():
+            return LLM(**kwargs)
     from vllm import envs as vllm_envs
 
     # vLLM reads this when it builds the engine: 0 keeps EngineCore and its worker in this process. An
