@@ -4,7 +4,8 @@
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
 # (offload(keep=...) tests), syncbench,
-# dsbench, inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
+# dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults), soak
+# (SOAK_S seconds of the default job), inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
 # grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
@@ -47,7 +48,17 @@ run() {  # run NAME TIMEOUT CMD...
 }
 stage() {  # the stages run in the order given on the command line
   case $1 in
-    core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests ;;
+    core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests \
+      --deselect tests/gpu/test_cuda_waits_gpu.py ;;
+    # held streams and a copy that fails part-way: in a process of their own, each test's stack dumped when it
+    # runs past 60 s (a bound that does not fire shows where it waits)
+    cudawaits) run cuda_waits_tests 300 python3 -m pytest -v -s -rs -o faulthandler_timeout=60 \
+      tests/gpu/test_cuda_waits_gpu.py ;;
+    faults1) run faults_engine 590 python3 benchmarks/faults.py --out "$OUT/faults" \
+      --faults engine_rollout,engine_sync,trainer_sync --time-budget-s 560 ;;
+    faults2) run faults_stop 590 python3 benchmarks/faults.py --out "$OUT/faults-stop" \
+      --faults sigterm_step,sigterm_group,wake_oom --time-budget-s 560 ;;
+    soak) run soak 330 python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
     transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
