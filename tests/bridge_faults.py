@@ -9,28 +9,23 @@ import textwrap
 import pytest
 import torch
 
+from child_env import child_env
 from colomem import _C
 from colomem.bridge import BridgeImporter, WeightBridge, wire
 from random_bytes import random_tensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0  # generous bound for waits that should succeed
 SOON = 4.0      # a 0.5 s deadline must be honoured within this (generous: loaded CI machines)
 
 
-def _child_path() -> str:
-    # the caller's PYTHONPATH first: under the sanitizer job it names the instrumented build
-    return os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT]))
-
-
 def run_child(code: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=_child_path())
+    env = child_env()
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=_child_path())
+    env = child_env()
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -5,18 +5,16 @@ process group, then / world size) and DeepSpeedTrainer's train_step around an en
 data-parallel ranks at the accumulation boundary, as DeepSpeed does."""
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from child_env import child_env
 from ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # The worker module: run as a script it is one rank; imported, it gives the test the same model, batches
 # and recording trainer for the one-rank reference.
@@ -194,9 +192,8 @@ def _two_ranks(d, kind):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(d / "grpo_rank_worker.py"), kind, str(d)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import colomem
+from child_env import child_env
 from colomem import _C
 from colomem.errors import InvalidArgumentError, PoolClosedError, PoolExhaustedError
 
@@ -29,10 +30,7 @@ def _pool(initial=0, **kw):
 
 
 def _run_child(code: str, env_extra=None, timeout=120) -> subprocess.CompletedProcess:
-    # The child imports the colomem this process imported (the worktree's, or the sanitizer build's).
-    here = os.path.dirname(os.path.dirname(os.path.abspath(colomem.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
-    env.update(env_extra or {})
+    env = child_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from child_env import child_env
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +42,8 @@ def _agents(tmp_path, args):
     """Two torchrun agents, one per simulated node, each in a process group of its own."""
     port, procs = free_port(), []
     for n, cache in enumerate(_caches(tmp_path)):
-        env = {**os.environ, "COLOMEM_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
+        env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+                        COLOMEM_CACHE=str(cache), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "multinode-test",
                "--node-rank", str(n), "--max-restarts", "0", str(RUNNER), *TINY, *args,

@@ -1,17 +1,15 @@
 """Two ranks on CPU (torchrun-style environment, gloo): barriers, the work split, the whole loop with its
 checkpoint, and a stalled rank that makes the other fail with a clear timeout instead of hanging."""
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from child_env import child_env
 from ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = textwrap.dedent(r'''
     import json, os, sys, time
@@ -89,9 +87,8 @@ def _launch(tmp_path, mode, cache=None):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         if cache:
             env["COLOMEM_CACHE"] = str(cache)
         procs.append(subprocess.Popen([sys.executable, str(script), mode, str(tmp_path)], env=env,

@@ -10,24 +10,20 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
+from child_env import child_env
 from colomem import _C
 from colomem.errors import InvalidArgumentError, PeerError, PoolClosedError, TransferTimeoutError
 
 TIMEOUT = 30.0  # generous bound for waits that should succeed; failures are typed errors, never a hang
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def spawn(code: str, *args: str) -> subprocess.Popen:
     """Runs `code` in a fresh interpreter (argv[1:] = args); stdout is captured."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=child_env())
 
 
 def finish(p: subprocess.Popen) -> str:

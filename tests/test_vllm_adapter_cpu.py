@@ -15,13 +15,14 @@ import types
 import pytest
 import torch
 
+from child_env import child_env
 from colomem.engines import SyncStats
 from colomem.engines.protocols import Rollout
 from colomem.engines.vllm import WORKER_EXTENSION, VLLMConfig
 from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, PeerError, PhaseOrderError,
                             PoolClosedError, StaleWeightsError, TransferTimeoutError, WeightCheckError)
-from fakes.vllm import REPO, FakeRollout, make, model_of, trainer_weights
+from fakes.vllm import FakeRollout, make, model_of, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -59,7 +60,7 @@ def test_config_imports_neither_vllm_nor_the_rollout():
             "engine_in_process=True); print(sorted(m for m in sys.modules if m == 'vllm' or "
             "m.startswith(('vllm.', 'colomem.engines.vllm.rollout', 'colomem.engines.vllm.worker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": REPO})
+                         env=child_env())
     assert out.stdout.strip() == "[]"
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: shared test helpers
+from child_env import child_pythonpath  # noqa: E402
 from random_bytes import random_tensor  # noqa: E402
 
 BUCKET_BYTES = 1 << 20  # small buckets: many messages, several split tensors
 PEER = Path(__file__).resolve()
-ROOT = PEER.parents[2]
 
 
 def named_tensors(version: int, device) -> list:
@@ -119,7 +119,7 @@ def producer(nversions: int, device: str = "0") -> None:
 def spawn(*args, env=None) -> subprocess.Popen:
     """Starts this file as the peer process with these arguments (role first)."""
     env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # colomem importable
+    env["PYTHONPATH"] = child_pythonpath(env)
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on stderr
     p = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], stdout=subprocess.PIPE, stderr=err,
                          text=True, env=env)
