@@ -2,12 +2,12 @@
 job (its model, prompts and rewards), without vLLM; and how bench_grpo runs it as one more mode."""
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,10 +24,8 @@ def trl_run(tmp_path_factory):
     """Two steps of the default job's shape (fewer prompts, to stay quick), in a fresh process."""
     pytest.importorskip("trl")
     out = tmp_path_factory.mktemp("trl-cpu")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
-    env.update(COLOMEM_CACHE=str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
+                    COLOMEM_CACHE=str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_trl.py"), "--config", str(REPO / "configs/default.yaml"),
            "--no-vllm", "--steps", "2", "--prompts-per-step", "4", "--micro-batch", "16", "--no-progress",
            "--out", str(out)]

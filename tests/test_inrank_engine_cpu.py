@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ports import free_port
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)]
@@ -270,9 +271,8 @@ def test_the_ranks_of_one_engine_must_have_generated_the_same(tmp_path, world, t
     script.write_text(AGREE)
     port, procs = free_port(), []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), str(liar), str(tp)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:

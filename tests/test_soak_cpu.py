@@ -3,12 +3,12 @@ runner's host memory, descriptors and pool stay flat, every line of metrics.json
 where the run ended. A config-built Qwen2 smaller than the default job's keeps the 1,000 steps near a
 minute (the loop, the rollout, the AdamW step and the pool's offload and reload all run for real)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +40,10 @@ def micro_model(d: Path) -> Path:
 def test_thousand_cpu_steps_stay_flat(tmp_path):
     model = micro_model(tmp_path / "model")
     out = tmp_path / "soak"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
     # one BLAS thread: a model this small gains nothing from more, and on a shared CI machine idle-spinning
     # BLAS threads make each matmul thousands of times slower
-    env.update(OMP_NUM_THREADS="1", COLOMEM_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"), OMP_NUM_THREADS="1",
+                    COLOMEM_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--out", str(out), "--steps",
                         str(STEPS), "--backend", "cpu", "--time-limit-s", "420", "--", "--model", str(model),
                         "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "4", "--pool-bytes", "4MiB"],

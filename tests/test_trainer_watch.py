@@ -12,6 +12,7 @@ import pytest
 
 from colomem.engines.vllm.engine_calls import describe_exit
 from colomem.engines.vllm.worker.trainer_watch import TrainerWatch, alive, identity
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def gone(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
 @pytest.mark.parametrize("engine_mode", ["plain", "ignore-term"])
 def test_engine_ends_when_its_trainer_is_killed(engine_mode):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, engine_mode], stdout=subprocess.PIPE, text=True,
                                env=env, start_new_session=True)
     try:
