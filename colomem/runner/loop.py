@@ -39,7 +39,7 @@ from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_total, host_usage, median, memory_snapshot,
-                       peak_reserved, release_cache, reset_peak)
+                       peak_reserved, release_cache, reset_peak, settle)
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +309,7 @@ class ColocatedRunner:
             reset_peak(self.device)
             with self.phase(rec, "train"):
                 train = self.trainer.train_step(batch)
+                settle(self.device)      # the optimizer step's kernels are training, not the next sync
             rec.memory["train"]["peak_reserved"] = peak_reserved(self.device)
             wait = float(train.get("reload_wait_s") or 0.0)
             if wait > 0:    # train waited for state still reloading: a switch cost, not training

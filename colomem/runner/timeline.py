@@ -30,6 +30,15 @@ def _cuda(device: Optional[int]):
     return torch.cuda if torch.cuda.is_available() else None
 
 
+def settle(device: Optional[int]) -> None:
+    """Waits for the GPU work queued so far (a no-op without a GPU). At the end of a phase whose kernels run
+    on after the host returns (the optimizer step), so its time is counted in that phase and not in
+    whichever later phase first waits for the GPU (in a step where nothing moves, the weight sync)."""
+    cuda = _cuda(device)
+    if cuda is not None:
+        cuda.synchronize(device)
+
+
 def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
     snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
     cuda = _cuda(device)
