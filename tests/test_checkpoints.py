@@ -92,6 +92,38 @@ def test_sigterm_finishes_the_step_saves_and_stops_as_interrupted(job_env, tmp_p
     assert again.summary["status"] == "ok" and [r.step for r in again.records] == [2]
 
 
+def test_a_step_that_fails_after_a_stop_signal_keeps_the_step_before_and_stops_as_interrupted(job_env, tmp_path):
+    # a SIGTERM to the whole process group also ends vLLM's engine, so the step under way fails: before any
+    # training the trainer's state is the last finished step's, which is saved; the run is interrupted, not failed
+    import os
+    import signal
+
+    calls = {"n": 0}
+
+    def engine_gone_in_step_two(prompt, completion, **meta):
+        calls["n"] += 1
+        if calls["n"] == 17:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("engine gone")
+        return 0.5
+    said = []
+    res = run_job(cfg(tmp_path / "g"), reward_fns=[engine_gone_in_step_two], print_fn=said.append)
+    assert res.summary["status"] == "interrupted", res.summary["error"]
+    err = res.summary["error"]
+    assert err.startswith("interrupted (SIGTERM) after step 1: step 2 could not finish after SIGTERM (score: ")
+    assert "engine gone" in err and err.endswith("; step 1 saved")
+    assert [r.step for r in res.records] == [0]
+    assert sorted(p.name for p in (tmp_path / "g" / "checkpoints").iterdir()) == ["step-1"]
+    assert any("a signal to the whole process group?" in s for s in said)
+    again = run_job(cfg(tmp_path / "g", resume="auto", steps=3), reward_fns=[lambda p, c, **m: 0.5],
+                    print_fn=lambda *_: None)
+    assert again.summary["status"] == "ok" and [r.step for r in again.records] == [1, 2]
+    # without a stop signal the same failure is the run's
+    with pytest.raises(RuntimeError, match="boom"):
+        run_job(cfg(tmp_path / "f"), reward_fns=[lambda p, c, **m: (_ for _ in ()).throw(RuntimeError("boom"))],
+                print_fn=lambda *_: None)
+
+
 DISK_FULL_JOB = """
 import json, resource, signal, sys
 from colomem.runner import run_job

@@ -158,6 +158,10 @@ class Checkpointer:
         here on a signal (`final`, always)."""
         return bool((self.every and (done % self.every == 0 or done == self.total)) or final)
 
+    def saved_step(self, done: int) -> bool:
+        """Whether this run already saved the state after `done` steps."""
+        return any(p.name == f"{PREFIX}{done}" for p in self.saved)
+
     def save(self, done: int, version: int) -> Optional[Path]:
         t0 = time.perf_counter()
         path = save(self.root, step=done, version=version, trainer=self.trainer, tokenizer=self.tokenizer,

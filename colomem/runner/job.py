@@ -161,7 +161,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
         if runner.stop_requested is not None:
-            summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}"
+            summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}" + (
+                f": {runner.stop_failure}" if runner.stop_failure else "")
     except BaseException as e:  # recorded, then raised again after cleanup
         # a peer that died inside a collective of the trainer: say so, naming this rank and the phase
         e = ranks.peer_failure(e, getattr(getattr(runner, "machine", None), "failed", None)) or e

@@ -70,6 +70,7 @@ class ColocatedRunner:
         self.writer, self.rank_writer = writer, rank_writer
         self.reporters = list(reporters)           # TensorBoard / wandb: rank 0 only
         self.stop_requested: Optional[str] = None  # a signal's name: finish this step, then stop
+        self.stop_failure: Optional[str] = None    # the step a stop signal kept from finishing, and why
         self.device = device
         self.grad_accum = grad_accum
         self.print = print_fn if ranks.is_main else (lambda *_: None)
@@ -455,7 +456,12 @@ class ColocatedRunner:
             self.checkpointer = checkpointer
             say(f"[colomem] placement: {self.placement.label} ({self.placement.why})")
             for k in range(start, steps):
-                rec = self.step(k)
+                try:
+                    rec = self.step(k)
+                except Exception as e:
+                    if self.stop_requested is None or not self._stop_after_failed_step(k, start, e, say):
+                        raise
+                    break
                 self._after_step(k + 1, last=k + 1 == steps or self.stop_requested is not None)
                 if self.stop_requested is not None:
                     say(f"[colomem] {self.stop_requested}: stopped after step {k + 1}")
@@ -480,6 +486,31 @@ class ColocatedRunner:
         finally:
             if bar is not None:
                 bar.close()
+
+    # Phases a step can fail in with the trainer's state still that of the step before (nothing trained yet).
+    _BEFORE_TRAINING = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "rollout", "sleep",
+                        "score", "barrier_train")
+
+    def _stop_after_failed_step(self, k: int, start: int, e: Exception, say) -> bool:
+        """A stop signal arrived and then step k failed: a signal to the whole process group (a scheduler's
+        stop) reaches vLLM's engine too, which ends the rollout. Before training the trainer's state is still
+        step k's start: it is saved as step k (one rank; several would need every rank's part) and the run
+        stops as interrupted. False when that does not hold (the failure is then the run's)."""
+        phase = self.machine.failed or self.machine.current or "score"     # as the step's record names it
+        if phase not in self._BEFORE_TRAINING:
+            return False
+        why = f"{phase}: {type(e).__name__}: {e}".splitlines()[0]
+        saved = ""
+        cp = self.checkpointer
+        if cp is not None and k > start and self.ranks.world_size == 1 and not cp.saved_step(k):
+            if self.trainer.offloaded and not self.save_from_pool:
+                self.reload_trainer()
+            cp.save(k, self.version)
+            saved = f"; step {k} saved"
+        self.stop_failure = f"step {k + 1} could not finish after {self.stop_requested} ({why}){saved}"
+        say(f"[colomem] {self.stop_requested}: {self.stop_failure}; stopped after step {k} (the signal reached "
+            "vLLM's engine too: a signal to the whole process group?)")
+        return True
 
     def summary(self) -> dict:
         recs = self.records
