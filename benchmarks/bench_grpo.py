@@ -42,6 +42,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml"}
 MODES = {"colomem": ["--switch", "colomem"],
@@ -58,14 +62,6 @@ VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offloa
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
           "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep"}
 GiB = float(1 << 30)
-
-
-def _median(xs):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def _read_jsonl(path: Path) -> list:

@@ -29,18 +29,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
 ENGINES = {"inrank": "in-rank", "crossproc": "cross-process"}
 JOBS = {"default": [], "1p5b": ["--config", "configs/grpo_1p5b_full.yaml"]}
 DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 GAP_MAX = 0.05
-
-
-def _median(xs):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def run_job(engine: str, job_args: list, steps: int, out: Path, timeout_s: float, extra: list) -> dict:
