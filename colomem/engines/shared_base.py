@@ -90,7 +90,7 @@ def vllm_target(name: str) -> tuple[str, Optional[tuple[str, str, int]]]:
     return name, None
 
 
-def _trainer_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+def _trainer_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) once per Parameter object (a tied lm_head is named once, like named_parameters)."""
     return list(model.named_parameters())
 
