@@ -43,6 +43,16 @@ class WeightCheckError(ColomemError):
     """The check after a wake or a weight sync found other bytes than the trainer sent."""
 
 
+class SharedBaseError(InvalidArgumentError):
+    """A trainer base parameter cannot be a view of the rollout engine's weights (name, shape, dtype, device or
+    layout differ); the message names the parameter."""
+
+
+class BaseWrittenError(WeightCheckError):
+    """The frozen base the trainer shares with the rollout engine changed: something wrote into it. The
+    message names the tensor and the byte range."""
+
+
 class PhaseOrderError(ColomemError):
     """A colocated-runner transition was asked for out of order (for example wake before offload)."""
 
@@ -116,9 +126,9 @@ def _class_named(name: str) -> Optional[type]:
 
 
 __all__ = [
-    "ColomemError", "ConfigError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError", "DoubleReleaseError",
-    "ForeignTensorError", "InvalidArgumentError", "NotAvailableError", "PeerAbortedError", "PeerClosedError",
-    "PeerError", "PhaseOrderError", "PoolBusyError", "PoolClosedError", "PoolExhaustedError",
+    "BaseWrittenError", "ColomemError", "ConfigError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError",
+    "DoubleReleaseError", "ForeignTensorError", "InvalidArgumentError", "NotAvailableError", "PeerAbortedError", "PeerClosedError",
+    "PeerError", "PhaseOrderError", "PoolBusyError", "PoolClosedError", "PoolExhaustedError", "SharedBaseError",
     "StaleWeightsError", "TransferTimeoutError", "WeightCheckError", "error_payload", "is_error_payload",
     "is_oom", "payload_error", "raise_payload",
 ]
