@@ -43,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
@@ -237,7 +237,7 @@ def top_level(report: dict) -> None:
 def runner_eager(args: list[str]) -> bool:
     """Whether the runner's vLLM runs eager with these flags (its config's enforce_eager, then the flags)."""
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+        sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
     from colomem.runner.config import load_run_config
 
     return bool(load_run_config(args).enforce_eager)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
 ENGINES = {"inrank": "in-rank", "crossproc": "cross-process"}

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.errors import ConfigError, NotAvailableError  # noqa: E402
 from colomem.runner.config import build_arg_parser, load_run_config  # noqa: E402
