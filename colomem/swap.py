@@ -470,7 +470,7 @@ class SwapSet:
         key = t.untyped_storage()._cdata
         for e in self._entries:
             if e.storage._cdata == key and e.block is not None:
-                return e.block.as_tensor(e.offset + e.nbytes)[e.offset:]
+                return e.block.as_tensor(e.nbytes, e.offset)
         return None
 
     def discard(self) -> None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 COALESCE_BELOW_DEFAULT = 1 * MiB   # storages smaller than this are copied as part of a staging chunk
 STAGING_BYTES_DEFAULT = 64 * MiB   # the largest chunk, and so the staging buffer's size
+FAILURE_WAIT_S = 30.0              # how long a failed operation waits for its queued copies before it parks them
 ALIGN = 256                        # each storage's offset in a chunk: keeps the copy kernel's loads vectorized
 
 
@@ -277,6 +278,7 @@ def _submit_chunks(s: "SwapSet", eng, lane, direction: str, layout: Layout, undo
         running = parts + ([exc.transfer] if getattr(exc, "transfer", None) is not None else [])
         if lane is not None:
             _mark_kernels(eng, lane, direction, running)
+        _settle(running)
         if all(_done(p) for p in running):
             pool._copies.end(token)
             layout.release_staging()
@@ -306,6 +308,15 @@ def _mark_kernels(eng, lane, direction: str, running: list) -> None:
         running.append(eng.submit(direction, []))
     except BaseException:  # noqa: B036  (the engine fails too: nothing else can be queued, wait here)
         lane.synchronize()
+
+
+def _settle(running: list) -> None:
+    """After a failure, waits a while for what was queued, as the engine does for a failed submission: most
+    often the rollback can then run at once instead of behind the error's handle."""
+    try:
+        Transfers(running, 0).wait(FAILURE_WAIT_S)
+    except Exception:  # noqa: B036  (still running, or a copy failed: _done() tells, the caller parks or undoes)
+        pass
 
 
 def _done(p) -> bool:
