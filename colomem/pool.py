@@ -8,7 +8,7 @@ import operator
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 from colomem import _C
 from colomem.errors import InvalidArgumentError, PoolBusyError, PoolClosedError
@@ -95,6 +95,12 @@ class Block:
         return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address + off), dtype=torch.uint8)
 
 
+class _Running(Protocol):
+    """A transfer as the pool sees it (a core Transfer, or several as one: swap_coalesce.Transfers)."""
+
+    def done(self) -> bool: ...
+
+
 class _CopiesInFlight:
     """The copies still running into or out of a pool's blocks (SwapSet registers each submission), so close()
     never unmaps memory a copy thread or DMA engine is still using."""
@@ -102,7 +108,7 @@ class _CopiesInFlight:
     def __init__(self):
         self._cond = threading.Condition()
         # token -> (what, transfer; None while submitting)
-        self._items: dict[int, tuple[str, Optional[_C.Transfer]]] = {}
+        self._items: dict[int, tuple[str, Optional[_Running]]] = {}
         self._next = 0
         self._closing = False
 
@@ -116,7 +122,7 @@ class _CopiesInFlight:
             self._items[self._next] = (what, None)
             return self._next
 
-    def attach(self, token: int, transfer: "_C.Transfer") -> None:
+    def attach(self, token: int, transfer: _Running) -> None:
         with self._cond:
             if token in self._items:
                 self._items[token] = (self._items[token][0], transfer)

@@ -275,7 +275,8 @@ def _submit_chunks(s: "SwapSet", eng, lane, direction: str, layout: Layout, undo
         # only once the scatter wrote the storages; on reload it is also what the current stream waits for.
         parts.append(eng.submit(direction, [], signal_stream=cur if ordered and not d2h else 0, timing=timing))
     except BaseException as exc:
-        running = parts + ([exc.transfer] if getattr(exc, "transfer", None) is not None else [])
+        queued = getattr(exc, "transfer", None)  # what the core had queued of the failed submission
+        running = parts + ([queued] if queued is not None else [])
         if lane is not None:
             _mark_kernels(eng, lane, direction, running)
         _settle(running)
@@ -285,7 +286,7 @@ def _submit_chunks(s: "SwapSet", eng, lane, direction: str, layout: Layout, undo
             undo()
         else:
             both = Transfers(running, nbytes)
-            pool._copies.attach(token, both)  # type: ignore[arg-type]  (done() and wait() as a Transfer)
+            pool._copies.attach(token, both)
 
             def undo_after() -> None:
                 layout.release_staging()
@@ -297,7 +298,7 @@ def _submit_chunks(s: "SwapSet", eng, lane, direction: str, layout: Layout, undo
     # was waited for above.
     layout.release_staging()
     transfer = Transfers(parts, nbytes)
-    pool._copies.attach(token, transfer)  # type: ignore[arg-type]
+    pool._copies.attach(token, transfer)
     return transfer, token
 
 
@@ -326,7 +327,7 @@ def _done(p) -> bool:
         return True
 
 
-def _run(lane, fn: Callable[[], None]) -> None:
+def _run(lane, fn: Callable[[], object]) -> None:
     if lane is None:
         fn()
     else:
