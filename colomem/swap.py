@@ -71,12 +71,13 @@ class SwapSet:
     keep_blocks: keep the pool blocks across cycles, so the next offload allocates nothing.
     skip_other_devices: silently leave out tensors on other devices (e.g. Adam's CPU `step` scalars).
     coalesce_below: storages smaller than this many bytes move in staging chunks of up to `staging_bytes`,
-        one copy per chunk (colomem/swap_coalesce.py); 0 copies every storage on its own.
+        one copy per chunk (colomem/swap_coalesce.py; swap_coalesce.COALESCE_BELOW_ON = 1 MiB is the measured
+        choice); 0 (the default for now) copies every storage on its own.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
                  device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
-                 coalesce_below: int = swap_coalesce.COALESCE_BELOW_DEFAULT,
+                 coalesce_below: Optional[int] = None,
                  staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT):
         self.name = name
         self._source = source
@@ -87,6 +88,8 @@ class SwapSet:
         self.release = release
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
+        if coalesce_below is None:          # read here, so the module's default can change under a test
+            coalesce_below = swap_coalesce.COALESCE_BELOW_DEFAULT
         if not (isinstance(coalesce_below, int) and isinstance(staging_bytes, int) and coalesce_below >= 0
                 and staging_bytes > 0):
             raise InvalidArgumentError(f"coalesce_below must be bytes >= 0 and staging_bytes bytes > 0, got "

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     from colomem.swap import SwapSet, _Entry
 
 MiB = 1 << 20
-COALESCE_BELOW_DEFAULT = 1 * MiB   # storages smaller than this are copied as part of a staging chunk
+# Storages smaller than COALESCE_BELOW_ON are copied as part of a staging chunk when a set asks for it
+# (coalesce_below=...). Off unless asked (COALESCE_BELOW_DEFAULT 0) until its GPU tests and the transfer
+# benchmark have run on a GPU: every SwapSet (the trainers' offloads) would otherwise take this path.
+COALESCE_BELOW_ON = 1 * MiB
+COALESCE_BELOW_DEFAULT = 0
 STAGING_BYTES_DEFAULT = 64 * MiB   # the largest chunk, and so the staging buffer's size
 FAILURE_WAIT_S = 30.0              # how long a failed operation waits for its queued copies before it parks them
 ALIGN = 256                        # each storage's offset in a chunk: keeps the copy kernel's loads vectorized

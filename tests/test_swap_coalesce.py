@@ -9,6 +9,12 @@ from colomem import _torch, swap_coalesce
 from colomem.errors import InvalidArgumentError
 from random_bytes import random_tensor
 
+
+@pytest.fixture(autouse=True)
+def coalescing_on(monkeypatch):
+    """These tests are about coalescing: every set they build coalesces unless it says otherwise."""
+    monkeypatch.setattr(swap_coalesce, "COALESCE_BELOW_DEFAULT", swap_coalesce.COALESCE_BELOW_ON)
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool, torch.complex64, torch.complex128]
 if hasattr(torch, "float8_e4m3fn"):

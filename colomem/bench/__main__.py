@@ -18,6 +18,7 @@ import time
 import torch
 
 import colomem
+from colomem import swap_coalesce
 from colomem.bench import transfer
 from colomem.bench.shapes import SHAPES
 
@@ -99,10 +100,10 @@ def run_gpu(a) -> dict:
 
 
 def small_tensors(count: int, reps: int) -> dict:
-    """The small-tensor set through a SwapSet with coalescing (the default) and without, same run."""
+    """The small-tensor set through a SwapSet with coalescing and without, same run."""
     tensors = transfer.make_small_set(count, "cuda")
     log(f"small-tensor set: {count} tensors, {sum(t.nbytes for t in tensors.values()) / GB:.2f} GB")
-    out = {"coalesced": transfer.colomem_swaps(tensors, reps),
+    out = {"coalesced": transfer.colomem_swaps(tensors, reps, coalesce_below=swap_coalesce.COALESCE_BELOW_ON),
            "per_tensor": transfer.colomem_swaps(tensors, reps, coalesce_below=0)}
     for name, run in out.items():
         if not (run["correct_after_first_cycle"] and run["correct_after_all_cycles"]):

@@ -10,6 +10,12 @@ from colomem import swap_coalesce
 from colomem.bench.transfer import make_small_set
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def coalescing_on(monkeypatch):
+    """These tests are about coalescing: every set they build coalesces unless it says otherwise."""
+    monkeypatch.setattr(swap_coalesce, "COALESCE_BELOW_DEFAULT", swap_coalesce.COALESCE_BELOW_ON)
 MiB = 1 << 20
 
 
