@@ -48,7 +48,7 @@ run() {  # run NAME TIMEOUT CMD...
 }
 stage() {  # the stages run in the order given on the command line
   case $1 in
-    core) run core_tests 90 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests \
+    core) run core_tests 120 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests \
       --deselect tests/gpu/test_cuda_waits_gpu.py ;;
     # held streams and a copy that fails part-way: in a process of their own, each test's stack dumped when it
     # runs past 60 s (a bound that does not fire shows where it waits)
@@ -59,7 +59,7 @@ stage() {  # the stages run in the order given on the command line
     faults2) run faults_stop 590 python3 benchmarks/faults.py --out "$OUT/faults-stop" \
       --faults sigterm_step,sigterm_group,wake_oom --time-budget-s 560 ;;
     soak) run soak 330 python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
-    transfer) run bench_transfer 170 python3 -m colomem.bench --out "$OUT/transfer" ;;
+    transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;

@@ -8,7 +8,7 @@ import operator
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 from colomem import _C
 from colomem.errors import InvalidArgumentError, PoolBusyError, PoolClosedError
@@ -77,20 +77,28 @@ class Block:
     def release(self) -> None:
         self.pool.free(self)
 
-    def as_tensor(self, nbytes: Optional[int] = None):
-        """A CPU uint8 torch tensor viewing the block (no copy). Keep the block alive while it is used.
+    def as_tensor(self, nbytes: Optional[int] = None, offset: int = 0):
+        """A CPU uint8 torch tensor viewing `nbytes` of the block from `offset` (no copy), its own storage
+        starting there (so as_strided offsets count from it). Keep the block alive while it is used.
 
         PoolClosedError once the pool was closed (its memory is unmapped then); InvalidArgumentError once
         the block was released (its bytes may belong to another block)."""
         import torch
 
-        n = self.nbytes if nbytes is None else _block_bytes("nbytes", nbytes)
-        if n > self.nbytes:
-            raise InvalidArgumentError(f"view of {n} bytes on a block of {self.nbytes}")
+        off = _block_bytes("offset", offset)
+        n = self.nbytes - off if nbytes is None else _block_bytes("nbytes", nbytes)
+        if off + n > self.nbytes:
+            raise InvalidArgumentError(f"view of {n} bytes from offset {off} on a block of {self.nbytes}")
         self.pool.check_live(self)
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address), dtype=torch.uint8)
+        return torch.frombuffer((ctypes.c_uint8 * n).from_address(self.address + off), dtype=torch.uint8)
+
+
+class _Running(Protocol):
+    """A transfer as the pool sees it (a core Transfer, or several as one: swap_coalesce.Transfers)."""
+
+    def done(self) -> bool: ...
 
 
 class _CopiesInFlight:
@@ -100,7 +108,7 @@ class _CopiesInFlight:
     def __init__(self):
         self._cond = threading.Condition()
         # token -> (what, transfer; None while submitting)
-        self._items: dict[int, tuple[str, Optional[_C.Transfer]]] = {}
+        self._items: dict[int, tuple[str, Optional[_Running]]] = {}
         self._next = 0
         self._closing = False
 
@@ -114,7 +122,7 @@ class _CopiesInFlight:
             self._items[self._next] = (what, None)
             return self._next
 
-    def attach(self, token: int, transfer: "_C.Transfer") -> None:
+    def attach(self, token: int, transfer: _Running) -> None:
         with self._cond:
             if token in self._items:
                 self._items[token] = (self._items[token][0], transfer)

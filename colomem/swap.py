@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union, cast
 
 import torch
 
-from colomem import _torch
+from colomem import _torch, swap_coalesce
 from colomem.errors import (
     CudaOutOfMemoryError,
     DeviceMismatchError,
@@ -45,11 +45,7 @@ class _Entry:
     storage: torch.UntypedStorage
     nbytes: int
     block: Optional[Block] = None
-
-
-def _block(e: _Entry) -> Block:
-    """The entry's pool block; only called where _take_blocks gave every entry one."""
-    return cast(Block, e.block)
+    offset: int = 0  # where its bytes start in `block` (shared by the storages of one staging chunk)
 
 
 def _iter_named(source) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,10 +70,15 @@ class SwapSet:
     release: after offload, return freed memory to the driver (torch.cuda.empty_cache()).
     keep_blocks: keep the pool blocks across cycles, so the next offload allocates nothing.
     skip_other_devices: silently leave out tensors on other devices (e.g. Adam's CPU `step` scalars).
+    coalesce_below: storages smaller than this many bytes move in staging chunks of up to `staging_bytes`,
+        one copy per chunk (colomem/swap_coalesce.py; swap_coalesce.COALESCE_BELOW_ON = 1 MiB is the measured
+        choice); 0 (the default for now) copies every storage on its own.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
-                 device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False):
+                 device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
+                 coalesce_below: Optional[int] = None,
+                 staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT):
         self.name = name
         self._source = source
         self._pool = pool if pool is not None else default_pool()
@@ -87,6 +88,14 @@ class SwapSet:
         self.release = release
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
+        if coalesce_below is None:          # read here, so the module's default can change under a test
+            coalesce_below = swap_coalesce.COALESCE_BELOW_DEFAULT
+        if not (isinstance(coalesce_below, int) and isinstance(staging_bytes, int) and coalesce_below >= 0
+                and staging_bytes > 0):
+            raise InvalidArgumentError(f"coalesce_below must be bytes >= 0 and staging_bytes bytes > 0, got "
+                                       f"{coalesce_below!r} and {staging_bytes!r}")
+        self.coalesce_below, self.staging_bytes = coalesce_below, staging_bytes
+        self._layout: Optional[swap_coalesce.Layout] = None  # how the last offload grouped the storages
         self.state = RESIDENT
         self._entries: list[_Entry] = []
         self._kept: list[Block] = []
@@ -214,8 +223,9 @@ class SwapSet:
             self._device = torch.device("cpu")  # empty set: nothing to move anywhere
         return list(entries.values())
 
-    def _take_blocks(self, entries: list[_Entry]) -> None:
-        """Gives each entry a pool block, reusing kept ones when the layout is unchanged."""
+    def _take_blocks(self, entries: list) -> None:
+        """Gives each entry (a storage, or a chunk of them) a pool block, reusing kept ones when the layout is
+        unchanged."""
         if self._kept and len(self._kept) == len(entries) \
                 and all(b.nbytes >= e.nbytes for b, e in zip(self._kept, entries)):
             for e, b in zip(entries, self._kept):
@@ -244,9 +254,8 @@ class SwapSet:
 
     def _give_back_blocks(self) -> None:
         if not self.keep_blocks and not self._pool.closed:
-            for e in self._entries:
-                if e.block is not None:
-                    e.block.release()
+            for b in {e.block.block_id: e.block for e in self._entries if e.block is not None}.values():
+                b.release()  # once each: the storages of a chunk share one
         for e in self._entries:
             e.block = None
 
@@ -319,19 +328,18 @@ class SwapSet:
             self._check_offloadable()
             self._pool.check_open()
             entries = self._plan()
-            self._take_blocks(entries)
-            self._entries = entries
+            layout = swap_coalesce.layout_for(self._layout, entries, self.coalesce_below, self.staging_bytes)
+            self._take_blocks(layout.units())
+            self._entries, self._layout = entries, layout
             device = cast(torch.device, self._device)       # _plan() found the set's device
-            copies = [(_block(e).address, e.storage.data_ptr(), e.nbytes) for e in entries]
             t0 = time.perf_counter()
 
             def undo() -> None:  # a failed offload returns its blocks, kept ones included (keep_blocks=True)
                 self._give_back_blocks()
                 self._drop_kept()
-                self._entries = []
+                self._entries, self._layout = [], None
 
-            transfer, token = self._submit("d2h", copies, sum(e.nbytes for e in entries), undo,
-                                           wait_stream=_torch.stream_handle(device), timing=timing)
+            transfer, token = swap_coalesce.submit(self, "d2h", layout, undo, timing=timing)
             self.state = OFFLOADING
             free_before = _torch.mem_get_info(device)[0]
 
@@ -341,7 +349,7 @@ class SwapSet:
                 if self._pool.closed:
                     # closed after the copy finished (close() waits for copies in flight): the pool copy is
                     # gone but the storages were never shrunk, so the set is simply still resident
-                    self._entries, self._kept = [], []
+                    self._entries, self._kept, self._layout = [], [], None
                     self.state = RESIDENT
                     raise PoolClosedError(f"{self.name}: the pool was closed before this offload was waited on; "
                                           "the tensors are still resident with their bytes. Offload again into "
@@ -419,15 +427,12 @@ class SwapSet:
                 alloc_ms = self._timed_regrow()
             else:
                 alloc_ms = _grown_ms
-            device = cast(torch.device, self._device)       # an offloaded set knows its device
-            stream = _torch.stream_handle(device)
-            copies = [(e.storage.data_ptr(), _block(e).address, e.nbytes) for e in self._entries]
             t0 = time.perf_counter()
             # Wait for the current stream first (the allocator may hand out memory it still reads), and make it
             # wait for the copies, so kernels queued after reload() see the restored bytes. A failure shrinks
             # the storages back (the set stays offloaded), once no copy writes into them any more.
-            transfer, token = self._submit("h2d", copies, self.nbytes, self._shrink, wait_stream=stream,
-                                           signal_stream=stream if ordered else 0, timing=timing)
+            transfer, token = swap_coalesce.submit(self, "h2d", cast(swap_coalesce.Layout, self._layout),
+                                                   self._shrink, ordered=ordered, timing=timing)
             self.state = RELOADING
 
             def finish() -> SwapStats:  # called once, under the set's lock, after the copies completed
@@ -468,7 +473,7 @@ class SwapSet:
         key = t.untyped_storage()._cdata
         for e in self._entries:
             if e.storage._cdata == key and e.block is not None:
-                return e.block.as_tensor(e.nbytes)
+                return e.block.as_tensor(e.nbytes, e.offset)
         return None
 
     def discard(self) -> None:
@@ -479,7 +484,7 @@ class SwapSet:
                                       f"{self._busy_hint()}")
             self._give_back_blocks()
             self._drop_kept()
-            self._entries = []
+            self._entries, self._layout = [], None
             self.state = DISCARDED
 
     # -- lifetime -----------------------------------------------------------------------------------------
@@ -490,4 +495,4 @@ class SwapSet:
                 raise PhaseOrderError(f"{self.name}: close() while {self.state}; reload (or discard()) first so "
                                       f"no data is lost by accident{self._busy_hint()}")
             self._drop_kept()
-            self._entries = []
+            self._entries, self._layout = [], None

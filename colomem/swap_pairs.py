@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from colomem import swap_coalesce
 from colomem.swap_handles import DEFAULT_TIMEOUT_S, SwapStats
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def swap(offload: "SwapSet", reload: "SwapSet", timeout: Optional[float] = DEFAU
             raise
     out, inn = h_out.wait(timeout), h_in.wait(timeout)
     if timing:
-        out.span_ms = inn.span_ms = h_out._transfer.span_ms([h_in._transfer])
+        out.span_ms = inn.span_ms = swap_coalesce.span_ms(h_out._transfer, h_in._transfer)
     return out, inn
 
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 import colomem
+from colomem import swap_coalesce
 from colomem.bench import transfer
 from colomem.bench.shapes import SHAPES
 
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--skip-slow-baselines", action="store_true", help="skip .cpu() and per-tensor pinning")
     ap.add_argument("--gap-s", type=float, default=0.5,
                     help="also time cycles with this pause between offload and reload, in a fresh pool (0: skip)")
+    ap.add_argument("--small-tensors", type=int, default=20000,
+                    help="tensors in the small-tensor set, timed coalesced (the default) and not (0: skip)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke run)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
@@ -91,7 +94,25 @@ def run_gpu(a) -> dict:
         if not r["bidir"]["correct"]:
             raise SystemExit(f"set {key}: bidirectional swap changed bytes; refusing to report timings")
         res["sets"][key] = r
+    if a.small_tensors:
+        res["small_tensors"] = small_tensors(2000 if a.quick else a.small_tensors, a.reps)
     return res
+
+
+def small_tensors(count: int, reps: int) -> dict:
+    """The small-tensor set through a SwapSet with coalescing and without, same run."""
+    tensors = transfer.make_small_set(count, "cuda")
+    log(f"small-tensor set: {count} tensors, {sum(t.nbytes for t in tensors.values()) / GB:.2f} GB")
+    out = {"coalesced": transfer.colomem_swaps(tensors, reps, coalesce_below=swap_coalesce.COALESCE_BELOW_ON),
+           "per_tensor": transfer.colomem_swaps(tensors, reps, coalesce_below=0)}
+    for name, run in out.items():
+        if not (run["correct_after_first_cycle"] and run["correct_after_all_cycles"]):
+            raise SystemExit(f"small-tensor set ({name}): bytes changed across offload/reload; refusing to report")
+        log(f"  {name}: offload {run['offload_wall_gbps']:.1f} GB/s wall, reload {run['reload_wall_gbps']:.1f} GB/s wall")
+    out["torch"] = transfer.torch_baselines(tensors, 0, reps)
+    del tensors
+    torch.cuda.empty_cache()
+    return out
 
 
 def headline(res: dict) -> dict:
@@ -119,7 +140,26 @@ def headline(res: dict) -> dict:
         "pool_16GB_seconds": res["pool_create"]["seconds"],
         "pool_16GB_seconds_populate": res.get("pool_create_populate", {}).get("seconds"),
         "freed_fraction": c["freed_fraction"],
+        **_small_headline(res),
     }
+
+
+def _small_headline(res: dict) -> dict:
+    """small_tensors_wall_vs_peak: offload and reload wall time together against the one-way peaks."""
+    st, p = res.get("small_tensors"), res["peak"]
+    if not st:
+        return {}
+    out = {}
+    for name, key in (("coalesced", "small_tensors"), ("per_tensor", "small_tensors_per_tensor")):
+        r = st[name]
+        ideal_ms = r["nbytes"] / p["d2h"]["gbps"] / 1e6 + r["nbytes"] / p["h2d"]["gbps"] / 1e6
+        out[key + "_wall_vs_peak"] = ideal_ms / (r["offload_wall_ms_median"] + r["reload_wall_ms_median"])
+        out[key + "_offload_wall_vs_peak"] = r["offload_wall_gbps"] / p["d2h"]["gbps"]
+        out[key + "_reload_wall_vs_peak"] = r["reload_wall_gbps"] / p["h2d"]["gbps"]
+    pre = st["torch"].get("nonblocking_into_prepinned")
+    if pre:
+        out["small_tensors_torch_prepinned_vs_peak"] = pre["gbps"] / p["d2h"]["gbps"]
+    return out
 
 
 def table(res: dict) -> str:
@@ -151,6 +191,15 @@ def table(res: dict) -> str:
         for name, t in (s.get("torch") or {}).items():
             if t:
                 rows.append((f"{key} torch {name}", t["gbps"], t["gbps"] / p["d2h"]["gbps"]))
+    if st := res.get("small_tensors"):
+        n = st["coalesced"]["tensors"]
+        for name, r in (("coalesced", st["coalesced"]), ("per tensor", st["per_tensor"])):
+            rows += [(f"{n} small tensors, {name}, offload (wall)", r["offload_wall_gbps"],
+                      r["offload_wall_gbps"] / p["d2h"]["gbps"]),
+                     (f"{n} small tensors, {name}, reload (wall)", r["reload_wall_gbps"],
+                      r["reload_wall_gbps"] / p["h2d"]["gbps"])]
+        if pre := st["torch"].get("nonblocking_into_prepinned"):
+            rows.append((f"{n} small tensors, torch nonblocking_into_prepinned", pre["gbps"], pre["gbps"] / p["d2h"]["gbps"]))
     w = max(len(r[0]) for r in rows)
     lines = [f"{'measurement':<{w}}  {'GB/s':>8}  {'x peak':>7}", "-" * (w + 19)]
     lines += [f"{n:<{w}}  {g:8.2f}  {r:7.3f}" for n, g, r in rows]

@@ -79,9 +79,31 @@ def make_set(shape: ModelShape, device, seed: int = 0) -> dict[str, torch.Tensor
     return out
 
 
+# The small-tensor set: 20,000 tensors of 4 KiB to 132 KiB (1.35 GB), dtypes in turn, the shape of LoRA
+# adapters, norms, biases and optimizer scalars that a SwapSet moves in staging chunks.
+SMALL_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def make_small_set(count: int, device, seed: int = 0, max_bytes: int = 132 << 10) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for i in range(count):
+        dt = SMALL_DTYPES[i % len(SMALL_DTYPES)]
+        nbytes = 4096 + (i * 7919) % (max_bytes - 4096)  # spread evenly over the range, odd sizes
+        itemsize = torch.empty((), dtype=dt).element_size()
+        t = torch.empty(max(1, nbytes // itemsize), dtype=dt, device=device)
+        t.view(torch.uint8).random_(0, 2 if dt == torch.bool else 256, generator=gen)
+        out[f"small.{i}"] = t
+    return out
+
+
 def fingerprint(tensors: dict[str, torch.Tensor]) -> list[int]:
     """Cheap exact fingerprint: int64 sum of each tensor's 16-bit words (any changed bytes show up)."""
-    return [int(t.view(torch.int16).to(torch.int64).sum()) if t.numel() else 0 for t in tensors.values()]
+    return [int(_words(t).to(torch.int64).sum()) if t.numel() else 0 for t in tensors.values()]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() % 2 == 0 else t.view(torch.uint8)
 
 
 def torch_baselines(tensors: dict[str, torch.Tensor], slow_reps: int, fast_reps: int) -> dict:
@@ -125,7 +147,7 @@ def torch_baselines(tensors: dict[str, torch.Tensor], slow_reps: int, fast_reps:
     return res
 
 
-def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.0) -> dict:
+def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.0, **set_kw) -> dict:
     """Offload/reload of the set through a pool made for it, the first cycle after pool creation reported.
 
     gap_s: seconds between each offload and its reload (in a colocated step the other engine's phase runs
@@ -137,7 +159,7 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
     t0 = time.perf_counter()
     pool = colomem.PinnedPool(int(nbytes * 1.01) + (64 << 20))
     pool_s = time.perf_counter() - t0
-    s = colomem.SwapSet.from_tensors(tensors, pool, name="bench")
+    s = colomem.SwapSet.from_tensors(tensors, pool, name="bench", **set_kw)
     cyc: list[dict] = []
     res: dict[str, Any] = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "gap_s": gap_s,
                            "cycles": cyc}
