@@ -2,7 +2,7 @@
 
     python3 benchmarks/faults.py --out DIR [--faults engine_rollout,engine_sync,...] [-- runner args]
 
-Each fault runs the default job (`python -m colomem.runner`, configs/default.yaml) as a subprocess in a
+Each fault runs the default job (`python3 runners/grpo_colocated.py`, configs/default.yaml) as a subprocess in a
 session of its own, waits for the phase to hit by reading the job's `status.json` (the runner rewrites it
 when a phase starts), injects the fault, and checks what follows:
 
@@ -139,7 +139,7 @@ def run_one(name: str, fault: Fault, out: Path, job_args: list, target_step: int
     rec: dict = {"fault": name, "target_phase": fault.phase, "target_step": target_step, "bounded_by": fault.bounded_by,
                  "gpu_used_before_mib": gpu_used_mib()}
     with Job(job_args, out.parent / f"{name}.log") as job:
-        rec["command"] = shlex.join(["python3", "-m", "colomem.runner", *job_args])
+        rec["command"] = shlex.join(["python3", "runners/grpo_colocated.py", *job_args])
         t_inject = None
         if fault.action is not None:
             st, engine = wait_for_phase(job, status, target_step, fault.phase, time.monotonic() + a.job_timeout_s)

@@ -134,15 +134,18 @@ def wait_group_gone(pgid: int, timeout_s: float, seen: Optional[set] = None) -> 
 
 
 class Job:
-    """`python -m colomem.runner ARGS` in a session of its own (its pid is its process group), stdout and
+    """`python3 runners/grpo_colocated.py ARGS` in a session of its own (its pid is its process group), stdout and
     stderr into `log`. Use as a context manager: on leaving, whatever is left of the group is killed."""
 
     def __init__(self, args: list[str], log: Path, env: Optional[dict] = None):
         self.args = list(args)
         self.log_path = log
-        self.command = [sys.executable, "-m", "colomem.runner", *self.args]
+        # the runner's script, not `-m colomem.runner`: -m puts the working directory (the checkout) first on
+        # sys.path, ahead of the PYTHONPATH below
+        self.command = [sys.executable, str(ROOT / "runners" / "grpo_colocated.py"), *self.args]
         e = dict(os.environ if env is None else env)
-        e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+        # the caller's PYTHONPATH first (an installed or instrumented colomem wins), the checkout after it
+        e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(ROOT)) if p)
         e.setdefault("PYTHONUNBUFFERED", "1")
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "wb")

@@ -2,7 +2,7 @@
 
     python3 benchmarks/soak.py --out DIR --steps 1000 --time-limit-s 240 [--backend cpu] [-- runner args]
 
-Runs `python -m colomem.runner --steps N` as a subprocess in a session of its own and stops it (SIGTERM: the
+Runs `python3 runners/grpo_colocated.py --steps N` as a subprocess in a session of its own and stops it (SIGTERM: the
 step under way finishes) once --time-limit-s has passed since the job started, whichever comes first. Per
 step, from the job's metrics.jsonl: the GPU memory in use after the rollout went to sleep (`driver_used`
 after `sleep`: the floor of the step), the pinned pool's bytes, the runner's RSS and open file descriptors
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         "metrics_bad_lines": bad,
         "memory_alarms": [d.get("memory_alarm") for d in step_lines(lines) if d.get("memory_alarm")],
         "command": shlex.join(["python3", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
-        "job_command": shlex.join(["python3", "-m", "colomem.runner", *args]),
+        "job_command": shlex.join(["python3", "runners/grpo_colocated.py", *args]),
         "series": s,
         "engine_series": engine,
     }
