@@ -106,12 +106,18 @@ def test_device_checksum_times_out_on_a_held_stream_and_is_right_once_released(g
 
 
 # -- a submission failing part-way ----------------------------------------------------------------------------
-def test_failed_submit_waits_for_the_chunks_it_had_queued(gate):
+def overrun_setup():
+    """A good device tensor, one that ends at its segment's end, and a zeroed pool block for both and more."""
     good = torch.randint(0, 256, (GOOD,), dtype=torch.uint8, device="cuda")
     short = own_segment_tensor(SHORT)
     pool = colomem.PinnedPool(0)
     block = pool.alloc(GOOD + OVERRUN)
     host_bytes(block, 0, GOOD + OVERRUN).zero_()
+    return good, short, pool, block
+
+
+def test_failed_submit_waits_for_the_chunks_it_had_queued(gate):
+    good, short, pool, block = overrun_setup()
     eng = _C.CopyEngine(0, CHUNK, MiB, failure_wait_s=60.0)
     gate.hold()
     opener = threading.Timer(0.5, gate.release)  # after the failure; the engine must still be waiting then
@@ -134,11 +140,7 @@ def test_failed_submit_waits_for_the_chunks_it_had_queued(gate):
 
 
 def test_failed_submit_hands_back_the_chunks_still_running(gate):
-    good = torch.randint(0, 256, (GOOD,), dtype=torch.uint8, device="cuda")
-    short = own_segment_tensor(SHORT)
-    pool = colomem.PinnedPool(0)
-    block = pool.alloc(GOOD + OVERRUN)
-    host_bytes(block, 0, GOOD + OVERRUN).zero_()
+    good, short, pool, block = overrun_setup()
     eng = _C.CopyEngine(0, CHUNK, MiB, failure_wait_s=0.0)
     gate.hold()
     with pytest.raises(CudaError) as info:
