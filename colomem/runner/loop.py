@@ -27,7 +27,7 @@ from colomem.engines.reports import SyncStats
 from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
 from colomem.units import format_bytes, parse_bytes
 
-from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
+from .phases import CYCLE, PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
                         sync_bucket,
                         needs_measuring)
@@ -488,8 +488,7 @@ class ColocatedRunner:
                 bar.close()
 
     # Phases a step can fail in with the trainer's state still that of the step before (nothing trained yet).
-    _BEFORE_TRAINING = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "rollout", "sleep",
-                        "score", "barrier_train")
+    _BEFORE_TRAINING = CYCLE[:CYCLE.index("reload")] + ("score",)   # score: timed outside the phase machine
 
     def _stop_after_failed_step(self, k: int, start: int, e: Exception, say) -> bool:
         """A stop signal arrived and then step k failed: a signal to the whole process group (a scheduler's
