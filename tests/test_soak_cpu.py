@@ -36,6 +36,12 @@ def micro_model(d: Path) -> Path:
     return d
 
 
+def _sanitized() -> bool:
+    from colomem import _C
+
+    return bool(_C.build_info().get("sanitizers"))
+
+
 @pytest.mark.slow
 def test_thousand_cpu_steps_stay_flat(tmp_path):
     model = micro_model(tmp_path / "model")
@@ -56,7 +62,11 @@ def test_thousand_cpu_steps_stay_flat(tmp_path):
     # and plots: about 13 KB a step, ~13 MiB over 1,000 steps. A real leak costs more: one copy per step of
     # this model's trainer state (11 k params x 16 B: weights, gradients, two Adam moments) is 170 MiB over
     # the run, one copy of its weights 44 MiB.
-    assert soak["soak_rss_growth_mib"] < 32, soak["soak_rss_growth_mib"]
+    # Under AddressSanitizer freed memory waits in its quarantine (256 MiB by default) before reuse, so host
+    # memory grows by design until that fills: the bound holds for the build users run; the sanitized run
+    # still drives the 1,000 steps for memory errors and checks descriptors and the pool below.
+    if not _sanitized():
+        assert soak["soak_rss_growth_mib"] < 32, soak["soak_rss_growth_mib"]
     # descriptors: none may pile up (a socket, pipe or file per step would be +100 at least by the end);
     # 2 allows one opened lazily by a library between the first and the last samples
     assert soak["soak_fd_growth"] <= 2, soak["soak_fd_growth"]
