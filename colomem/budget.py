@@ -121,19 +121,26 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
              micro_batch: int = 4, seq_len: int = 1024, grad_ckpt: bool = True, hidden: Optional[int] = None,
              layers: Optional[int] = None, vocab: Optional[int] = None, vllm_overhead_gib: float = 2.0,
              vllm_asleep_gib: float = 1.5, context_gib: float = 0.6, host_gib: Optional[float] = None,
-             reduce_bucket: float = 5e8, bridge_gib: float = 1.0) -> Budget:
+             reduce_bucket: float = 5e8, bridge_gib: float = 1.0, shared_base: bool = False) -> Budget:
     """The budget of one GPU. gpus: data-parallel ranks (ZeRO shards over them); tp: vLLM tensor parallel.
     bridge_gib: the weight bridge's buffers (bucket size x buffers; 512 MiB x 2 by default), which stay
-    allocated in the trainer process through both phases (0 with sync_transport='direct')."""
+    allocated in the trainer process through both phases (0 with sync_transport='direct'). shared_base: a
+    LoRA job whose trainer reads vLLM's weights (--shared-base): the base is counted once, as vLLM's, and it
+    stays on the GPU while the trainer trains (vLLM sleeps its KV cache only); the sync is in process."""
     if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0 or bridge_gib < 0:
         raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0, bridge_gib >= 0")
     if tp > gpus:
         raise ValueError(f"tp ({tp}) cannot exceed the number of GPUs ({gpus})")
+    if shared_base and (not lora or zero == 3 or tp > 1):
+        raise ValueError("a shared base needs --lora, ZeRO 0-2 and tp 1 (the runner refuses the others too)")
+    if shared_base:
+        bridge_gib = 0.0                     # the in-rank engine reads the trainer's tensors in process
     shape = shape_for(params, hidden, layers, vocab)
     P, N = float(params), float(gpus)
     b = Budget(inputs={"params": P, "lora": lora, "lora_r": lora_r if lora else None, "zero": zero,
                        "gpus": gpus, "tp": tp, "gpu_gib": gpu_gib, "micro_batch": micro_batch,
-                       "seq_len": seq_len, "grad_ckpt": grad_ckpt, "shape": asdict(shape)},
+                       "seq_len": seq_len, "grad_ckpt": grad_ckpt, "shape": asdict(shape),
+                       "shared_base": shared_base},
                gpu_bytes=gpu_gib * GiB)
 
     # ---- trainer state between steps (what an offload moves), per GPU
@@ -141,7 +148,7 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     if lora:
         A = lora_params(shape, lora_r)
         b.inputs["lora_params"] = A
-        b.trainer_state = [Item("frozen base (bf16)", 2 * P / shard(3)),
+        b.trainer_state = ([] if shared_base else [Item("frozen base (bf16)", 2 * P / shard(3))]) + [
                            Item("adapter (bf16)", 2 * A / shard(3)),
                            Item("adapter fp32 master", 4 * A / shard(1)),
                            Item("adapter Adam m+v", 8 * A / shard(1))]
@@ -168,6 +175,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     bridge = Item("weight bridge buffers", bridge_gib * GiB, False)
     b.train += [Item("trainer CUDA context", context_gib * GiB, False), bridge,
                 Item("vLLM asleep (context + leftovers)", vllm_asleep_gib * GiB, False)]
+    if shared_base:                          # vLLM's weights stay mapped: they are the trainer's base
+        b.train.append(Item(SHARED_BASE_ITEM, 2 * P, False))
 
     # ---- rollout
     if kv_gib is None:
@@ -238,6 +247,7 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     return b
 
 
+SHARED_BASE_ITEM = "vLLM weights = the shared base (bf16)"
 # the estimate's state items -> the trainer's state categories the planner keeps or moves
 _CATEGORY = {"params (bf16)": "params", "frozen base (bf16)": "params", "adapter (bf16)": "params",
              "fp32 master": "master", "adapter fp32 master": "master", "Adam m+v (fp32)": "optim",
@@ -253,8 +263,11 @@ def predicted_placement(b: Budget, rollout_base: list, vllm_asleep: float) -> Op
         cat = _CATEGORY.get(i.name, "other")
         state[cat] = state.get(cat, 0) + int(i.bytes)
     shared = sum(i.bytes for i in rollout_base if i.name in ("trainer CUDA context", "weight bridge buffers"))
+    # a shared base is vLLM's weights, already in the rollout's figure: the trainer's peak is the rest
+    base = sum(i.bytes for i in b.train if i.name == SHARED_BASE_ITEM)
     fig = MemoryFigures(total=int(b.gpu_bytes), rollout_used=int(Budget.total(rollout_base)),
-                        trainer_left=int(shared), train_peak=int(Budget.total(b.train) - vllm_asleep), state=state)
+                        trainer_left=int(shared), train_peak=int(Budget.total(b.train) - vllm_asleep - base),
+                        state=state)
     return choose("auto", "auto", [fig]).to_dict()
 
 
@@ -299,6 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--host-gib", type=float, help="host RAM for the pinned pool (checked when given)")
     p.add_argument("--bridge-gib", type=float, default=1.0,
                    help="weight-bridge buffers on the GPU: bucket size x buffers (runner default 512 MiB x 2)")
+    p.add_argument("--shared-base", action="store_true",
+                   help="LoRA with the trainer's base as vLLM's weights (one copy; the runner's --shared-base)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     a = p.parse_args(argv)
     try:
@@ -306,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      kv_tokens=a.kv_tokens, gpu_gib=a.gpu_gib, micro_batch=a.micro_batch, seq_len=a.seq_len,
                      grad_ckpt=a.grad_ckpt, hidden=a.hidden, layers=a.layers, vocab=a.vocab,
                      vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib,
-                     bridge_gib=a.bridge_gib)
+                     bridge_gib=a.bridge_gib, shared_base=a.shared_base)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(b.to_dict(), indent=1) if a.json else format_budget(b))

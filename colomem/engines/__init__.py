@@ -18,7 +18,7 @@ _LAZY = {
     "VLLMRollout": ("colomem.engines.vllm", "VLLMRollout"),
     "ColomemWorkerExtension": ("colomem.engines.vllm.worker", "ColomemWorkerExtension"),
     "DeepSpeedTrainer": ("colomem.engines.deepspeed", "DeepSpeedTrainer"),
-    "HFRollout": ("colomem.engines.stand_ins", "HFRollout"),
+    "HFRollout": ("colomem.engines.hf_rollout", "HFRollout"),
     "TorchTrainer": ("colomem.engines.stand_ins", "TorchTrainer"),
 }
 

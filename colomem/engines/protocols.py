@@ -58,8 +58,9 @@ class Rollout(Protocol):
         """n completions per prompt; temperature 0 is greedy decoding (top_p and seed then do nothing)."""
         ...
 
-    def sleep(self) -> None:
-        """Frees the GPU: KV cache dropped, weights dropped or kept in host memory."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Frees the GPU: KV cache dropped, weights dropped or kept in host memory. keep_weights: only the KV
+        cache goes, the weights stay mapped where they are (the next awake window starts at the sync)."""
         ...
 
     def wake_weights(self) -> None:

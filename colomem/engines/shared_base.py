@@ -124,10 +124,16 @@ def plan_views(vparams: Mapping[str, torch.Tensor], params: list[tuple[str, torc
     tied: the model's config ties lm_head to embed_tokens, so a separate lm_head (a model built on the meta
     device is not tied yet) maps onto vLLM's embed_tokens."""
     hf = {hf_base_name(n): (n, p) for n, p in params if not is_lora_name(n)}
+
+    def target(plain: str) -> tuple[str, Optional[tuple[str, str, int]]]:
+        # an engine that keeps the HF layout (the CPU stand-in's transformers model) has the plain name
+        vname, fused = vllm_target(plain)
+        return (plain, None) if fused is not None and vname not in vparams and plain in vparams else (vname, fused)
+
     # the row blocks of each fused weight, from the trainer's own shapes (q, k and v differ under GQA)
     blocks: dict[str, list[int]] = {}
     for plain, (_, p) in hf.items():
-        vname, fused = vllm_target(plain)
+        vname, fused = target(plain)
         if fused is not None:
             b = blocks.setdefault(vname, [0] * len(FUSED_PARTS[vname.split(".")[-2]]))
             b[fused[2]] = int(p.shape[0]) if p.dim() else 1
@@ -136,7 +142,7 @@ def plan_views(vparams: Mapping[str, torch.Tensor], params: list[tuple[str, torc
         if ".modules_to_save." in name or ".original_module." in name:
             raise SharedBaseError(f"{name} belongs to a peft modules_to_save copy: a trained copy of a base module "
                                   "cannot share vLLM's weights; drop modules_to_save from the LoRA config")
-        vname, fused = vllm_target(plain)
+        vname, fused = target(plain)
         if tied and vname.endswith("lm_head.weight") and vname not in vparams:
             vname = vname[: -len("lm_head.weight")] + "model.embed_tokens.weight"
         v = vparams.get(vname)
@@ -249,9 +255,10 @@ def check_still_shared(vllm: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
     """Raises SharedBaseError naming the first mapped parameter that no longer is its view of vLLM's weight
     (something, e.g. a `.to()` or an engine's flattening, gave it storage of its own)."""
     vparams = vllm_param_dict(vllm)
-    params = dict(model.named_parameters())
+    # by plain HF name: the report names the parameters as they were when shared, before a peft wrap
+    params = {hf_base_name(n): p for n, p in model.named_parameters() if not is_lora_name(n)}
     for m in report.mapped:
-        p, v = params.get(m.name), vparams[m.vllm_name]
+        p, v = params.get(hf_base_name(m.name)), vparams[m.vllm_name]
         want = v.data_ptr() + m.row0 * (v.stride(0) if v.dim() else 0) * v.element_size()
         if p is None or p.data_ptr() != want or p.requires_grad:
             raise SharedBaseError(f"the trainer's {m.name} is no longer a frozen view of vLLM's {m.vllm_name}: "

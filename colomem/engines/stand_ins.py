@@ -1,9 +1,6 @@
 """CPU stand-ins for the two sides of a phase switch: same protocols as VLLMRollout / DeepSpeedTrainer.
 
-HFRollout    transformers `generate` with sampling; returns Completions with the sampled tokens' logprobs.
-             sleep / wake_* change no memory (there is no KV cache pool on CPU) but keep the same state
-             machine as vLLM, so generating while asleep or syncing before a wake raises PhaseOrderError,
-             and they record their timings. load_weights copies named tensors into its own model copy.
+HFRollout    transformers `generate` (colomem/engines/hf_rollout.py).
 TorchTrainer plain torch AdamW on compute_loss (fp32). offload/reload move parameters and optimizer state
              into a colomem PinnedPool through SwapSet (host path), so a trainer that was not reloaded
              really has no weights; named_weights merges a LoRA adapter into the base (engines/lora.py).
@@ -18,214 +15,23 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Collection, Iterable, Iterator, Optional
+from typing import Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model, save_torch
+from colomem.engines.hf_model import load_model, model_on_base
+from colomem.engines.hf_rollout import HFRollout
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
-from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
-from colomem.engines.reports import SwitchReport, SyncStats
-from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
-                            StaleWeightsError, WeightCheckError)
+from colomem.engines.reports import SwitchReport
+from colomem.errors import ColomemError, InvalidArgumentError, PhaseOrderError
 from colomem.swap import PendingReloads
 
 log = logging.getLogger(__name__)
 
 PARAMS_SET = "trainer.params"          # the SwapSet of parameters and gradients
 OPTIM_SET = "trainer.optim"             # the SwapSet of the optimizer state: reloaded behind forward/backward
-
-
-def _load_model(model_path, dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
-    if isinstance(model_path, torch.nn.Module):
-        return model_path
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype,
-                                                 trust_remote_code=bool(trust_remote_code))
-    own_memory(model)
-    return model
-
-
-def own_memory(model: torch.nn.Module) -> int:
-    """Copies every parameter and buffer whose storage cannot be resized into memory torch owns; returns how
-    many storages it copied. A checkpoint loaded in its own dtype on the CPU keeps safetensors' read-only
-    file mapping as its storage, which a SwapSet cannot free and re-grow (the trainer offloads it)."""
-    copied: dict[int, Tensor] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        st = t.untyped_storage()
-        if st.resizable() or st.nbytes() == 0:
-            continue
-        key = st.data_ptr()
-        if key not in copied:
-            copied[key] = t.data.clone()
-        t.data = copied[key] if copied[key].shape == t.shape else t.data.clone()
-    return len(copied)
-
-
-def _fingerprint(t: Tensor) -> tuple:
-    """Cheap, order-sensitive checksum of a tensor's values (a strided sample plus the sum)."""
-    flat = t.detach().reshape(-1).float()
-    step = max(1, flat.numel() // 64)
-    return (flat.numel(), round(float(flat.double().sum()), 6), tuple(flat[::step][:64].tolist()))
-
-
-# ------------------------------------------------------------------------------------------------- rollout
-class HFRollout:
-    """Rollout protocol on transformers generate (CPU, or any torch device)."""
-
-    def __init__(self, model_path, *, eos_token_id: int, pad_token_id: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, check_sample: int = 4):
-        self.device = torch.device(device)
-        self.model = _load_model(model_path, dtype, trust_remote_code).to(self.device).eval()
-        self.eos_token_id = int(eos_token_id)
-        self.pad_token_id = int(pad_token_id)
-        self.weight_version = 0
-        self._expected_version = 0
-        self._phase = AWAKE
-        self._params = dict(self.model.named_parameters())
-        self._expected: dict[str, tuple] = {}
-        self.check_sample = int(check_sample)
-        self.timings: dict[str, float] = {}
-        self.last_sync: Optional[SyncStats] = None
-
-    # -- guards ------------------------------------------------------------------------------------------
-    @property
-    def phase(self) -> str:
-        return self._phase
-
-    def _require(self, phases, what: str, hint: str) -> None:
-        if self._phase == CLOSED:
-            raise PoolClosedError(f"HFRollout is closed; cannot {what}")
-        if self._phase not in phases:
-            raise PhaseOrderError(f"{what} while the rollout is {self._phase!r}: {hint}")
-
-    def expect_version(self, version: int) -> None:
-        """The trainer announces its newest weights; generate() refuses older ones from now on."""
-        self._expected_version = max(self._expected_version, int(version))
-
-    # -- phases ------------------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        self._require((AWAKE, WEIGHTS_ONLY), "sleep", "the rollout is already asleep")
-        t0 = time.perf_counter()
-        self._phase = ASLEEP
-        self.timings["sleep_s"] = time.perf_counter() - t0
-
-    def wake_weights(self) -> None:
-        self._require((ASLEEP,), "wake_weights", "call sleep() first")
-        t0 = time.perf_counter()
-        self._phase = WEIGHTS_ONLY
-        self.timings["wake_weights_s"] = time.perf_counter() - t0
-
-    def wake_kv(self) -> None:
-        self._require((WEIGHTS_ONLY,), "wake_kv", "call wake_weights() (and sync) first")
-        t0 = time.perf_counter()
-        self._phase = AWAKE
-        self.timings["wake_kv_s"] = time.perf_counter() - t0
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> SyncStats:
-        """Copies (HF name, tensor) pairs into the model; every parameter must be written."""
-        self._require((WEIGHTS_ONLY, AWAKE), "load_weights", "call wake_weights() first")
-        if int(version) < self.weight_version:
-            raise InvalidArgumentError(f"version {version} is older than the rollout's {self.weight_version}")
-        t0 = time.perf_counter()
-        stats = SyncStats(version=int(version))
-        written = set()
-        with torch.no_grad():
-            for name, t in named_tensors:
-                p = self._params.get(name)
-                if p is None:
-                    raise InvalidArgumentError(f"load_weights: the rollout model has no parameter {name!r}")
-                if tuple(p.shape) != tuple(t.shape):
-                    raise InvalidArgumentError(f"load_weights: {name} has shape {tuple(t.shape)}, the rollout "
-                                               f"model expects {tuple(p.shape)}")
-                p.copy_(t.to(device=p.device, dtype=p.dtype))
-                written.add(name)
-                stats.nbytes += t.numel() * t.element_size()
-                stats.ntensors += 1
-        missing = sorted(set(self._params) - written)
-        stats.complete = not missing
-        stats.nmissing, stats.missing = len(missing), tuple(missing[:4])
-        if missing:
-            raise WeightCheckError(f"load_weights wrote {len(written)} of {len(self._params)} parameters; "
-                                   f"missing e.g. {missing[:4]}")
-        names = sorted(written)
-        pick = names[:: max(1, len(names) // self.check_sample)][: self.check_sample]
-        self._expected = {n: _fingerprint(self._params[n]) for n in pick}
-        self.weight_version = int(version)
-        self._expected_version = max(self._expected_version, self.weight_version)
-        stats.seconds = stats.apply_seconds = time.perf_counter() - t0
-        self.last_sync = stats
-        return stats
-
-    def check(self) -> None:
-        """The sampled parameters still hold what the last sync wrote."""
-        self._require((WEIGHTS_ONLY, AWAKE), "check", "call wake_weights() first")
-        bad = [n for n, fp in self._expected.items() if _fingerprint(self._params[n]) != fp]
-        if bad:
-            raise WeightCheckError(f"{len(bad)} sampled rollout parameters changed since the last sync "
-                                   f"(e.g. {bad[:3]}); sync again before generating")
-
-    # -- generation --------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 16, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: Optional[int] = 0) -> list:
-        """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature).
-
-        temperature 0 is greedy decoding (the most likely token each time, as vLLM does for 0; the seed is
-        not used), with the logprobs of the logits themselves."""
-        from colomem.grpo.batch import Completion
-
-        self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")
-        if self.weight_version < self._expected_version:
-            raise StaleWeightsError(f"the rollout holds weights version {self.weight_version} but the trainer "
-                                    f"announced {self._expected_version}; sync first")
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise InvalidArgumentError("prompt_ids must be a non-empty list of non-empty token lists")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        greedy = temperature == 0
-        # greedy: no sampling knobs at all (transformers warns about sampling options given to a greedy call)
-        knobs = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy else \
-            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
-        width = max(len(p) for p in prompt_ids)
-        rows = [p for p in prompt_ids for _ in range(n)]
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(rows):                      # left padding for generation
-            ids[i, width - len(p):] = torch.as_tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            if seed is not None:
-                torch.manual_seed(int(seed))
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, **knobs, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
-                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                output_logits=True, return_dict_in_generate=True)
-        gen = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1)[:, : gen.shape[1]].float() / (1.0 if greedy else float(temperature))
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, gen[..., None]).squeeze(-1)
-        result: list[list] = []
-        for i in range(len(rows)):
-            toks = gen[i].tolist()
-            if self.eos_token_id in toks:
-                k = toks.index(self.eos_token_id) + 1
-                c = Completion(toks[:k], lps[i, :k].tolist(), "stop")
-            else:
-                c = Completion(toks, lps[i].tolist(), "length")
-            if i % n == 0:
-                result.append([])
-            result[-1].append(c)
-        return result
-
-    def memory(self) -> dict:
-        return {"phase": self._phase, "weight_version": self.weight_version}
-
-    def close(self) -> None:
-        self._phase = CLOSED
-        self.model = None
-        self._params = {}
 
 
 # ------------------------------------------------------------------------------------------------- trainer
@@ -242,7 +48,8 @@ class TorchTrainer:
                  grpo=None, lora=None, pool=None, weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0,
                  seed: int = 0, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
-                 world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True):
+                 world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
+                 shared_base: Optional[Mapping[str, Tensor]] = None):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -258,7 +65,14 @@ class TorchTrainer:
         self.overlap_reload = bool(overlap_reload)
         self.steps = 0
         torch.manual_seed(seed)
-        model = _load_model(model_path, dtype, trust_remote_code).to(self.device)
+        self.shared = None                     # SharedBaseReport: the base parameters are the rollout's tensors
+        if shared_base is not None:
+            if lora is None:
+                raise InvalidArgumentError("shared_base needs lora=: only a LoRA job's base stays frozen, so only "
+                                           "then can the trainer read the rollout's weights")
+            model, self.shared = model_on_base(model_path, shared_base, dtype, trust_remote_code, self.device)
+        else:
+            model = load_model(model_path, dtype, trust_remote_code).to(self.device)
         if hasattr(model, "config"):
             model.config.use_cache = False
         if gradient_checkpointing:
@@ -355,6 +169,8 @@ class TorchTrainer:
         kept."""
         self._check("offload()")
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
+        if self.shared is not None:         # the base is the rollout's and must stay; the adapter is tiny
+            keep = (*keep, "params")
         t0 = time.perf_counter()
         moving = [s for s in self._swaps if _CATEGORY[s.name] not in keep]
         params_move = any(s.name == PARAMS_SET for s in moving)
@@ -423,7 +239,9 @@ class TorchTrainer:
                 return
         path.mkdir(parents=True, exist_ok=True)
         host = self._host_tensor
-        model_sd = {k: host(v) for k, v in self.model.state_dict().items()}
+        # a shared base is the rollout's (the model at model_path, never trained): the adapter is the state
+        model_sd = {k: host(v) for k, v in self.model.state_dict().items()
+                    if self.shared is None or ".lora_" in k}
         opt_sd = self.optimizer.state_dict()
         opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in st.items()}
                            for i, st in opt_sd["state"].items()}
@@ -433,7 +251,8 @@ class TorchTrainer:
             save_adapter(self.model, {adapter_key(k): v for k, v in model_sd.items() if ".lora_" in k},
                          path / "model")
             if merged:
-                save_full_model(self.model, self.named_weights(), path / "model-merged")
+                save_full_model(self.model, merged_named_weights(self.model) if self.shared is not None
+                                else self.named_weights(), path / "model-merged")
         else:
             save_full_model(self.model, model_sd.items(), path / "model")
 
@@ -454,6 +273,8 @@ class TorchTrainer:
         self._check("load_state")
         state = torch.load(path / "trainer.pt", map_location=self.device, weights_only=True)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if self.shared is not None:         # the base is not in the checkpoint (nor written: it is the rollout's)
+            missing = [k for k in missing if ".lora_" in k]
         if missing or unexpected:
             raise InvalidArgumentError(f"checkpoint {str(path)!r} is of another model: {len(missing)} weights "
                                        f"missing (e.g. {missing[:2]}), {len(unexpected)} unknown "
@@ -467,15 +288,20 @@ class TorchTrainer:
         torch.set_rng_state(state["torch_rng"])
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) for the rollout sync, LoRA merged. Offloaded: the pool copies prepared by offload()."""
+        """(HF name, tensor) for the rollout sync, LoRA merged (a shared base: the adapter only, peft names).
+        Offloaded: the pool copies prepared by offload()."""
         if self._closed:
             raise PhaseOrderError("this TorchTrainer was closed")
+        if self.shared is not None:         # the rollout reads the base where it is: the adapter alone
+            return iter([(adapter_key(n), p.detach()) for n, p in self.model.named_parameters() if ".lora_" in n])
         if self._offloaded and self._sync_source is not None:
             return iter(list(self._sync_source))
         return merged_named_weights(self.model)
 
     def memory(self) -> dict:
         out = {}
+        if self.shared is not None:
+            out["shared_base_bytes"] = self.shared.bytes_shared
         if self.pool is not None and not self.pool.closed:
             st = self.pool.stats()
             out["pinned_pool"] = int(st["reserved_bytes"])
@@ -502,3 +328,6 @@ class TorchTrainer:
         self.model = None
         self.optimizer = None  # type: ignore[assignment]  # closed: nothing may step it again
         self.params = []
+
+
+__all__ = ["HFRollout", "TorchTrainer"]

@@ -3,7 +3,8 @@
 `--backend auto` takes the GPU path when a CUDA GPU is visible and vllm and deepspeed are installed, the CPU
 path otherwise (and says what the GPU path would need). The rollout is built first and put to sleep before
 the trainer is built (DeepSpeed must initialise while vLLM sleeps), so a run starts in the state the phase
-machine expects: trainer resident, rollout asleep.
+machine expects: trainer resident, rollout asleep. With --shared-base the rollout sleeps its KV cache only
+and the trainer is built on its weights (colomem.runner.shared_base_job).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any, Callable, Optional
 
 from colomem.engines.protocols import Rollout, Trainer
 from colomem.errors import InvalidArgumentError, NotAvailableError
+
+from .shared_base_job import SharedBase, engine_parameters, shared_base_problem
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,7 @@ class Engines:
     backend: str = "cpu"
     tokenizer: Any = None
     notes: tuple = ()
+    shared: Any = None                  # SharedBase (colomem.runner.shared_base_job) with --shared-base
 
     def require(self) -> tuple[Rollout, Trainer]:
         """(rollout, trainer), both still open."""
@@ -96,6 +100,10 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
     pool = None
     rollout: Optional[Rollout] = None
     trainer: Optional[Trainer] = None
+    shared: Optional[SharedBase] = None
+    problem = shared_base_problem(cfg, backend)
+    if problem:
+        raise InvalidArgumentError(problem)
     try:
         if backend == "gpu":
             if cfg.tensor_parallel_size > 1 and cfg.effective_engine != "in-rank":
@@ -111,27 +119,40 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group)
             vllm_rollout = VLLMRollout(model_path, config=vcfg)
             rollout = vllm_rollout
-            vllm_rollout.sleep()                 # DeepSpeed initialises while vLLM sleeps
+            base = None
+            if cfg.shared_base:                  # its weights stay: they become the trainer's base
+                vllm_rollout.sleep(keep_weights=True)
+                base = engine_parameters(vllm_rollout, cfg.phase_timeout_s)
+            else:
+                vllm_rollout.sleep()             # DeepSpeed initialises while vLLM sleeps
             from colomem.engines.deepspeed import DeepSpeedTrainer
 
-            trainer = DeepSpeedTrainer(model_path, config=cfg.deepspeed_config(grad_accum), lora=cfg.lora,
-                                       pool=pool, grpo=cfg.grpo)
+            ds_trainer = DeepSpeedTrainer(model_path, config=cfg.deepspeed_config(grad_accum), lora=cfg.lora,
+                                          pool=pool, grpo=cfg.grpo, shared_base=base)
+            trainer = ds_trainer
+            if base is not None:
+                shared = SharedBase(base, ds_trainer.shared)
         else:
             pool = _pool(cfg, cpu=True)
             from colomem.engines.stand_ins import HFRollout, TorchTrainer
 
             hf_rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
-                                   pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code)
+                                   pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code,
+                                   lora=cfg.lora if cfg.shared_base else None)
             rollout = hf_rollout
-            hf_rollout.sleep()
-            trainer = TorchTrainer(model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum,
+            hf_rollout.sleep(keep_weights=cfg.shared_base)
+            cpu_base = hf_rollout.base_parameters() if cfg.shared_base else None
+            torch_trainer = TorchTrainer(model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum,
                                    grpo=cfg.grpo, lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay,
                                    max_grad_norm=cfg.max_grad_norm, seed=cfg.seed,
                                    gradient_checkpointing=cfg.gradient_checkpointing,
                                    trust_remote_code=cfg.trust_remote_code, process_group=ranks.group,
                                    world_size=ranks.world_size, swap_timeout_s=cfg.phase_timeout_s,
-                                   overlap_reload=cfg.overlap_reload)
-        return Engines(rollout, trainer, pool, backend, tokenizer)
+                                   overlap_reload=cfg.overlap_reload, shared_base=cpu_base)
+            trainer = torch_trainer
+            if cpu_base is not None:
+                shared = SharedBase(cpu_base, torch_trainer.shared)
+        return Engines(rollout, trainer, pool, backend, tokenizer, shared=shared)
     except BaseException:
         close_engines(Engines(rollout, trainer, pool, backend))
         raise

@@ -98,7 +98,12 @@ class RunConfig(_Strict):
         "auto", description="where vLLM runs: cross-process (its engine in a process of its own, weights over the "
                             "bridge), in-rank (inside every torchrun rank, distributed_executor_backend "
                             "external_launcher: each rank holds its tensor-parallel shard and reads its trainer's "
-                            "tensors in place), auto (cross-process at tensor_parallel_size 1, in-rank above)")
+                            "tensors in place), auto (cross-process at tensor_parallel_size 1, in-rank above and "
+                            "with --shared-base)")
+    shared_base: bool = Field(False, description="LoRA: the trainer's frozen base is the rollout engine's "
+                                                 "weights (one copy on the GPU; vLLM in the trainer's process, "
+                                                 "ZeRO-2, tensor_parallel_size 1): vLLM sleeps only its KV cache "
+                                                 "and gets the adapter as a LoRA adapter")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
@@ -145,7 +150,10 @@ class RunConfig(_Strict):
     def _cross(self):
         from .inrank import engine_problem
 
-        problem = engine_problem(self.engine, self.tensor_parallel_size, self.backend)
+        from .shared_base_job import shared_base_problem
+
+        problem = (engine_problem(self.engine, self.tensor_parallel_size, self.backend)
+                   or shared_base_problem(self, None if self.backend == "auto" else self.backend))
         if problem:
             raise ValueError(problem)
         # what only the engines know (their combinations of options) is checked here too, so a bad value is
@@ -205,6 +213,7 @@ class RunConfig(_Strict):
                           tensor_parallel_size=self.tensor_parallel_size,
                           seed=engine_seed(self.seed, rollout_group) if in_rank else self.seed,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
+                          lora_mode="adapter" if self.shared_base else "merged",
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
                           bucket_bytes=self.start_bucket_bytes, sync_transport="direct" if in_rank else "listener",
                           engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device)
@@ -220,12 +229,14 @@ class RunConfig(_Strict):
         """'in-rank' or 'cross-process': what --engine auto resolves to (colomem.runner.inrank)."""
         from .inrank import resolve_engine
 
-        return resolve_engine(self.engine, self.tensor_parallel_size)
+        return resolve_engine(self.engine, self.tensor_parallel_size, shared_base=self.shared_base)
 
     @property
     def effective_sleep_level(self) -> int:
         if self.sleep_level is not None:
             return self.sleep_level
+        if self.shared_base:           # no level is used (only the KV cache sleeps); 1 keeps the weights if one were
+            return 1
         return 2 if self.switch == "colomem" else 1   # colomem refills weights through the bridge anyway
 
     @property

@@ -9,7 +9,8 @@ transport: the trainer's tensors go to the worker as they are, no bridge), and e
 full weights from its own trainer and keeps its shard (vLLM's loaders narrow them).
 
 Which engine (`resolve_engine`): `auto` is the cross-process engine at TP 1 (the measured default) and the
-in-rank one above, the only one that spans ranks: a cross-process engine belongs to one rank, and its TP
+in-rank one above or for a shared LoRA base (the trainer reads vLLM's weights in its own process), the only
+one that spans ranks: a cross-process engine belongs to one rank, and its TP
 workers would be processes of its own on GPUs the other ranks train on.
 
 Prompts: every rank draws the same prompts for a step, and Ranks.generate_groups hands the ranks of one TP
@@ -33,10 +34,11 @@ class RolloutMismatchError(ColomemError):
     """The ranks of one tensor-parallel engine generated different completions for the same prompts."""
 
 
-def resolve_engine(choice: str, tensor_parallel_size: int) -> str:
-    """'in-rank' or 'cross-process' for --engine `choice` (auto: cross-process at TP 1, in-rank above)."""
+def resolve_engine(choice: str, tensor_parallel_size: int, *, shared_base: bool = False) -> str:
+    """'in-rank' or 'cross-process' for --engine `choice` (auto: cross-process at TP 1, in-rank above, and
+    in-rank for a shared LoRA base, which the trainer reads in its own process)."""
     if choice == "auto":
-        return "in-rank" if int(tensor_parallel_size) > 1 else "cross-process"
+        return "in-rank" if int(tensor_parallel_size) > 1 or shared_base else "cross-process"
     if choice not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
     return choice

@@ -153,12 +153,14 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,
                                  reporters=reporters,
-                                 grad_accum=grad_accum, print_fn=print_fn)
+                                 grad_accum=grad_accum, print_fn=print_fn, shared=engines.shared)
         runner.version = resumed
         runner.evaluator = evaluator
         runner.status = status
         with _stop_on_signals(runner, say):
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
+        if engines.shared is not None:         # every byte of the shared base, once, as it was when shared
+            summary["shared_base"] = {**engines.shared.summary(), "full_check_s": engines.shared.check_full()}
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
         if runner.stop_requested is not None:
             summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}" + (

@@ -62,9 +62,11 @@ class ColocatedRunner:
     def __init__(self, cfg, *, rollout: Rollout, trainer: Trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
                  metric_specs=(), writer: Optional[MetricsWriter] = None, rank_writer: Optional[MetricsWriter] = None,
                  device: Optional[int] = None, grad_accum: int = 1, reporters: Sequence[Reporter] = (),
-                 print_fn: Callable[[str], None] = print):
+                 print_fn: Callable[[str], None] = print, shared: Any = None):
         self.cfg = cfg
         self.rollout, self.trainer, self.pool = rollout, trainer, pool
+        # SharedBase: the trainer's base is the rollout's weights; the rollout then sleeps its KV cache only
+        self.shared = shared
         self.task, self.tokenizer, self.ranks = task, tokenizer, ranks
         self.reward_specs, self.metric_specs = list(reward_specs), list(metric_specs)
         self.writer, self.rank_writer = writer, rank_writer
@@ -145,15 +147,22 @@ class ColocatedRunner:
         """After a failure while vLLM may be awake: sleep again so its memory is free. Returns a note."""
         if not self.rollout_awake:
             return None
-        if self.rollout.phase == ASLEEP:
+        if self.rollout.phase == ASLEEP or (self.shared is not None and self.rollout.phase == WEIGHTS_ONLY):
             self.rollout_awake = False
             return "the rollout engine was already asleep"
         try:
-            self.rollout.sleep()
+            self._sleep_rollout()
             self.rollout_awake = False
             return "the rollout engine was put back to sleep"
         except Exception as e:  # noqa: BLE001  (reported; cleanup closes it anyway)
             return f"putting the rollout engine back to sleep failed too ({type(e).__name__}: {e})"
+
+    def _sleep_rollout(self) -> None:
+        """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
+        if self.shared is not None:
+            self.rollout.sleep(keep_weights=True)
+        else:
+            self.rollout.sleep()
 
     def _oom_error(self, phase: str, step: int, e: BaseException, note: Optional[str]) -> CudaOutOfMemoryError:
         c = self.cfg
@@ -328,6 +337,8 @@ class ColocatedRunner:
         rec.metrics.update({f"train/{n}": v for n, v in train.items()})
         rec.metrics["weight_version"] = self.version
         rec.metrics.update(self._switch_details(sync))
+        if self.shared is not None:
+            rec.metrics.update(self.shared.metrics())
         rec.metrics.update(host_usage())
         if alarm:
             rec.metrics["memory_alarm"] = alarm
@@ -364,6 +375,8 @@ class ColocatedRunner:
             current = "check"
             with self.phase(rec, "check"):
                 self.rollout.check()
+                if self.shared is not None:          # nobody wrote into the base both sides read
+                    self.shared.check()
             current = "wake_kv"
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
@@ -375,8 +388,9 @@ class ColocatedRunner:
             current = "sleep"
             with self.phase(rec, "sleep"):
                 if self.placement.rollout_sleeps:
-                    self.rollout.sleep()
+                    self._sleep_rollout()
                     self.rollout_awake = False
+                    self._moved.add("rollout")
         except BaseException as e:
             note = self._put_rollout_to_sleep()
             if is_oom(e):

@@ -45,9 +45,16 @@ def _gpu_bytes(t: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
+def _state(trainer: Any):
+    """The engine's state as the trainer counts it (a base shared with the rollout engine left out)."""
+    return collect_engine_state(trainer.engine, trainer.device, exclude=getattr(trainer, "_shared_storages", ()))
+
+
 def layout(trainer: Any) -> dict:
-    return {"zero_stage": trainer.zero_stage, "world_size": trainer.world_size,
-            "lora": trainer.lora is not None}
+    out = {"zero_stage": trainer.zero_stage, "world_size": trainer.world_size, "lora": trainer.lora is not None}
+    if getattr(trainer, "shared", None) is not None:     # the base is the model's, not in the file
+        out["shared_base"] = True
+    return out
 
 
 def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = None) -> int:
@@ -56,7 +63,7 @@ def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = N
     engine = trainer.engine
     items = offloaded.offloaded_items() if offloaded is not None else None
     if items is None:
-        st = collect_engine_state(engine, trainer.device)
+        st = _state(trainer)
         items = [(c, n, t) for c in CATEGORIES for n, t in st.groups.get(c, ())]
 
     def read(t: Tensor) -> Tensor:              # the whole storage, raw
@@ -113,7 +120,7 @@ def load_state(trainer: Any, path: Path) -> None:
         raise ConfigError(f"checkpoint {str(path)!r} was written by another trainer layout ({diff}); resume with "
                           "the same ZeRO stage, world size and LoRA setting")
     engine = trainer.engine
-    state = collect_engine_state(engine, trainer.device)
+    state = _state(trainer)
     live = {n: (c, t) for c in SAVED_CATEGORIES for n, t in state.groups.get(c, ())}
     saved, cats = blob["storages"], blob["categories"]
     for cat in REQUIRED_CATEGORIES:

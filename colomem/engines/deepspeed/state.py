@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -115,9 +115,11 @@ class EngineState:
         return out
 
 
-def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6) -> EngineState:
+def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6,
+                         exclude: Collection[int] = ()) -> EngineState:
     """Every storage on `device` that a ZeRO-2/3 engine keeps between steps (duck-typed on DeepSpeed 0.19's
-    attribute names, plus a walk of the optimizer's and engine's own objects as a safety net)."""
+    attribute names, plus a walk of the optimizer's and engine's own objects as a safety net). exclude:
+    storage addresses that are not the engine's to move or count (a base shared with the rollout engine)."""
     t0 = time.perf_counter()
     device = torch.device(device)
     stage = int(engine.zero_optimization_stage())
@@ -134,7 +136,7 @@ def collect_engine_state(engine, device: torch.device, *, walk_depth: int = 6) -
         if not isinstance(t, Tensor) or t.device != device or t.layout != torch.strided:
             return False
         st = t.untyped_storage()
-        if st.nbytes() == 0:
+        if st.nbytes() == 0 or (exclude and st.data_ptr() in exclude):
             return False
         key = st._cdata
         if key in seen:

@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ class DeepSpeedTrainer:
     """
 
     def __init__(self, model_path: Any, *, config: Optional[DeepSpeedConfig] = None, lora: Any = None,
-                 pool: Any = None, grpo: Any = None, **options: Any):
+                 pool: Any = None, grpo: Any = None, shared_base: Optional[Mapping[str, Tensor]] = None,
+                 **options: Any):
         if config is not None and options:
             raise InvalidArgumentError(f"DeepSpeedTrainer: pass the options in config or as keywords, not both "
                                        f"(got config and {', '.join(sorted(options))})")
@@ -86,6 +87,10 @@ class DeepSpeedTrainer:
         elif not isinstance(config, DeepSpeedConfig):
             raise InvalidArgumentError(f"config must be a DeepSpeedConfig, not {type(config).__name__}")
         check_lora_spec(lora)
+        if shared_base is not None and (lora is None or config.zero_stage != 2):
+            raise InvalidArgumentError(
+                "shared_base (the trainer's frozen base as the rollout engine's tensors) needs lora= and ZeRO-2: "
+                "only a LoRA job's base is frozen, and ZeRO-3 would partition the base into buffers of its own")
         if not isinstance(model_path, torch.nn.Module):
             _check_model_dir(model_path)
         if not torch.cuda.is_available():
@@ -124,17 +129,24 @@ class DeepSpeedTrainer:
         self.model: Any = None
         self._ref_fn: Any = None
         self._fwd_stack: Optional[list] = None
+        self.shared: Any = None                 # SharedBaseReport: the base parameters are the engine's tensors
+        self._shared_storages: frozenset = frozenset()
 
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.cuda.set_device(self.local_rank)
         self.device = torch.device("cuda", self.local_rank)
 
         torch.manual_seed(config.seed)
-        model = self._build_model(model_path, config)
+        model, self.shared = self._build_model(model_path, config, shared_base)
         self.ds_config = config.build_ds_config(self.world_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)
         self.model = self.engine.module
+        if shared_base is not None:            # DeepSpeed's set-up (dtype, device, broadcast) kept the views
+            from colomem.engines.shared_base import base_storages, check_still_shared
+
+            check_still_shared(shared_base, self.model, self.shared)
+            self._shared_storages = frozenset(base_storages(self.model))
         self._weights = WeightExport(self.model, zero_stage=self.zero_stage, world_size=self.world_size,
                                      device=self.device)
         self._fwd_stack = zero3_global_holders()[0] if self.zero_stage == 3 else None
@@ -151,9 +163,19 @@ class DeepSpeedTrainer:
             raise
 
     # -- building -----------------------------------------------------------------------------------------
-    def _build_model(self, model_path: Any, config: DeepSpeedConfig) -> Any:
+    def _build_model(self, model_path: Any, config: DeepSpeedConfig,
+                     shared_base: Optional[Mapping[str, Tensor]] = None) -> tuple[Any, Any]:
+        """(the model to train, the SharedBaseReport of its base shared with the rollout engine or None)."""
         model: Any
-        if isinstance(model_path, torch.nn.Module):
+        report: Any = None
+        if shared_base is not None:
+            from colomem.engines.hf_model import model_on_base
+
+            kw_base: dict[str, Any] = ({"attn_implementation": config.attn_implementation}
+                                       if config.attn_implementation else {})
+            model, report = model_on_base(model_path, shared_base, torch.bfloat16, config.trust_remote_code,
+                                          self.device, **kw_base)
+        elif isinstance(model_path, torch.nn.Module):
             model = model_path
         else:
             from transformers import AutoModelForCausalLM
@@ -173,7 +195,7 @@ class DeepSpeedTrainer:
             if config.gradient_checkpointing:
                 model.enable_input_require_grads()
             check_lora_layers(model)
-        return model
+        return model, report
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -187,14 +209,17 @@ class DeepSpeedTrainer:
         return self.engine.optimizer
 
     def state(self) -> EngineState:
-        """The storages the engine holds on this GPU now, by category (what offload() moves)."""
-        return collect_engine_state(self.engine, self.device)
+        """The storages the engine holds on this GPU now, by category (what offload() moves); a shared base
+        is the rollout engine's memory, not the trainer's, and is left out."""
+        return collect_engine_state(self.engine, self.device, exclude=self._shared_storages)
 
     def memory(self) -> dict[str, int]:
         free, total = torch.cuda.mem_get_info(self.device)
         out = {"allocated": torch.cuda.memory_allocated(self.device),
                "reserved": torch.cuda.memory_reserved(self.device), "driver_used": total - free,
                "driver_free": free, "pinned_pool": 0}
+        if self.shared is not None:
+            out["shared_base_bytes"] = int(self.shared.bytes_shared)
         if self._pool is not None and not self._pool.closed:
             out["pinned_pool"] = int(self._pool.stats()["reserved_bytes"])
         return out
@@ -255,7 +280,7 @@ class DeepSpeedTrainer:
             return s
 
         def collect() -> EngineState:
-            return collect_engine_state(self.engine, self.device)
+            return self.state()
         if method == "colomem":
             if self._pool is None:
                 from colomem.pool import PinnedPool
@@ -290,6 +315,8 @@ class DeepSpeedTrainer:
                                        f"{', '.join(CATEGORIES)}")
         if keep and method != "colomem":
             raise InvalidArgumentError(f"keep={list(keep)} needs the colomem offload method (not {method!r})")
+        if self.shared is not None:            # the adapter (a few MB) stays with the base it adapts
+            keep = tuple(dict.fromkeys((*keep, "params", "other")))
         strategy = self._strategy(method)
         if isinstance(strategy, ColomemOffload):
             strategy.keep = keep
@@ -364,14 +391,20 @@ class DeepSpeedTrainer:
         return self._pending.wait(self.timeout_s if timeout is None else timeout)
 
     # -- weights for the sync -----------------------------------------------------------------------------
-    def named_weights(self, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) for every weight the rollout engine loads. With LoRA and merged=True: base +
-        scaling * B @ A, computed in fp32 without touching the adapter; merged=False: the base alone.
+    def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) for every weight the rollout engine loads. With LoRA and merged=True (the default
+        but with a shared base): base + scaling * B @ A, computed in fp32 without touching the adapter;
+        merged=False: the base alone. A shared base by default: the adapter alone (peft names), since the
+        rollout engine reads the base where it is.
 
         Resident: GPU tensors, valid until the iterator moves on (ZeRO-3 with several ranks gathers module
         by module, collectively: every rank must iterate to the end). Offloaded: host tensors prepared by
         offload(prepare_sync=True), valid until reload()."""
         self._check_open()
+        if merged is None:
+            if self.shared is not None:
+                return iter(list(self._weights.lora_tensors(copy=False).items()))
+            merged = True
         if self._offloaded and not self._params_kept:
             if self._sync is None:
                 raise PhaseOrderError("named_weights() on an offloaded trainer needs offload(prepare_sync=True)")

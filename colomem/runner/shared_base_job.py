@@ -1,0 +1,111 @@
+"""--shared-base: one copy of a LoRA job's frozen base on the GPU, read by vLLM and the trainer alike.
+
+The trainer's model is built without weights (meta device) and its base parameters become views of the
+rollout engine's (colomem.engines.shared_base.alias_base); only the adapter is the trainer's own. So:
+- the rollout never sleeps its weights: between rollouts it releases only its KV cache (VLLMRollout's
+  `sleep(keep_weights=True)`), and the next awake window starts at the sync;
+- the sync sends the adapter alone (vLLM serves it through its LoRA support: lora_mode "adapter");
+- the trainer's offload never moves the base (it is the engine's memory) and keeps the adapter, a few MB;
+- nobody may write into the base: a sampled checksum of it runs in every step's check phase and a full one
+  at the end (BaseChecksum), and the trainer's base parameters are frozen (requires_grad False), so neither
+  autograd nor DeepSpeed's optimizer (ZeRO-2 builds its groups from trainable parameters only) touches them.
+
+What it needs, checked before anything starts (`shared_base_problem`): LoRA, the colomem switch, ZeRO-2,
+tensor-parallel size 1 and, on the GPU, vLLM in the trainer's process (--engine in-rank; `auto` picks it).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Optional
+
+from colomem.errors import SharedBaseError
+
+
+def shared_base_problem(cfg, backend: Optional[str] = None) -> Optional[str]:
+    """Why this run config cannot share its base (None: it can, or it does not ask to). backend: 'gpu' or
+    'cpu' once known (the engine check needs it)."""
+    if not cfg.shared_base:
+        return None
+    if cfg.lora is None:
+        return ("--shared-base shares a LoRA job's frozen base with the rollout engine; a full fine-tune trains "
+                "every weight, so there is nothing frozen to share (add --lora, or drop --shared-base)")
+    if cfg.switch != "colomem":
+        return ("--shared-base needs the colomem switch: the timesplit baseline puts vLLM's weights to sleep, "
+                "and the trainer would lose its base with them")
+    if cfg.zero_stage == 3:
+        return ("--shared-base needs --zero-stage 2: ZeRO-3 partitions every parameter, the frozen base too, "
+                "into flat buffers of its own, so the base could not stay the rollout engine's tensors (ZeRO-2 "
+                "leaves frozen parameters alone)")
+    if cfg.tensor_parallel_size > 1:
+        return (f"--shared-base needs tensor_parallel_size 1 (got {cfg.tensor_parallel_size}): a tensor-parallel "
+                "engine holds a shard of every weight on each rank while the trainer needs whole tensors")
+    if cfg.sleep_level is not None or cfg.weights_backup is not None:
+        return ("--shared-base keeps vLLM's weights mapped (only its KV cache sleeps): leave --sleep-level and "
+                "--weights-backup unset")
+    if cfg.engine == "cross-process" and backend != "cpu":
+        return ("--shared-base needs vLLM in the trainer's process (--engine in-rank, or auto): the "
+                "cross-process engine holds its weights in another process")
+    if backend == "gpu" and cfg.dtype != "bfloat16":
+        return (f"--shared-base on the GPU needs --dtype bfloat16 (got {cfg.dtype}): the trainer trains in "
+                "bfloat16, and its base is vLLM's tensors, so both must hold that dtype")
+    return None
+
+
+def engine_parameters(rollout: Any, timeout_s: float) -> dict[str, Any]:
+    """vLLM's model parameters by name, the tensors themselves (its worker runs in this process: --engine
+    in-rank), names as vLLM's model has them (its tied lm_head included)."""
+    def named(worker):
+        return dict(worker.model_runner.model.named_parameters(remove_duplicate=False))
+
+    out = rollout.llm.collective_rpc(named, timeout=timeout_s)
+    if len(out) != 1 or not isinstance(out[0], dict) or not out[0]:
+        raise SharedBaseError("vLLM's worker did not hand over its parameters in this process: sharing the base "
+                              "needs the in-rank engine (--engine in-rank) with one worker per rank")
+    return out[0]
+
+
+class SharedBase:
+    """The job's shared base: what was shared (the report), the rollout's tensors the trainer reads, and the
+    checksum guard over them."""
+
+    def __init__(self, engine_params: Mapping[str, Any], report: Any):
+        from colomem.engines.base_guard import BaseChecksum
+        from colomem.engines.shared_base import shared_tensors
+
+        if not report.mapped:
+            raise SharedBaseError("sharing the base mapped no parameter: the rollout engine's weights and the "
+                                  "trainer's model do not match (another model, or a tensor-parallel engine)")
+        self.report = report
+        self.tensors = shared_tensors(engine_params, report)
+        self.guard = BaseChecksum(self.tensors)
+        self.checks = 0
+        self.last_check_s = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.report.bytes_shared)
+
+    def check(self) -> None:
+        """The sampled checksum (a few windows of every tensor, a different part each call); SharedBaseError
+        naming the tensor when the base changed."""
+        t0 = time.perf_counter()
+        self.guard.sampled()
+        self.checks += 1
+        self.last_check_s = time.perf_counter() - t0
+
+    def check_full(self) -> float:
+        """Every byte of the base against the checksum taken when it was shared; returns the seconds."""
+        t0 = time.perf_counter()
+        self.guard.full()
+        return time.perf_counter() - t0
+
+    def metrics(self) -> dict:
+        return {"shared_base/bytes": self.nbytes, "shared_base/check_s": self.last_check_s}
+
+    def summary(self) -> dict:
+        return {"lora_base_copies_on_gpu": 1, "bytes_shared": self.nbytes,
+                "parameters_mapped": len(self.report.mapped), "checks": self.checks,
+                "not_mapped": dict(self.report.not_mapped)}
+
+
+__all__ = ["SharedBase", "shared_base_problem"]
