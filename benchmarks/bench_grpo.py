@@ -53,6 +53,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
          "timesplit": ["--switch", "timesplit"],
+         # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
+         "shared": ["--switch", "colomem", "--shared-base"],
+         "inrank": ["--switch", "colomem", "--engine", "in-rank"],
          "trl": [], "trl_sleep": ["--trl-sleep"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
 PEER_SCRIPTS = {"trl": "benchmarks/bench_trl.py", "trl_sleep": "benchmarks/bench_trl.py"}
@@ -154,6 +157,7 @@ def analyse(out_dir: Path) -> dict:
         "rollout_logprob_gap_max": max([g for g in gaps if g is not None], default=None),
         "samples_per_step": steps[-1].get("samples_total"),
         "completion_len_mean": _median([r.get("completion_len_mean") for r in warm]),
+        "shared_base": summary.get("shared_base"),
     })
     return res
 
@@ -228,10 +232,38 @@ def top_level(report: dict) -> None:
     if lora_c.get("step_s") and lora_t.get("step_s"):
         report["speedup_vs_timesplit_lora"] = lora_t["step_s"] / lora_c["step_s"]
         report["switch_overhead_fraction_lora"] = lora_c.get("switch_overhead_fraction")
+    lora_top_level(report, over_rounds)
     # the switch does not grow with the batch, the work does: the share at longer steps
     if full_c.get("switch_s") and full_c.get("step_s"):
         sw, work = full_c["switch_s"], full_c["step_s"] - full_c["switch_s"]
         report["switch_overhead_fraction_if_work_x"] = {str(k): sw / (sw + k * work) for k in (2, 4, 8, 16)}
+
+
+def lora_top_level(report: dict, over_rounds) -> None:
+    """The LoRA jobs' figures: each mode's step against TRL's, the switch's share, and with the shared base
+    how many copies of it the GPU held and the GPU memory beside the two-copy runs."""
+    for cfg in ("lora", "lora7b"):
+        trl = over_rounds(cfg, "trl", "step_s")
+        for mode, tag in (("colomem", cfg), ("shared", f"{cfg}_shared")):
+            step = over_rounds(cfg, mode, "step_s")
+            if step is None:
+                continue
+            report[f"{tag}_switch_fraction"] = over_rounds(cfg, mode, "switch_overhead_fraction")
+            if trl:
+                report[f"{tag}_speedup_vs_trl"] = trl / step
+        used = {m: [over_rounds(cfg, m, "gpu_used_in_rollout_gib"), over_rounds(cfg, m, "gpu_used_in_train_gib")]
+                for m in ("colomem", "inrank", "shared")}
+        used = {m: v for m, v in used.items() if any(x is not None for x in v)}
+        if used:
+            report[f"{cfg}_gpu_used_rollout_train_gib"] = used
+        runs = [r.get("result", {}) for n, r in report["runs"].items()
+                if n == f"{cfg}_shared" or n.startswith(f"{cfg}_shared_r")]
+        shared = [r["shared_base"] for r in runs if r.get("status") == "ok" and r.get("shared_base")]
+        if shared:
+            report["lora_base_copies_on_gpu"] = max(x["lora_base_copies_on_gpu"] for x in shared)
+            sync = _median([(r.get("phase_s") or {}).get("sync") for r in runs])   # the adapter alone
+            if sync is not None:          # the largest LoRA job's, when both ran (lora7b comes last)
+                report["adapter_sync_ms"] = sync * 1e3
 
 
 def runner_eager(args: list[str]) -> bool:

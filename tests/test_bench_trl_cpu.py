@@ -107,3 +107,23 @@ def test_the_peer_runs_eager_exactly_when_the_runner_does():
     cfg = ["--config", str(REPO / "configs/grpo_1p5b_full.yaml")]
     assert bench.runner_eager(cfg) is True                         # the config's enforce_eager
     assert bench.runner_eager(cfg + ["--enforce-eager", "false"]) is False
+
+
+def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    report = {"runs": {
+        "lora7b_colomem": res(step_s=6.0, switch_overhead_fraction=0.05, gpu_used_in_rollout_gib=60.0,
+                              gpu_used_in_train_gib=70.0),
+        "lora7b_shared": res(step_s=4.0, switch_overhead_fraction=0.004, phase_s={"sync": 0.012},
+                             shared_base={"lora_base_copies_on_gpu": 1}, gpu_used_in_rollout_gib=45.0,
+                             gpu_used_in_train_gib=55.0),
+        "lora7b_shared_r2": res(step_s=5.0, switch_overhead_fraction=0.006, phase_s={"sync": 0.016},
+                                shared_base={"lora_base_copies_on_gpu": 1}),
+        "lora7b_trl": res(step_s=9.0)}}
+    bench.top_level(report)
+    assert report["lora7b_shared_speedup_vs_trl"] == pytest.approx(9.0 / 4.5)    # medians over the rounds
+    assert report["lora7b_speedup_vs_trl"] == pytest.approx(1.5)
+    assert report["lora7b_shared_switch_fraction"] == pytest.approx(0.005)
+    assert report["lora_base_copies_on_gpu"] == 1 and report["adapter_sync_ms"] == pytest.approx(14.0)
+    assert report["lora7b_gpu_used_rollout_train_gib"] == {"colomem": [60.0, 70.0], "shared": [45.0, 55.0]}

@@ -122,3 +122,19 @@ def test_the_budget_predicts_the_runners_placement():
     assert big.placement["rollout_sleeps"] and "optim" not in big.placement["keep"]
     assert "master" in big.placement["keep"] and "params" in big.placement["keep"]
     assert any("56.6 GiB per GPU with that placement" in a for a in big.advice)
+
+
+def test_a_shared_base_is_counted_once_and_stays_through_training():
+    two = estimate(7.6e9, lora=True, kv_gib=20)
+    one = estimate(7.6e9, lora=True, kv_gib=20, shared_base=True)
+    assert "frozen base (bf16)" not in _items(one.trainer_state)
+    assert _items(one.train)["vLLM weights = the shared base (bf16)"] == pytest.approx(2 * 7.6e9)
+    assert _items(one.rollout)["weight bridge buffers"] == 0          # the in-process sync needs none
+    # nothing moving: one copy of the base fewer (and no bridge buffers) than the two-copy job
+    need = lambda b: float(b.placement["why"].split("needs ")[1].split(" GiB")[0])  # noqa: E731
+    saved = need(two) - need(one)
+    assert saved == pytest.approx((2 * 7.6e9 + 1 * GiB) / GiB, rel=0.01)
+    with pytest.raises(ValueError, match="shared base"):
+        estimate(7.6e9, kv_gib=20, shared_base=True)                   # a full fine-tune has no frozen base
+    with pytest.raises(ValueError, match="shared base"):
+        estimate(7.6e9, lora=True, zero=3, kv_gib=20, shared_base=True)

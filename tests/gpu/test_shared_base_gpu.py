@@ -17,7 +17,7 @@ import torch
 from test_vllm_adapter import GPU_UTIL, assert_greedy_matches, build_tiny, greedy   # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
-STEPS = 5
+STEPS = 20
 
 
 def vllm_params(rollout):
