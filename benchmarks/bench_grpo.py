@@ -47,7 +47,8 @@ if str(ROOT) not in sys.path:
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
-           "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml"}
+           "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
+           "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
 MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
@@ -233,6 +234,16 @@ def top_level(report: dict) -> None:
         report["speedup_vs_timesplit_lora"] = lora_t["step_s"] / lora_c["step_s"]
         report["switch_overhead_fraction_lora"] = lora_c.get("switch_overhead_fraction")
     lora_top_level(report, over_rounds)
+    # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
+    for cfg in ("bigkv", "full7b"):
+        frac = over_rounds(cfg, "colomem", "switch_overhead_fraction")
+        if frac is not None:
+            report[f"{cfg}_switch_fraction"] = frac
+            report.setdefault("offload_needed_switch_fraction", frac)     # the 1.5B job's when both ran
+            report[f"{cfg}_placement"] = (res(f"{cfg}_colomem").get("placement") or {}).get("label")
+    full7b = over_rounds("full7b", "colomem", "step_s")
+    if full7b is not None:
+        report["full7b_step_s"] = full7b
     # the switch does not grow with the batch, the work does: the share at longer steps
     if full_c.get("switch_s") and full_c.get("step_s"):
         sw, work = full_c["switch_s"], full_c["step_s"] - full_c["switch_s"]

@@ -138,3 +138,16 @@ def test_a_shared_base_is_counted_once_and_stays_through_training():
         estimate(7.6e9, kv_gib=20, shared_base=True)                   # a full fine-tune has no frozen base
     with pytest.raises(ValueError, match="shared base"):
         estimate(7.6e9, lora=True, zero=3, kv_gib=20, shared_base=True)
+
+
+def test_the_big_kv_benchmark_job_must_move_the_adam_moments():
+    # configs/grpo_1p5b_bigkv.yaml: vLLM takes 85 % of the H200, so the trainer cannot stay whole beside it
+    b = estimate(1.54e9, kv_gib=112, micro_batch=8, seq_len=512, gpu_gib=139.8)
+    assert b.placement["keep"] == ["params", "other", "grads", "master"] and b.placement["rollout_sleeps"]
+    assert "did not fit: nothing moves, trainer resident" in b.placement["why"]
+    # the shipped benchmark config (0.85 of the GPU) is the job this estimate describes
+    from colomem.runner.config import load_run_config
+    from pathlib import Path
+
+    cfg = load_run_config(["--config", str(Path(__file__).resolve().parents[1] / "configs/grpo_1p5b_bigkv.yaml")])
+    assert cfg.gpu_memory_utilization * 139.8 >= 112 + 2 and cfg.switch == "colomem" and cfg.offload == "auto"
