@@ -14,7 +14,7 @@ import colomem
 from colomem.engines import deepspeed as dsa
 from colomem.engines.deepspeed import state as ds_state
 from colomem.engines.deepspeed.strategies import ColomemOffload, ToOffload
-from colomem.engines.deepspeed.trainer import _check_model_dir
+from colomem.engines.deepspeed.model import check_model_dir as _check_model_dir
 from colomem.engines.deepspeed.weights import SyncSource
 from colomem.engines.lora import check_lora_layers
 from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError

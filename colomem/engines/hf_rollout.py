@@ -92,6 +92,10 @@ class HFRollout:
         self._phase = WEIGHTS_ONLY if keep_weights else ASLEEP
         self.timings["sleep_s"] = time.perf_counter() - t0
 
+    def wake_need(self, tags: Iterable[str]) -> Optional[int]:
+        """The stand-in maps no GPU memory when it wakes."""
+        return 0
+
     def wake_weights(self) -> None:
         self._require((ASLEEP,), "wake_weights", "call sleep() first")
         t0 = time.perf_counter()

@@ -66,6 +66,11 @@ class Rollout(Protocol):
     def wake_weights(self) -> None:
         ...
 
+    def wake_need(self, tags: Iterable[str]) -> Optional[int]:
+        """GPU bytes a wake of `tags` ("weights", "kv_cache") maps, with the margin it asks for; None when
+        unknown (the caller then assumes it does not fit beside anything else)."""
+        ...
+
     def load_weights(self, named_tensors: Iterable[tuple[str, "Tensor"]], version: int) -> "SyncStats":
         ...
 
@@ -108,10 +113,22 @@ class Trainer(Protocol):
         runner takes out of the train phase)."""
         ...
 
-    def offload(self, *, keep: Collection[str] = ()) -> None:
+    def offload(self, *, keep: Collection[str] = (), defer: bool = False) -> None:
         """The trainer's GPU state into host memory, but for the state categories in keep ("params", "grads",
         "master", "optim", "other": the placement planner's choice; a trainer without a category ignores
-        it); the memory goes back to the driver. Kept "params" are read on the device by named_weights()."""
+        it); the memory goes back to the driver. Kept "params" are read on the device by named_weights().
+        defer: the optimizer state (read only by the next optimizer step) is still copying when this returns,
+        and its memory is freed by finish_offload(); the weights are readable for the sync at once."""
+        ...
+
+    @property
+    def offload_pending(self) -> bool:
+        """Whether a deferred part of the last offload is still copying (finish_offload() ends it)."""
+        ...
+
+    def finish_offload(self, timeout: Optional[float] = None) -> float:
+        """Waits for the deferred part of the last offload and gives its memory back to the driver; returns the
+        seconds waited (0.0 when nothing was deferred)."""
         ...
 
     def reload(self) -> None:

@@ -57,7 +57,9 @@ class SwitchReport:
     collect_seconds: float = 0.0  # finding the storages (part of move_seconds for colomem and to)
     sync_seconds: float = 0.0    # offload: preparing the weights for the sync (views or staging)
     staged_bytes: int = 0        # offload: weights copied to host for the sync (merged LoRA, ZeRO-3 ranks)
-    deferred_bytes: int = 0      # reload: bytes still in flight on return (overlap_reload; train_step waits)
+    deferred_bytes: int = 0      # bytes still in flight on return (reload: overlap_reload, train_step waits;
+    #                              offload: defer=True, finish_offload waits)
+    wait_seconds: float = 0.0    # offload: what finish_offload() waited for the deferred part
     left_behind: str = ""        # offload: the largest CUDA tensors still alive when much stayed allocated
     #                              (the first such offload of a trainer)
 

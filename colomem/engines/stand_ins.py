@@ -101,6 +101,7 @@ class TorchTrainer:
         self._moved: list = []                 # the sets the last offload moved (keep leaves some)
         self._sync_source: Optional[list] = None
         self._pending = PendingReloads()       # optimizer state still coming back (overlap_reload)
+        self._deferred: Optional[tuple] = None  # (set, handle) of an offload still copying (defer=True)
         self.pool = pool
         self.offload_mode = "none"
         if pool is not None:
@@ -162,11 +163,11 @@ class TorchTrainer:
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics
 
-    def offload(self, *, keep: Collection[str] = ()) -> None:
+    def offload(self, *, keep: Collection[str] = (), defer: bool = False) -> None:
         """Parameters (+ grads) and optimizer state into the pool, but for the categories in keep ("params":
         parameters and gradients; "optim": the AdamW state). The weights stay readable for the sync: host
         views of the pool copy (full fine-tune), staged merged copies (LoRA), or the weights themselves when
-        kept."""
+        kept. defer: the AdamW state is still copying on return; finish_offload() waits for it."""
         self._check("offload()")
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
         if self.shared is not None:         # the base is the rollout's and must stay; the adapter is tiny
@@ -179,7 +180,12 @@ class TorchTrainer:
             staged = [(n, t.clone()) for n, t in merged_named_weights(self.model)]
         params = list(self.model.named_parameters())
         by_category = {}
+        deferred = 0
         for s in moving:
+            if defer and s.name == OPTIM_SET:       # read by the next optimizer step only: let it copy
+                self._deferred = (s, s.offload_async())
+                deferred = s.nbytes
+                continue
             by_category[_CATEGORY[s.name]] = s.offload(timeout=self.swap_timeout_s).nbytes
         self._moved = moving
         self._offloaded = True
@@ -190,7 +196,29 @@ class TorchTrainer:
         seconds = time.perf_counter() - t0
         self.last_offload = SwitchReport(
             self.offload_mode, "offload", seconds, sum(by_category.values()), 0, 0, 0, 0, by_category,
-            move_seconds=seconds, staged_bytes=sum(t.numel() * t.element_size() for _, t in staged or ()))
+            move_seconds=seconds, staged_bytes=sum(t.numel() * t.element_size() for _, t in staged or ()),
+            deferred_bytes=deferred)
+
+    @property
+    def offload_pending(self) -> bool:
+        return self._deferred is not None
+
+    def finish_offload(self, timeout: Optional[float] = None) -> float:
+        """Waits for the AdamW state an offload(defer=True) left copying; returns the seconds waited. On a
+        timeout the copy goes on and a later call waits again."""
+        if self._deferred is None:
+            return 0.0
+        s, handle = self._deferred
+        t0 = time.perf_counter()
+        stats = handle.wait(self.swap_timeout_s if timeout is None else timeout)
+        self._deferred = None
+        waited = time.perf_counter() - t0
+        rep = self.last_offload
+        if rep is not None:
+            rep.by_category[_CATEGORY[s.name]] = stats.nbytes
+            rep.moved_bytes += stats.nbytes
+            rep.wait_seconds = waited
+        return waited
 
     def _host_view(self, t: Tensor) -> Tensor:
         view = self._swaps[0].host_view(t)
@@ -203,6 +231,7 @@ class TorchTrainer:
             raise PhaseOrderError("this TorchTrainer was closed; cannot reload()")
         if not self._offloaded:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
+        self.finish_offload()               # a deferred part first: the set reloads once it is offloaded
         t0 = time.perf_counter()
         self._sync_source = None            # host views die with the offload
         nbytes = deferred = 0
@@ -232,6 +261,7 @@ class TorchTrainer:
         if self._closed:
             raise PhaseOrderError("this TorchTrainer was closed; cannot save_state()")
         self.wait_reload()
+        self.finish_offload()               # the pool copies it reads must be complete
         if self.world_size > 1 and self.process_group is not None:
             import torch.distributed as dist
 
@@ -314,8 +344,9 @@ class TorchTrainer:
         self._closed = True
         try:
             self.wait_reload()
+            self.finish_offload()
         except ColomemError as e:
-            log.warning("TorchTrainer.close: a deferred reload did not finish: %s", e)
+            log.warning("TorchTrainer.close: a deferred reload or offload did not finish: %s", e)
         for s in self._swaps:
             try:
                 if self._offloaded and s in self._moved:

@@ -104,6 +104,9 @@ class RunConfig(_Strict):
                                                  "weights (one copy on the GPU; vLLM in the trainer's process, "
                                                  "ZeRO-2, tensor_parallel_size 1): vLLM sleeps only its KV cache "
                                                  "and gets the adapter as a LoRA adapter")
+    overlap_offload: bool = Field(False, description="colomem switch: the trainer's optimizer state (fp32 masters, "
+                                                    "Adam moments) copies out while vLLM's weights wake, sync and "
+                                                    "are checked; the KV cache wakes once it finished")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
@@ -178,6 +181,9 @@ class RunConfig(_Strict):
                              "rows would not show how the model does on prompts it has not trained on)")
         if self.eval_prompts is not None and self.eval_every is None and self.eval_dataset is None:
             raise ValueError("--eval-prompts needs --eval-every or --eval-dataset (evaluation is off)")
+        if self.switch == "timesplit" and self.overlap_offload:
+            raise ValueError("--overlap-offload overlaps colomem's offload with vLLM's wake; the timesplit baseline "
+                             "offloads with DeepSpeed's offload_states")
         if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
             raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
                              "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")

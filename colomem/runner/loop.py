@@ -38,8 +38,8 @@ from .evaluation import Evaluator
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .status import StatusFile
-from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_total, host_usage, median, memory_snapshot,
-                       peak_reserved, release_cache, reset_peak, settle)
+from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, host_usage, median,
+                       memory_snapshot, peak_reserved, release_cache, reset_peak, settle)
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,18 @@ class ColocatedRunner:
         except Exception as e:  # noqa: BLE001  (reported; cleanup closes it anyway)
             return f"putting the rollout engine back to sleep failed too ({type(e).__name__}: {e})"
 
+    def _weights_fit(self) -> bool:
+        """Whether vLLM's weights fit in the GPU memory free now (beside an offload still copying out)."""
+        need = self.rollout.wake_need(("weights",))
+        free = gpu_free(self.device)
+        return need is not None and (free is None or free >= need)
+
+    def _finish_offload(self, rec: StepRecord) -> None:
+        """Waits for what an overlapped offload left copying (nothing to do otherwise)."""
+        if self.trainer.offload_pending:
+            with self.timed(rec, "offload_wait"):
+                self.trainer.finish_offload()
+
     def _sleep_rollout(self) -> None:
         """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
         if self.shared is not None:
@@ -197,7 +209,8 @@ class ColocatedRunner:
     def offload_trainer(self) -> None:
         """The trainer's part of the placement: what it does not keep goes to the pool."""
         if self.placement.trainer_moves and not self.trainer.offloaded:
-            self.trainer.offload(keep=self.placement.keep)
+            # overlapped: the optimizer state copies out behind the weights' wake, sync and check
+            self.trainer.offload(keep=self.placement.keep, defer=self.cfg.overlap_offload)
             self._moved.add("offload")
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
@@ -364,6 +377,8 @@ class ColocatedRunner:
         current = "wake_weights"
         done: dict[str, Any] = {}
         try:
+            if self.trainer.offload_pending and self.rollout.phase == ASLEEP and not self._weights_fit():
+                self._finish_offload(rec)
             with self.phase(rec, "wake_weights"):      # awake already when it does not sleep
                 self.rollout_awake = True
                 if self.rollout.phase == ASLEEP:
@@ -377,6 +392,8 @@ class ColocatedRunner:
                 self.rollout.check()
                 if self.shared is not None:          # nobody wrote into the base both sides read
                     self.shared.check()
+            current = "offload_wait"
+            self._finish_offload(rec)              # the KV cache needs the memory the optimizer state held
             current = "wake_kv"
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
@@ -433,6 +450,7 @@ class ColocatedRunner:
         assert self.checkpointer is not None
         self._save_due = None
         try:
+            self.trainer.finish_offload()          # the save reads the pool's copies: they must be complete
             self.checkpointer.save(done, self.version)
         except BaseException:
             rec.metrics["failed"] = "checkpoint"

@@ -6,7 +6,10 @@
 Why this order: vLLM may only wake once every rank's trainer has left the GPU (barrier_wake), the weights
 wake before the KV cache so old weights, new weights and the KV cache never coexist, the sync and its check
 come before any token is generated, and the trainer reloads only after every rank's vLLM is asleep
-(barrier_train). The run starts as if a train phase had just ended: trainer resident, rollout asleep.
+(barrier_train). With --overlap-offload the trainer's optimizer state (read by nobody until the next
+optimizer step) is still copying out while the weights wake, sync and are checked: each rank waits for it
+(`offload_wait`) before its KV cache wakes, which needs that memory, and before the weights already when they
+would not fit beside it. The run starts as if a train phase had just ended: trainer resident, rollout asleep.
 
 One optional phase: `eval` (held-out greedy completions, colomem.runner.evaluation) runs in the awake window,
 after `rollout` and before `sleep`, when an evaluation is due; the evaluation after the last step has a
@@ -25,15 +28,17 @@ from colomem.errors import PhaseOrderError, TransferTimeoutError
 CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "rollout", "sleep",
          "barrier_train", "reload", "train")
 # reload_wait: the part of train that waited for trainer state still reloading behind the forward and
-# backward (overlap_reload); a switch cost, so it is taken out of train and counted here.
-SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", "sleep",
+# backward (overlap_reload); a switch cost, so it is taken out of train and counted here. offload_wait: the
+# wait for the optimizer state an overlapped offload (--overlap-offload) left copying, before the KV cache
+# wakes (or before the weights, when they do not fit beside it).
+SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "offload_wait", "wake_kv", "sleep",
                  "barrier_train", "reload", "reload_wait")
 # eval is neither switch nor training work: the step's time leaves it out, the tables show it on its own row
 OPTIONAL = ("eval",)
 ORDER = CYCLE[:7] + OPTIONAL + CYCLE[7:]                        # every phase a step may have, in order
 # checkpoint: a save due after the previous step, written from the pool right after this step's offload
-REPORT_ORDER = (ORDER[:1] + ("checkpoint",) + ORDER[1:8] + ("score",) + ORDER[8:11] + ("reload_wait",)
-                + ORDER[11:])   # tables and plots
+REPORT_ORDER = (ORDER[:1] + ("checkpoint",) + ORDER[1:5] + ("offload_wait",) + ORDER[5:8] + ("score",)
+                + ORDER[8:11] + ("reload_wait",) + ORDER[11:])   # tables and plots
 WORK_PHASES = ("rollout", "score", "train")
 
 # phase -> the phases that may follow it: the cycle's next one, plus eval after rollout (an evaluation in a

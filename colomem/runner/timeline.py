@@ -93,6 +93,12 @@ def gpu_total(device: Optional[int]) -> Optional[int]:
     return int(cuda.mem_get_info(device)[1]) if cuda is not None else None
 
 
+def gpu_free(device: Optional[int]) -> Optional[int]:
+    """The GPU's free memory in bytes, as the driver reports it; None without a GPU."""
+    cuda = _cuda(device)
+    return int(cuda.mem_get_info(device)[0]) if cuda is not None else None
+
+
 @dataclass
 class StepRecord:
     """One step: phase durations (s), memory after each phase, and the metrics. step_s leaves out an `eval`

@@ -2,6 +2,7 @@
 
     config.py      DeepSpeedConfig (every option, validated), the DeepSpeed version check, build_ds_config,
                    the distributed environment; imports neither torch nor deepspeed
+    model.py       the model it trains (a checkpoint, a module, or a LoRA base shared with the rollout engine)
     state.py       what a ZeRO engine holds on its GPU (collect_engine_state), DeepSpeed 0.19 workarounds
     strategies.py  the three offload methods: colomem (pool swaps), deepspeed (offload_states), to (.to loop)
     weights.py     the weights for the rollout sync (LoRA merged, ZeRO-3 gathered, staged while offloaded)

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional, Protocol
 import torch
 from torch import Tensor
 
-from colomem.errors import CudaOutOfMemoryError
+from colomem.errors import ColomemError, CudaOutOfMemoryError
 
 from .state import CATEGORIES, LATE_CATEGORIES, EngineState
 
@@ -93,8 +93,9 @@ class ScratchBuffers:
 class ColomemOffload:
     """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
     forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
-    which reload(pending) copies back while the forward and backward run. `keep`: categories left on the
-    GPU (the placement planner's choice); the rest moves."""
+    which reload(pending) copies back while the forward and backward run, and offload(defer_late=True)
+    leaves copying while the rollout's weights wake and sync (finish_late() ends it). `keep`: categories left
+    on the GPU (the placement planner's choice); the rest moves."""
     method = "colomem"
 
     def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
@@ -116,22 +117,48 @@ class ColomemOffload:
         self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
                                          device=device, release=False)   # offloaded first; the early set's
         #                                                                     offload returns the memory
+        self._late_pending = None                                     # its handle while a deferred offload runs
 
-    def offload(self) -> Move:
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the LATE part still copying after offload(defer_late=True); 0 when none is."""
+        return self.late.nbytes if self._late_pending is not None else 0
+
+    def offload(self, defer_late: bool = False) -> Move:
+        """defer_late: the LATE part is still copying on return (its bytes are not in the Move's); its GPU
+        memory is freed by finish_late()."""
         t0 = time.perf_counter()
         state = self._state = self._collect()
         self._scratch.release(state.scratch)
         nbytes = 0
         try:
-            nbytes += self.late.offload(self._timeout).nbytes
+            if defer_late:
+                self._late_pending = self.late.offload_async()
+            else:
+                nbytes += self.late.offload(self._timeout).nbytes
             nbytes += self.swapset.offload(self._timeout).nbytes
         except BaseException:
+            if self._late_pending is not None:   # the deferred part ends before it is rolled back
+                self._late_pending = None
+                try:
+                    self.late.wait_pending(self._timeout)
+                except ColomemError:
+                    pass
             if self.late.state == "offloaded":    # all or nothing: the engine stays trainable
                 self.late.reload(self._timeout)
             self._scratch.regrow()
             self._scratch.forget()
             raise
         return Move(nbytes, time.perf_counter() - t0, state)
+
+    def finish_late(self, timeout: Optional[float] = None) -> int:
+        """Waits for the LATE part an offload(defer_late=True) left copying (its storages shrink then; the
+        caller empties the cache); returns its bytes. On a timeout it goes on and a later call waits again."""
+        if self._late_pending is None:
+            return 0
+        stats = self._late_pending.wait(self._timeout if timeout is None else timeout)
+        self._late_pending = None
+        return stats.nbytes
 
     def reload(self, pending=None) -> Move:
         """pending: a colomem.swap.PendingReloads to start the LATE part in (its wait() must come before
@@ -174,6 +201,9 @@ class ColomemOffload:
         return [(c, n, t) for c in CATEGORIES for n, t in self._state.groups.get(c, ())]
 
     def close(self) -> None:
+        if self._late_pending is not None:      # a deferred offload finishes before its set closes
+            self._late_pending = None
+            self.late.wait_pending(self._timeout)
         for s in (self.swapset, self.late):
             if s.state == "offloaded":
                 s.discard()

@@ -7,61 +7,33 @@ Two ways to build one (the options are those of `DeepSpeedConfig`, same names an
     config = DeepSpeedConfig(zero_stage=3, lr=1e-5, micro_batch=4)      # validated before anything starts
     DeepSpeedTrainer(model_path, config=config, pool=pool, lora=spec, grpo=grpo)
 
-The parts: config.py (options, version check, the DeepSpeed config), state.py (what the engine holds on the
-GPU), strategies.py (the three offload methods), weights.py (the weights for the rollout sync), and the
-micro-batch loop in colomem.grpo.step (shared with the CPU stand-in).
+The parts: config.py (options, version check, the DeepSpeed config), model.py (the model it trains),
+state.py (what the engine holds on the GPU), strategies.py (the three offload methods), weights.py (the
+weights for the rollout sync), and the micro-batch loop in colomem.grpo.step (shared with the CPU stand-in).
 """
 from __future__ import annotations
 
 import gc
-import threading
 import time
 import warnings
-import weakref
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Mapping, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from colomem._checkpoint import checkpoint_problem
-from colomem.engines.lora import check_lora_layers
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
 
-from .config import (OFFLOAD_METHODS, DeepSpeedConfig, build_lora_config, check_lora_spec, import_deepspeed,
-                     init_distributed)
+from .config import OFFLOAD_METHODS, DeepSpeedConfig, check_lora_spec, import_deepspeed, init_distributed
 from .state import (CATEGORIES, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, release_zero3_references, trim_module_stack, zero3_global_holders)
+from .model import build_model, check_model_dir, run_with_timeout, weakref_or_none
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
 
-def _run_with_timeout(fn: Callable[[], None], timeout_s: float, what: str) -> bool:
-    """Runs fn in a daemon thread; warns and returns False when it does not finish in time."""
-    err: list[BaseException] = []
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:       # noqa: BLE001 - reported below
-            err.append(e)
-
-    th = threading.Thread(target=target, name=f"colomem-{what}", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        warnings.warn(f"{what} did not finish within {timeout_s:.0f} s; continuing without it", RuntimeWarning,
-                      stacklevel=3)
-        return False
-    if err:
-        warnings.warn(f"{what} failed: {err[0]!r}", RuntimeWarning, stacklevel=3)
-        return False
-    return True
-
-
-# ----------------------------------------------------------------------------------------------- trainer
 class DeepSpeedTrainer:
     """The Trainer of colomem.engines.protocols on DeepSpeed ZeRO-2/3 (bf16).
 
@@ -92,7 +64,7 @@ class DeepSpeedTrainer:
                 "shared_base (the trainer's frozen base as the rollout engine's tensors) needs lora= and ZeRO-2: "
                 "only a LoRA job's base is frozen, and ZeRO-3 would partition the base into buffers of its own")
         if not isinstance(model_path, torch.nn.Module):
-            _check_model_dir(model_path)
+            check_model_dir(model_path)
         if not torch.cuda.is_available():
             raise NotAvailableError("DeepSpeedTrainer needs a CUDA GPU; on a machine without one use "
                                     "colomem.engines.stand_ins.TorchTrainer (--backend cpu)")
@@ -137,7 +109,7 @@ class DeepSpeedTrainer:
         self.device = torch.device("cuda", self.local_rank)
 
         torch.manual_seed(config.seed)
-        model, self.shared = self._build_model(model_path, config, shared_base)
+        model, self.shared = build_model(model_path, config, self.lora, self.device, shared_base)
         self.ds_config = config.build_ds_config(self.world_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)
@@ -161,41 +133,6 @@ class DeepSpeedTrainer:
         except BaseException:
             self.close()
             raise
-
-    # -- building -----------------------------------------------------------------------------------------
-    def _build_model(self, model_path: Any, config: DeepSpeedConfig,
-                     shared_base: Optional[Mapping[str, Tensor]] = None) -> tuple[Any, Any]:
-        """(the model to train, the SharedBaseReport of its base shared with the rollout engine or None)."""
-        model: Any
-        report: Any = None
-        if shared_base is not None:
-            from colomem.engines.hf_model import model_on_base
-
-            kw_base: dict[str, Any] = ({"attn_implementation": config.attn_implementation}
-                                       if config.attn_implementation else {})
-            model, report = model_on_base(model_path, shared_base, torch.bfloat16, config.trust_remote_code,
-                                          self.device, **kw_base)
-        elif isinstance(model_path, torch.nn.Module):
-            model = model_path
-        else:
-            from transformers import AutoModelForCausalLM
-
-            kw: dict[str, Any] = {"dtype": torch.bfloat16, "trust_remote_code": bool(config.trust_remote_code)}
-            if config.attn_implementation:
-                kw["attn_implementation"] = config.attn_implementation
-            model = AutoModelForCausalLM.from_pretrained(str(model_path), **kw)
-        if hasattr(model, "config"):
-            model.config.use_cache = False
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.lora is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, build_lora_config(self.lora))
-            if config.gradient_checkpointing:
-                model.enable_input_require_grads()
-            check_lora_layers(model)
-        return model, report
 
     # -- state --------------------------------------------------------------------------------------------
     @property
@@ -296,13 +233,15 @@ class DeepSpeedTrainer:
         return s
 
     def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None,
-                keep: Collection[str] = ()) -> None:
+                keep: Collection[str] = (), defer: bool = False) -> None:
         """Moves the engine's GPU state out (see DeepSpeedConfig.offload) and returns the memory to the
         driver. prepare_sync: keep the named weights readable for the weight sync while offloaded (host views
         of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
         method: another offload method for this cycle (benchmarks). keep: state categories (state.CATEGORIES)
-        that stay on the GPU, colomem method only; with "params" kept the sync reads the weights there. The
-        report is in `last_offload`."""
+        that stay on the GPU, colomem method only; with "params" kept the sync reads the weights there.
+        defer (colomem method only): the fp32 masters and Adam moments are still copying on return, read by
+        nobody before the next optimizer step; finish_offload() waits and frees their memory. The report is
+        in `last_offload`."""
         self._check_resident("offload()")
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
@@ -313,8 +252,9 @@ class DeepSpeedTrainer:
         if unknown:
             raise InvalidArgumentError(f"keep={list(keep)}: unknown categories {unknown}; they are "
                                        f"{', '.join(CATEGORIES)}")
-        if keep and method != "colomem":
-            raise InvalidArgumentError(f"keep={list(keep)} needs the colomem offload method (not {method!r})")
+        if (keep or defer) and method != "colomem":
+            raise InvalidArgumentError(f"keep={list(keep)} / defer={defer} need the colomem offload method (not "
+                                       f"{method!r})")
         if self.shared is not None:            # the adapter (a few MB) stays with the base it adapts
             keep = tuple(dict.fromkeys((*keep, "params", "other")))
         strategy = self._strategy(method)
@@ -336,7 +276,8 @@ class DeepSpeedTrainer:
             if self.lora is not None:
                 self._lora_cache = self._weights.lora_tensors(copy=True)
         t_sync = time.perf_counter() - t0
-        move = strategy.offload()
+        move = strategy.offload(defer_late=True) if defer and isinstance(strategy, ColomemOffload) \
+            else strategy.offload()
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
@@ -357,13 +298,37 @@ class DeepSpeedTrainer:
             free_bytes=free1, allocated_bytes=left, reserved_bytes=torch.cuda.memory_reserved(dev),
             by_category=dict(state.sizes), unlisted=list(state.unlisted),
             kept_bytes=sum(n for _, n in state.skipped), move_seconds=move.seconds, collect_seconds=state.seconds,
-            sync_seconds=t_sync, staged_bytes=staged, left_behind=left_behind(dev) if diagnose else "")
+            sync_seconds=t_sync, staged_bytes=staged, left_behind=left_behind(dev) if diagnose else "",
+            deferred_bytes=strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0)
+
+    @property
+    def offload_pending(self) -> bool:
+        s = self._strategies.get("colomem")
+        return isinstance(s, ColomemOffload) and s.pending_bytes > 0
+
+    def finish_offload(self, timeout: Optional[float] = None) -> float:
+        """Waits for what offload(defer=True) left copying and gives its memory to the driver; returns the
+        seconds waited (0.0: nothing was deferred)."""
+        s = self._strategies.get("colomem")
+        if not isinstance(s, ColomemOffload) or not s.pending_bytes:
+            return 0.0
+        t0 = time.perf_counter()
+        nbytes = s.finish_late(timeout)
+        release_cached_memory()
+        waited = time.perf_counter() - t0
+        rep = self.last_offload
+        if rep is not None:
+            rep.moved_bytes += nbytes
+            rep.wait_seconds = waited
+            rep.free_bytes = torch.cuda.mem_get_info(self.device)[0]
+        return waited
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
         self._check_open()
         if not self._offloaded:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
+        self.finish_offload()                 # a deferred part first: the set reloads once it is offloaded
         dev = self.device
         free0 = torch.cuda.mem_get_info(dev)[0]
         t0 = time.perf_counter()
@@ -437,6 +402,7 @@ class DeepSpeedTrainer:
 
         self._check_open()
         self.wait_reload()
+        self.finish_offload()              # the pool copies it reads must be complete
         strategy = self._strategies.get(self._offloaded_by or "") if self._offloaded else None
         if self._offloaded and not isinstance(strategy, ColomemOffload):
             raise PhaseOrderError(f"save_state() on a trainer offloaded by {self._offloaded_by!r}: only the colomem "
@@ -486,14 +452,14 @@ class DeepSpeedTrainer:
         engine = getattr(self, "engine", None)
         opt_ref = None
         if engine is not None:
-            _run_with_timeout(engine.destroy, self.timeout_s, "DeepSpeed engine.destroy()")
+            run_with_timeout(engine.destroy, self.timeout_s, "DeepSpeed engine.destroy()")
             if getattr(self, "zero_stage", None) == 3:
                 try:
                     release_zero3_references(getattr(engine, "module", None))
                 except Exception as e:     # noqa: BLE001 - closing goes on; the check below reports a leak
                     warnings.warn(f"unhooking the ZeRO-3 module from DeepSpeed failed: {e!r}", RuntimeWarning,
                                   stacklevel=2)
-            opt_ref = _weakref_or_none(getattr(engine, "optimizer", None))
+            opt_ref = weakref_or_none(getattr(engine, "optimizer", None))
         del engine                         # a local reference would keep it alive through the collection below
         self.engine = self.model = self._ref_fn = None
         self.__dict__.pop("_weights", None)   # the weight export holds the model: it would keep the engine alive
@@ -515,17 +481,3 @@ class DeepSpeedTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------------------------- helpers
-def _weakref_or_none(obj: Any) -> Optional[weakref.ref]:
-    try:
-        return weakref.ref(obj) if obj is not None else None
-    except TypeError:                    # not weak-referenceable: nothing to check
-        return None
-
-
-def _check_model_dir(model_path: Any) -> None:
-    problem = checkpoint_problem(model_path, tokenizer=False)     # the trainer reads no tokenizer
-    if problem:
-        raise InvalidArgumentError(problem)
