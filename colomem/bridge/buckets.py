@@ -147,23 +147,64 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def pack_bucket(bucket: PlannedBucket, dst: torch.Tensor) -> None:
+# Where a source's bytes come from, as the pack sees it (see source_kind).
+LOCAL = "local"        # the bucket's own memory: the same GPU for a CUDA bucket, host memory for a host bucket
+PINNED = "pinned"      # page-locked host memory into a CUDA bucket (the pool's host views are)
+TORCH = "torch"        # the rest: pageable host memory into a CUDA bucket, a GPU tensor into a host bucket
+SOURCE_KINDS = (LOCAL, PINNED, TORCH)
+
+
+def source_kind(src: torch.Tensor, dst_device: torch.device) -> str:
+    """How pack_bucket copies `src` into a bucket on `dst_device`: LOCAL and PINNED sources are raw copies
+    batched into one call of the core (under unified addressing the DMA engines read page-locked host memory
+    directly, as they read device memory), TORCH ones go through torch's copy (a DMA engine cannot read
+    pageable memory while the call returns: torch stages it)."""
+    if src.device == dst_device:
+        return LOCAL
+    # is_pinned() asks the driver about the storage's address: True for cudaHostAlloc'ed memory and for
+    # memory made page-locked with cudaHostRegister (the pinned pool's segments)
+    if dst_device.type == "cuda" and src.device.type == "cpu" and src.is_pinned():
+        return PINNED
+    return TORCH
+
+
+@dataclass
+class PackedBytes:
+    """The bytes one pack copied, by source kind (source_kind)."""
+
+    local_bytes: int = 0
+    pinned_bytes: int = 0
+    torch_bytes: int = 0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        name = f"{kind}_bytes"
+        setattr(self, name, getattr(self, name) + nbytes)
+
+
+def pack_bucket(bucket: PlannedBucket, dst: torch.Tensor) -> PackedBytes:
     """Copies the bucket's sources into dst (a 1-D uint8 tensor of at least bucket.nbytes), on the current
-    stream. Bytes between entries are left as they were."""
+    stream; returns the bytes copied by source kind. Bytes between entries are left as they were.
+
+    Into a CUDA bucket the copies are asynchronous: the sources (and the memory under them, e.g. a set's pool
+    copy: keep the set offloaded) must stay until the current stream has passed them."""
     if dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < bucket.nbytes:
         raise InvalidArgumentError(f"pack destination must be a 1-D uint8 tensor of >= {bucket.nbytes} bytes")
-    ranges = []  # sources in dst's memory: raw copies, one call into the core for the whole bucket
+    counts = PackedBytes()
+    ranges = []  # raw copies (LOCAL and PINNED sources): one call into the core for the whole bucket
     for e, src in zip(bucket.entries, bucket.sources):
         if not e.nbytes:
             continue
-        if src.device == dst.device:
-            ranges.append((e.offset, src.data_ptr(), e.nbytes))
-        else:  # e.g. a CPU tensor into a GPU bucket: torch picks the copy
+        kind = source_kind(src, dst.device)
+        counts.add(kind, e.nbytes)
+        if kind == TORCH:
             dst[e.offset:e.offset + e.nbytes].copy_(_as_bytes(src), non_blocking=True)
+        else:
+            ranges.append((e.offset, src.data_ptr(), e.nbytes))
     if ranges:
         from colomem import _torch
 
         _torch.copy_ranges(_torch.ranges_tensor(ranges), dst.device, dst_base=dst.data_ptr())
+    return counts
 
 
 def entry_view(buf: torch.Tensor, e: Entry) -> torch.Tensor:

@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 
 from colomem import _C
 from colomem._torch import device_bytes
-from colomem.bridge.buckets import PlannedBucket, pack_bucket
+from colomem.bridge.buckets import PackedBytes, PlannedBucket, pack_bucket
 from colomem.bridge.wire import U64
 from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, NotAvailableError, PeerError,
                             PoolClosedError, PoolExhaustedError, TransferTimeoutError)
@@ -240,6 +241,27 @@ def host_checksum(ptr: int, nbytes: int, stride: int) -> int:
 
 
 # -- packers (producer side) -------------------------------------------------------------------------------------
+@dataclass
+class PackRecord:
+    """What one bucket's pack took (producer side; BridgeStats adds them up)."""
+
+    nbytes: int
+    packed: PackedBytes             # bytes by source kind (buckets.source_kind)
+    issue_seconds: float            # host time launching the copies (per-tensor costs show here)
+    copy_seconds: float             # the copies: device time on the pack stream (a host pack: their time)
+    checksum_seconds: float         # the checksum after them (device time; a host pack: its time)
+    wait_seconds: float = 0.0       # host time blocked in ready() for the pack to finish
+
+
+@dataclass
+class _InFlight:
+    events: tuple                   # (start, copied, end) on the pack stream
+    sources: list                   # kept alive until the copies that read them finished
+    nbytes: int
+    packed: PackedBytes
+    issue_seconds: float
+
+
 class CudaPacker:
     """Packs buckets on a side stream of the bridge's GPU. The checksum is computed there too and copied to
     pinned host memory; both are read once the buffer's event passed (ready())."""
@@ -249,7 +271,7 @@ class CudaPacker:
         self._buffers = buffers
         self._views = views
         self._stream = torch.cuda.Stream(device)
-        self._pending: list = [None] * len(buffers)  # (event, sources) of the last pack per buffer
+        self._pending: list = [None] * len(buffers)  # _InFlight of the last pack per buffer
         self._sums_dev = torch.zeros(len(buffers), dtype=torch.int64, device=device)
         self._sums_host = torch.zeros(len(buffers), dtype=torch.int64).pin_memory()
 
@@ -257,23 +279,30 @@ class CudaPacker:
         for src in plan.sources:
             if src.device.type == "cuda" and src.device != self.device:
                 raise DeviceMismatchError(f"a tensor on {src.device} was given to a bridge on {self.device}")
+        t0 = time.perf_counter()
         s = self._stream
         s.wait_stream(torch.cuda.current_stream(self.device))  # the producer's writes to the tensors first
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         with torch.cuda.stream(s):
-            pack_bucket(plan, self._views[i])
+            events[0].record(s)
+            packed = pack_bucket(plan, self._views[i])
+            events[1].record(s)
             if stride:
                 _C.checksum_into(self._buffers[i].ptr, plan.nbytes, stride, self._sums_dev[i:i + 1].data_ptr(),
                                  s.cuda_stream, self.device.index)
                 self._sums_host[i:i + 1].copy_(self._sums_dev[i:i + 1], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(s)
-        self._pending[i] = (ev, plan.sources)  # sources stay alive until the pack finished
+            events[2].record(s)
+        # the sources stay alive until the pack finished: the copies read them after this returns
+        self._pending[i] = _InFlight(events, plan.sources, plan.nbytes, packed, time.perf_counter() - t0)
 
-    def ready(self, i: int, timeout: float, what: str) -> float:
-        """Waits for buffer i's pack; returns the seconds waited. Its sources may go afterwards."""
-        waited = wait_event(self._pending[i][0], timeout, what)
+    def ready(self, i: int, timeout: float, what: str) -> PackRecord:
+        """Waits for buffer i's pack; returns what it took. Its sources may go afterwards."""
+        p = self._pending[i]
+        waited = wait_event(p.events[2], timeout, what)
         self._pending[i] = None
-        return waited
+        start, copied, end = p.events
+        return PackRecord(p.nbytes, p.packed, p.issue_seconds, start.elapsed_time(copied) / 1e3,
+                          copied.elapsed_time(end) / 1e3, waited)
 
     def checksum(self, i: int) -> int:
         return int(self._sums_host[i]) & U64
@@ -294,16 +323,22 @@ class HostPacker:
         self._buffers = buffers
         self._views = views
         self._sums = [0] * len(buffers)
+        self._records: list = [None] * len(buffers)
 
     def pack(self, i: int, plan: PlannedBucket, stride: int) -> None:
-        pack_bucket(plan, self._views[i])
+        t0 = time.perf_counter()
+        packed = pack_bucket(plan, self._views[i])
         for dev in {src.device for src in plan.sources if src.device.type == "cuda"}:
             torch.cuda.current_stream(dev).synchronize()  # a GPU tensor's copy into the buffer ran on its stream
+        t1 = time.perf_counter()
         if stride:
             self._sums[i] = host_checksum(self._buffers[i].ptr, plan.nbytes, stride)
+        t2 = time.perf_counter()
+        self._records[i] = PackRecord(plan.nbytes, packed, t1 - t0, t1 - t0, t2 - t1)
 
-    def ready(self, i: int, timeout: float, what: str) -> float:
-        return 0.0
+    def ready(self, i: int, timeout: float, what: str) -> PackRecord:
+        rec, self._records[i] = self._records[i], None
+        return rec
 
     def checksum(self, i: int) -> int:
         return self._sums[i]
@@ -312,7 +347,7 @@ class HostPacker:
         return 0.0
 
     def reset(self) -> None:
-        pass
+        self._records = [None] * len(self._buffers)
 
 
 def packer(device: torch.device, buffers: list, views: list) -> Union[CudaPacker, HostPacker]:

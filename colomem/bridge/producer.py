@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BridgeStats:
-    """What one publish/sync did (producer side)."""
+    """What one publish/sync did (producer side). Where the time went: the packs' device time
+    (pack_copy_seconds at pinned/local bytes over it is the pack's rate), the host time launching them, the
+    host time blocked on them, and the consumer's share (ack_seconds); `buckets` has the same per bucket."""
 
     version: int = -1
     messages: int = 0
@@ -37,6 +39,28 @@ class BridgeStats:
     seconds: float = 0.0            # first pack to last ACK
     pack_wait_seconds: float = 0.0  # host time blocked waiting for a pack (+ checksum) to finish
     ack_seconds: float = 0.0        # time between handing out a message and its ACK
+    pack_issue_seconds: float = 0.0     # host time launching the packs' copies
+    pack_copy_seconds: float = 0.0      # the packs' copies, device time on the pack stream
+    pack_checksum_seconds: float = 0.0  # the checksums after them, device time
+    local_bytes: int = 0            # packed from the bucket's own memory (same GPU / host for a host bridge)
+    pinned_bytes: int = 0           # packed from page-locked host memory (e.g. a pool's host views)
+    torch_bytes: int = 0            # packed by torch's copy: pageable host memory into a GPU bucket (slow: staged)
+    buckets: list = field(default_factory=list)  # per bucket: {seq, nbytes, issue/copy/checksum/wait/ack ms}
+
+    def add_pack(self, rec: "_buffers.PackRecord") -> dict:
+        """Adds one bucket's pack; returns its row of `buckets` (the producer adds ack_ms once it is known)."""
+        self.pack_issue_seconds += rec.issue_seconds
+        self.pack_copy_seconds += rec.copy_seconds
+        self.pack_checksum_seconds += rec.checksum_seconds
+        self.pack_wait_seconds += rec.wait_seconds
+        self.local_bytes += rec.packed.local_bytes
+        self.pinned_bytes += rec.packed.pinned_bytes
+        self.torch_bytes += rec.packed.torch_bytes
+        row = {"seq": len(self.buckets), "nbytes": rec.nbytes, "issue_ms": rec.issue_seconds * 1e3,
+               "copy_ms": rec.copy_seconds * 1e3, "checksum_ms": rec.checksum_seconds * 1e3,
+               "wait_ms": rec.wait_seconds * 1e3, "ack_ms": None}
+        self.buckets.append(row)
+        return row
 
 
 ACCEPT_POLL_S = 0.2        # how often the accept thread looks at the stop flag
@@ -295,7 +319,7 @@ class WeightBridge:
                 i, plan = packed.popleft()
                 packer = self._live_packer()
                 # the sources may go once their pack finished
-                stats.pack_wait_seconds += packer.ready(i, self.timeout, f"packing bucket {seq} on {self.device}")
+                row = stats.add_pack(packer.ready(i, self.timeout, f"packing bucket {seq} on {self.device}"))
                 checksum = packer.checksum(i) if stride else None
                 fill()  # other free buffers start packing while the consumer applies this one
                 last = not packed and not plan_next()
@@ -307,7 +331,9 @@ class WeightBridge:
                 stats.nbytes += sum(e.nbytes for e in plan.entries)
                 t1 = time.perf_counter()
                 yield msg
-                stats.ack_seconds += time.perf_counter() - t1
+                acked = time.perf_counter() - t1
+                stats.ack_seconds += acked
+                row["ack_ms"] = acked * 1e3
                 self._check_open()
                 free.append(i)  # ACKed: the buffer may be refilled
                 seq += 1
