@@ -13,7 +13,7 @@ from colomem.engines.deepspeed.strategies import ColomemOffload
 from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
-from colomem.runner.loop import ColocatedRunner
+from colomem.runner.loop_memory import grow_sync_bucket
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
                                       sync_bucket,
                                       figures_from_step, kv_hint, needs_measuring)
@@ -150,15 +150,16 @@ def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():
     f = figs(total=140, rollout=60, left=1, peak=45)
     said, r = [], make(bucket_bytes=512 * MiB)
 
-    def runner(bucket_bytes, engine="cross-process"):
-        return SimpleNamespace(cfg=SimpleNamespace(bucket_bytes=bucket_bytes, effective_engine=engine),
-                               rollout=r, placement=choose("auto", "auto", [f], margin=2 * GB), print=said.append)
+    placement = choose("auto", "auto", [f], margin=2 * GB)
 
-    rec = SimpleNamespace(metrics={"sync/nbytes": 3 * GB})
-    assert ColocatedRunner._grow_sync_bucket(runner("512MiB"), rec, [f], 2 * GB) == 0
-    assert ColocatedRunner._grow_sync_bucket(runner("auto", "in-rank"), rec, [f], 2 * GB) == 0
+    def grow(bucket_bytes, engine="cross-process"):
+        cfg = SimpleNamespace(bucket_bytes=bucket_bytes, effective_engine=engine)
+        return grow_sync_bucket(cfg, r, placement, [f], 3 * GB, 2 * GB, said.append)
+
+    assert grow("512MiB") == 0
+    assert grow("auto", "in-rank") == 0
     assert r.bucket_bytes == 512 * MiB and not said
-    taken = ColocatedRunner._grow_sync_bucket(runner("auto"), rec, [f], 2 * GB)
+    taken = grow("auto")
     assert r.bucket_bytes == 2880 * MiB and taken == 2 * (2880 - 512) * MiB
     assert len(said) == 1 and "buckets of 2.81 GiB x 2" in said[0]
     # the KV-cache hint counts what the larger buffers take

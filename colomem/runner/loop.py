@@ -24,14 +24,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
-from colomem.errors import CudaOutOfMemoryError, StaleWeightsError, is_oom
-from colomem.units import format_bytes, parse_bytes
+from colomem.errors import StaleWeightsError, is_oom
+from colomem.units import parse_bytes
 
 from .phases import CYCLE, PhaseMachine, PhaseTimeoutError, Watchdog
-from .placement import (EVERYTHING_MOVES, MemoryFigures, Placement, choose, figures_from_step, kv_hint,
-                        sync_bucket,
-                        needs_measuring)
+from .placement import MemoryFigures, Placement, choose, figures_from_step, kv_hint, needs_measuring
 from .inrank import check_group_agrees, rollout_digest
+from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
@@ -89,7 +88,7 @@ class ColocatedRunner:
         # written right after step k+1's offload (no reload, no GPU memory); other switches save resident
         self.save_from_pool = cfg.switch == "colomem"
         # what moves between phases (colomem.runner.placement); measured on the first step when it may vary
-        self.placement: Placement = self._first_placement()
+        self.placement: Placement = first_placement(cfg)
         self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
         self.placement_figures: list[dict] = []
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
@@ -176,36 +175,7 @@ class ColocatedRunner:
         else:
             self.rollout.sleep()
 
-    def _oom_error(self, phase: str, step: int, e: BaseException, note: Optional[str]) -> CudaOutOfMemoryError:
-        c = self.cfg
-        if phase in ("wake_kv", "rollout", "eval"):
-            knob = (f"lower --gpu-memory-utilization (now {c.gpu_memory_utilization}) or --max-model-len (now "
-                    f"{c.max_model_len}) so the KV cache is smaller")
-        elif phase in ("wake_weights", "sync", "check"):
-            knob = ("the rollout weights did not fit next to what stays on the GPU while the trainer is offloaded: "
-                    "use --switch colomem --offload all (offloads all trainer state), a larger "
-                    "--tensor-parallel-size, or a smaller model; check the memory table for what stays resident")
-        else:
-            knob = (f"lower --micro-batch (now {c.micro_batch}), turn on --gradient-checkpointing, or lower "
-                    f"--gpu-memory-utilization (now {c.gpu_memory_utilization}) so vLLM's sleeping leftovers are "
-                    "smaller; `python -m colomem.budget` estimates what fits")
-        if self.placement.keep and c.switch == "colomem":
-            knob += (f" (the placement was {self.placement.label!r}: --offload all --rollout-sleep always moves "
-                     "everything)")
-        parts = [f"step {step}: out of GPU memory in phase {phase!r}: {e}", knob]
-        if note:
-            parts.append(note + "; the trainer was not reloaded")
-        return CudaOutOfMemoryError(". ".join(p.rstrip(".") for p in parts) + ".")
-
     # -- placement ----------------------------------------------------------------------------------------
-    def _first_placement(self) -> Placement:
-        c = self.cfg
-        if c.switch != "colomem":
-            return Placement((), True, "the time-split baseline: DeepSpeed offloads the trainer, vLLM sleeps")
-        if needs_measuring(c.offload, c.rollout_sleep):
-            return EVERYTHING_MOVES
-        return choose(c.offload, c.rollout_sleep, [], None)
-
     def offload_trainer(self) -> None:
         """The trainer's part of the placement: what it does not keep goes to the pool."""
         if self.placement.trainer_moves and not self.trainer.offloaded:
@@ -238,7 +208,8 @@ class ColocatedRunner:
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
             self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
             self.placement_figures = every
-            grown = self._grow_sync_bucket(rec, figs, margin)
+            grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
+                                     margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if hint:
@@ -247,22 +218,6 @@ class ColocatedRunner:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
                                "kv_hint": hint, "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
                                "figures": self.placement_figures})
-
-    def _grow_sync_bucket(self, rec: StepRecord, figs: list, margin: Optional[int]) -> int:
-        """With --bucket-bytes auto: larger weight-bridge buckets when the placement leaves the memory (fewer
-        round trips to vLLM's worker a sync). Returns the GPU bytes the larger buffers take."""
-        c, r = self.cfg, self.rollout
-        current, buffers = getattr(r, "bucket_bytes", None), getattr(r, "bucket_buffers", None)
-        if c.bucket_bytes != "auto" or c.effective_engine != "cross-process" or not hasattr(r, "set_bucket_bytes") \
-                or not isinstance(current, int) or not isinstance(buffers, int):
-            return 0
-        new = sync_bucket(self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0), current, buffers, margin)
-        if new is None:
-            return 0
-        r.set_bucket_bytes(new)
-        self.print(f"[colomem] weight sync: buckets of {format_bytes(new)} x {buffers} from now on (were "
-                   f"{format_bytes(current)}: fewer round trips a sync; the placement leaves the memory)")
-        return buffers * (new - current)
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:
@@ -340,7 +295,7 @@ class ColocatedRunner:
                 rec.phase_s["reload_wait"] = wait
         except BaseException as e:
             if is_oom(e):
-                raise self._oom_error(self.machine.failed or "train", k, e, None) from e
+                raise oom_error(self.cfg, self.placement, self.machine.failed or "train", k, e, None) from e
             raise
         self.version += 1
         self.rollout.expect_version(self.version)
@@ -411,7 +366,7 @@ class ColocatedRunner:
         except BaseException as e:
             note = self._put_rollout_to_sleep()
             if is_oom(e):
-                raise self._oom_error(current, step, e, note) from e
+                raise oom_error(self.cfg, self.placement, current, step, e, note) from e
             if note and isinstance(e, Exception):
                 log.error("step %d failed in %s; %s", step, current, note)
             raise
