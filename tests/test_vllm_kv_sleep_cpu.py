@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from colomem.engines.vllm.worker import kv_release
-from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError, PhaseOrderError,
-                            raise_payload)
+from colomem.errors import (CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError, PeerError,
+                            PhaseOrderError, raise_payload)
 from fakes.vllm import FakeLLM, FakeRollout, FakeWorker, model_of, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
@@ -32,7 +32,8 @@ class Cumem:
         self.pointer_to_data: dict = {}
         self.mapped: set = set()
         self.fail_map_at: int = -1          # the n-th create_and_map (from 0) raises CUDA's out-of-memory
-        self.maps = 0
+        self.fail_unmap_at: int = -1        # the n-th unmap_and_release raises a CUDA error
+        self.maps = self.unmaps = 0
         ptr = 0x10000
         for tag, sizes in (("weights", WEIGHT_SIZES), ("kv_cache", KV_SIZES)):
             for n in sizes:
@@ -49,6 +50,9 @@ class Cumem:
         self.mapped.add(handle[2])
 
     def unmap_and_release(self, handle):
+        i, self.unmaps = self.unmaps, self.unmaps + 1
+        if i == self.fail_unmap_at:
+            raise RuntimeError("CUDA Error: unknown error at cumem_allocator.cpp:156")
         if handle[2] not in self.mapped:
             raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:156")
         self.mapped.discard(handle[2])
@@ -264,6 +268,17 @@ def test_a_worker_that_cannot_release_resumes_scheduling_and_stays_awake():
     with pytest.raises(NotAvailableError, match="kv_cache"):
         r.sleep(keep_weights=True)
     assert r.phase == "awake" and not r.llm.paused
+    assert r.generate([[1]], max_new_tokens=2)
+    r.close()
+
+
+def test_a_release_that_fails_partway_maps_back_what_it_released():
+    r = make_kv()
+    c = r._worker.cumem
+    c.fail_unmap_at = c.unmaps + 1                             # the second KV allocation fails to unmap
+    with pytest.raises(PeerError, match="unknown error"):
+        r.sleep(keep_weights=True)
+    assert c.mapped == set(c.pointer_to_data) and r.phase == "awake" and not r.llm.paused
     assert r.generate([[1]], max_new_tokens=2)
     r.close()
 

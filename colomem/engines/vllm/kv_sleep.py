@@ -23,8 +23,7 @@ import contextlib
 import logging
 from typing import Iterator
 
-from colomem.errors import (ColomemError, CudaOutOfMemoryError, NotAvailableError, PeerError, PhaseOrderError,
-                            TransferTimeoutError)
+from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError, PhaseOrderError
 from colomem.units import format_bytes
 
 from . import wake_memory
@@ -61,14 +60,13 @@ class KvSleep:
         the cache is out already)."""
         self.check_available()
         if already_out:
-            return {"kv_released_bytes": 0, "kv_freed_bytes": 0}
+            return {"kv_released_bytes": 0, "kv_freed_bytes": 0, "kv_release_s": 0.0}
         self._call(lambda llm: llm.sleep(level=0), "sleep(level=0)")
         try:
             r = self._rpc("colomem_kv_release")
-        except (TransferTimeoutError, PeerError):
-            raise                    # the engine is stuck or gone: nothing more to ask it
         except ColomemError:
-            self._undo_release()
+            if not self._calls.broken:   # stuck or dead (timed out, engine gone): nothing more to ask it
+                self._undo_release()
             raise
         self.released = True
         self.nbytes = max(int(x["released_bytes"]) for x in r)
