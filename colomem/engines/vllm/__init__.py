@@ -20,6 +20,9 @@ Sleep modes (`sleep_level`, `weights_backup`):
   weights_backup="pool"                 the worker copies vLLM's "weights" allocations into a colomem pinned
                                         pool (chunked, pinned once) and vLLM sleeps at level 2; wake_weights()
                                         copies them back (restore=False skips that before a full sync).
+  sleep(keep_weights=True)              the KV cache alone is unmapped (worker/kv_release.py, kv_sleep.py); the
+                                        weights stay mapped and untouched, for a trainer whose base views them.
+                                        The rollout stays WEIGHTS_ONLY; wake_kv() maps the cache back in place.
 
 Logprobs: `logprobs_mode="processed_logprobs"` (default) returns log-softmax(logits / temperature) of each
 sampled token (after top-k/top-p), what the GRPO ratio compares against at top_p=1; "raw_logprobs" ignores the
@@ -36,6 +39,7 @@ LoRA (`lora=LoraSpec`, `lora_mode`, lora_adapter.py):
     config.py        VLLMConfig: every option, validated before vLLM starts (no torch, no vLLM imported)
     rollout.py       VLLMRollout: phases, guards, sleep / wake, sync bookkeeping, check, generate, close
     engine_calls.py  the engine-call thread, bounded waits, engine death, killing the engine's processes
+    kv_sleep.py      sleep(keep_weights=True): the KV cache released and mapped back, vLLM's bookkeeping kept
     transports.py    the weight sync: listener, direct
     lora_adapter.py  lora_mode="adapter"
     sampling.py      vLLM's sampling requests and outputs

@@ -24,6 +24,7 @@ from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentE
 from .checks import checksum_parts, finish_checksums, hashed_pick, same_layout, tensor_checksum
 from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
+from .kv_sleep import KvSleep
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
 from . import wake_memory
@@ -88,6 +89,7 @@ class VLLMRollout:
         self._adapter = (LoraAdapter(self.lora, self._calls, c.rpc_timeout_s)
                          if self.lora_mode == "adapter" else None)
         t0 = time.perf_counter()
+        self._kv = KvSleep(self._calls, self.llm_kwargs, self.wake_timeout_s, self.device, _WAKE_MARGIN)
         self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
         self._refresh_tag_bytes()
@@ -221,13 +223,27 @@ class VLLMRollout:
         return completions(outs, logprobs)
 
     # ---------------------------------------------------------------------------------------- sleep / wake
-    def sleep(self) -> None:
-        """Frees the GPU: KV cache dropped; weights kept in host memory (level 1 / pool) or dropped (level 2)."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Frees the GPU: KV cache dropped; weights kept in host memory (level 1 / pool) or dropped (level 2).
+
+        keep_weights=True releases the KV cache only (kv_sleep.py): the weights stay mapped where they are,
+        untouched (for a trainer whose base parameters view them), and the rollout is left WEIGHTS_ONLY, so
+        the next window syncs, checks and calls wake_kv() without wake_weights().
+        """
+        if not isinstance(keep_weights, bool):
+            raise InvalidArgumentError(f"keep_weights must be True or False, got {keep_weights!r}")
         self._require((AWAKE, WEIGHTS_ONLY), "sleep", "vLLM is already asleep")
+        if keep_weights:
+            self._kv.check_available()
         t0 = time.perf_counter()
-        keep = self._weights_valid and (self._weights_backup == "pool" or self._sleep_level == 1)
+        keep = self._weights_valid and (keep_weights or self._weights_backup == "pool" or self._sleep_level == 1)
         if keep and not any(self._expected):
             self._snapshot("before sleep")  # what check() must find after the wake
+        if keep_weights:  # from WEIGHTS_ONLY the cache is out already (released here or by vLLM's sleep)
+            self.timings.update(self._kv.release(already_out=self._phase == WEIGHTS_ONLY))
+            self._phase = WEIGHTS_ONLY
+            self.timings["sleep_s"] = time.perf_counter() - t0
+            return
         if self._weights_backup == "pool":
             r = self.rpc("colomem_save_weights_to_pool", self.wake_timeout_s, timeout=self.wake_timeout_s)
             self.timings["pool_save_s"] = max(x["seconds"] for x in r)
@@ -235,7 +251,8 @@ class VLLMRollout:
             level = 2
         else:
             level = self._sleep_level
-        self._calls.call(lambda llm: llm.sleep(level=level), self.wake_timeout_s, f"sleep(level={level})")
+        with self._kv.lent_to_vllm_sleep():    # a released KV cache must not be unmapped twice
+            self._calls.call(lambda llm: llm.sleep(level=level), self.wake_timeout_s, f"sleep(level={level})")
         self._phase = ASLEEP
         self._slept_with = (level, self._weights_backup)
         if level == 2 and self._weights_backup != "pool":
@@ -267,7 +284,10 @@ class VLLMRollout:
         """Maps the KV cache again; vLLM can generate after this."""
         self._require((WEIGHTS_ONLY,), "wake_kv", "call wake_weights() (and sync) first")
         t0 = time.perf_counter()
-        self._wake(("kv_cache",))
+        if self._kv.released:
+            self.timings.update(self._kv.map_back())
+        else:
+            self._wake(("kv_cache",))
         self._phase = AWAKE
         self.timings["wake_kv_s"] = time.perf_counter() - t0
 
@@ -468,6 +488,7 @@ class VLLMRollout:
         if torch.cuda.is_available():
             f, t = torch.cuda.mem_get_info(self.device)
             out.update(free_bytes=int(f), total_bytes=int(t), used_bytes=int(t - f))
+        out.update(self._kv.report())
         if self._phase != CLOSED and not self._calls.broken:
             out["workers"] = self.rpc("colomem_memory")
         return out
@@ -482,6 +503,8 @@ class VLLMRollout:
             # The worker's bridge mapping and pool backup go now; an in-process worker outlives the engine.
             if (self._bridge is not None or self.engine_in_process or self._weights_backup == "pool") \
                     and not self._calls.broken:
+                if self.engine_in_process:
+                    self._kv.map_before_close()
                 try:
                     self.rpc("colomem_close", timeout=min(10.0, timeout))
                 except ColomemError as exc:

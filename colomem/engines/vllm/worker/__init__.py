@@ -14,6 +14,7 @@ returns `colomem.errors.error_payload(exc)` instead and the parent re-raises the
     listener.py       the thread serving the bridge socket (sync_transport="listener")
     load_plan.py      load_weights recorded once, replayed as plain copies
     pool_backup.py    weights_backup="pool"
+    kv_release.py     the KV cache released alone, the weights left mapped (sleep(keep_weights=True))
     wake_rollback.py  undoing a wake that ran out of memory
     trainer_watch.py  ending the engine's process when the trainer that started it is gone
     ../checks.py      checksums and parameter sampling (shared with the trainer process)
@@ -32,7 +33,7 @@ import torch
 from colomem.errors import InvalidArgumentError, error_payload
 
 from ..checks import CHECKSUM_SAMPLE_WORDS, checksum_parts, finish_checksums, param_info, spread_sample
-from . import pool_backup, receive
+from . import kv_release, pool_backup, receive
 from .listener import Listener
 from .state import SyncState, WorkerState, torch_device
 from .trainer_watch import TrainerWatch
@@ -99,6 +100,15 @@ class ColomemWorkerExtension:
         alloc = CuMemAllocator.get_instance()
         return [(int(ptr), int(data.handle[1])) for ptr, data in sorted(alloc.pointer_to_data.items())
                 if data.tag == "weights"]
+
+    def _colomem_cumem(self) -> Any:
+        """vLLM's CuMemAllocator and its create_and_map / unmap_and_release (kv_release.cumem_api)."""
+        return kv_release.cumem_api(self)
+
+    def _colomem_is_mapped(self, ptr: int) -> bool:
+        from colomem import _C
+
+        return bool(_C.pointer_is_mapped(int(ptr)))
 
     def _colomem_apply(self, msg: dict) -> dict:
         return receive.apply_bucket(self, msg)
@@ -213,6 +223,37 @@ class ColomemWorkerExtension:
         wake_rollback.py); keep_weights backs up weights whose host copy was already dropped."""
         return rollback_wake(self._colomem_device(), list(tags), bool(keep_weights), float(timeout))
 
+    # -- the KV cache alone (sleep(keep_weights=True)) --------------------------------------------------------
+    @rpc_method
+    def colomem_kv_release(self) -> dict:
+        """Unmaps vLLM's "kv_cache" allocations and frees their memory; the weights stay mapped, untouched."""
+        return kv_release.release(self)
+
+    @rpc_method
+    def colomem_kv_map(self) -> dict:
+        """Maps new memory at the released KV-cache addresses (bytes undefined: reset the prefix cache)."""
+        return kv_release.map_back(self)
+
+    @rpc_method
+    def colomem_kv_lend(self) -> dict:
+        """Takes the released KV entries out of vLLM's table for the length of vLLM's own sleep."""
+        return kv_release.lend(self)
+
+    @rpc_method
+    def colomem_kv_take_back(self, slept: bool) -> dict:
+        """Returns them after vLLM's sleep (slept: it ran, so vLLM's wake maps them from now on)."""
+        return kv_release.take_back(self, bool(slept))
+
+    @rpc_method
+    def colomem_kv_state(self) -> dict:
+        """vLLM's "weights" and "kv_cache" allocations ([address, bytes, mapped]) and what is released."""
+        return kv_release.state(self)
+
+    @rpc_method
+    def colomem_param_pointers(self) -> dict:
+        """{name: data_ptr} of the model's parameters (a trainer that views them needs them to stay put)."""
+        return {n: int(p.data_ptr()) for n, p in self._colomem_model().named_parameters()}
+
     # -- memory ---------------------------------------------------------------------------------------------
     @rpc_method
     def colomem_memory(self) -> dict:
@@ -233,6 +274,8 @@ class ColomemWorkerExtension:
             out["cumem_bytes_by_tag"] = by_tag
         except Exception:  # noqa: BLE001  (no cumem allocator: sleep mode off, or not vLLM)
             out["cumem_bytes_by_tag"] = {}
+        kv = self._colomem().kv
+        out["kv_released"], out["kv_released_bytes"] = bool(kv.released), int(kv.nbytes)
         bk = self._colomem().backup
         out["pool"] = pool_backup.pool_stats(bk)
         out["pool_saved"] = bool(bk.saved)

@@ -34,6 +34,16 @@ class PoolBackup:
 
 
 @dataclass
+class KvRelease:
+    """The KV-cache-only sleep (kv_release.py): vLLM's "kv_cache" allocations colomem unmapped."""
+    released: list = field(default_factory=list)        # device addresses unmapped now (vLLM's table keeps them)
+    nbytes: int = 0                                     # their bytes
+    lent: dict = field(default_factory=dict)            # address -> AllocationData, out of vLLM's table during its sleep
+    release_s: float = 0.0
+    map_s: float = 0.0
+
+
+@dataclass
 class WorkerState:
     importer: Any = None
     address: Optional[str] = None
@@ -46,6 +56,7 @@ class WorkerState:
     last_ack: dict = field(default_factory=dict)
     listener: Any = None                                 # Listener while the bridge is served by a thread
     trainer_watch: Any = None                            # TrainerWatch: ends the engine if the trainer dies
+    kv: KvRelease = field(default_factory=KvRelease)     # the KV cache released without the weights
 
 
 def torch_device(worker: Any) -> torch.device:
@@ -75,4 +86,4 @@ def device_copy(device: torch.device, direction: str, copies: list, timeout: flo
     return time.perf_counter() - t0
 
 
-__all__ = ["PoolBackup", "SyncState", "WorkerState", "device_copy", "synchronize", "torch_device"]
+__all__ = ["KvRelease", "PoolBackup", "SyncState", "WorkerState", "device_copy", "synchronize", "torch_device"]
