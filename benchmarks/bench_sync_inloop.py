@@ -34,7 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 import torch  # noqa: E402
 
@@ -58,9 +58,8 @@ def word_sums(parts: dict) -> dict:
 
 def consumer(address: str) -> None:
     """Applies every sync into its own tensors; after a sync tagged check:* prints their word sums."""
-    from colomem._torch import ranges_tensor
     from colomem.bridge import BridgeImporter
-    from colomem.bridge.buckets import BucketMessage, dtype_from_name
+    from diag_bridge import ranges_for          # this folder's: the consumer's raw copies of a bucket
 
     imp = BridgeImporter.connect(address, timeout=60)
     dev = imp.device
@@ -74,17 +73,7 @@ def consumer(address: str) -> None:
             break
         tag = msg.get("tag")
         while True:
-            key = (msg["buffer"], msg["layout"])
-            if key not in compiled:
-                ops = []
-                for e in BucketMessage.from_dict(msg).entries:
-                    d = dst.get((e.name, e.part))
-                    if d is None:
-                        d = dst[(e.name, e.part)] = torch.empty(e.numel, dtype=dtype_from_name(e.dtype), device=dev)
-                    if e.nbytes:
-                        ops.append((d.data_ptr(), e.offset, e.nbytes))
-                compiled[key] = ranges_tensor(ops)
-            imp.copy_out(msg, compiled[key], verify="sampled")
+            imp.copy_out(msg, ranges_for(msg, dst, compiled, dev), verify="sampled")
             imp.ack(msg)
             if msg.get("last"):
                 break

@@ -27,13 +27,14 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:
+    sys.path.append(ROOT)   # a fallback: an installed colomem or PYTHONPATH's comes first
 MODES = ("ack", "verify", "copy", "full", "ranges")
 
 
-def ranges_for(msg: dict, dst: dict, compiled: dict) -> torch.Tensor:
-    """Raw (destination, offset in the bucket, bytes) copies of a bucket's entries into `dst`'s tensors,
-    computed once per bucket layout."""
+def ranges_for(msg: dict, dst: dict, compiled: dict, device="cuda") -> torch.Tensor:
+    """Raw (destination, offset in the bucket, bytes) copies of a bucket's entries into `dst`'s tensors (made
+    on `device` on first sight), computed once per bucket layout."""
     from colomem.bridge.buckets import BucketMessage, dtype_from_name
     from colomem._torch import ranges_tensor
 
@@ -43,8 +44,9 @@ def ranges_for(msg: dict, dst: dict, compiled: dict) -> torch.Tensor:
         for e in BucketMessage.from_dict(msg).entries:
             d = dst.get((e.name, e.part))
             if d is None:
-                d = dst[(e.name, e.part)] = torch.empty(e.numel, dtype=dtype_from_name(e.dtype), device="cuda")
-            ops.append((d.data_ptr(), e.offset, e.nbytes))
+                d = dst[(e.name, e.part)] = torch.empty(e.numel, dtype=dtype_from_name(e.dtype), device=device)
+            if e.nbytes:
+                ops.append((d.data_ptr(), e.offset, e.nbytes))
         compiled[key] = ranges_tensor(ops)
     return compiled[key]
 

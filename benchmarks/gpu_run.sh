@@ -6,7 +6,8 @@
 # (offload(keep=...) tests), syncbench,
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults), soak
 # (SOAK_S seconds of the default job), inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
-# sharedbase (GPU tests of one copy of a LoRA base shared by vLLM and the trainer),
+# kvsleep (vLLM's KV-only sleep), sharedbase (GPU tests of one copy of a LoRA base shared by vLLM and the
+# trainer), syncinloop (the weight sync from the pool's host views against the H2D peak),
 # grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
@@ -63,6 +64,7 @@ stage() {  # the stages run in the order given on the command line
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
+    kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
     sharedbase) run shared_base_tests 420 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
       tests/gpu/test_shared_base_runner_gpu.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;

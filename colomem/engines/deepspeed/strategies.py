@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -117,7 +117,7 @@ class ColomemOffload:
         self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
                                          device=device, release=False)   # offloaded first; the early set's
         #                                                                     offload returns the memory
-        self._late_pending = None                                     # its handle while a deferred offload runs
+        self._late_pending: Any = None                                # its SwapHandle while a deferred offload runs
 
     @property
     def pending_bytes(self) -> int:

@@ -296,6 +296,13 @@ class VLLMRollout:
         self.wake_weights()
         self.wake_kv()
 
+    def wake_need(self, tags: Iterable[str]) -> Optional[int]:
+        """GPU bytes waking `tags` maps (vLLM's allocations by tag, read when the engine started) plus the
+        margin the wake asks for; None when the layout could not be read."""
+        if not self._tag_bytes:
+            return None
+        return sum(self._tag_bytes.get(t, 0) for t in tags) + _WAKE_MARGIN
+
     def _wake(self, tags: tuple) -> None:
         need = sum(self._tag_bytes.get(t, 0) for t in tags)
         free = wake_memory.free_bytes(self.device)
