@@ -154,14 +154,15 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 shared = SharedBase(cpu_base, torch_trainer.shared)
         return Engines(rollout, trainer, pool, backend, tokenizer, shared=shared)
     except BaseException:
-        close_engines(Engines(rollout, trainer, pool, backend))
+        close_engines(Engines(rollout, trainer, pool, backend, shared=shared))
         raise
 
 
 def close_engines(engines: Engines, log_fn: Optional[Callable[[str], None]] = None) -> list[str]:
     """Closes rollout, trainer and pool, each even if another fails; returns the failures as text."""
     errors = []
-    for name in ("rollout", "trainer"):
+    # a trainer whose base is the rollout engine's weights goes first: nothing may read them once it is closed
+    for name in (("trainer", "rollout") if engines.shared is not None else ("rollout", "trainer")):
         obj = getattr(engines, name)
         if obj is None:
             continue
