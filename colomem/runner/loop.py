@@ -179,8 +179,10 @@ class ColocatedRunner:
     def offload_trainer(self) -> None:
         """The trainer's part of the placement: what it does not keep goes to the pool."""
         if self.placement.trainer_moves and not self.trainer.offloaded:
-            # overlapped: the optimizer state copies out behind the weights' wake, sync and check
-            self.trainer.offload(keep=self.placement.keep, defer=self.cfg.overlap_offload)
+            # overlapped: the optimizer state copies out behind the weights' wake, sync and check; not in the
+            # step that measures for the planner (what the trainer left after its offload must be complete)
+            defer = self.cfg.overlap_offload and not self._plan_after_step
+            self.trainer.offload(keep=self.placement.keep, defer=defer)
             self._moved.add("offload")
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
