@@ -115,3 +115,39 @@ def test_every_step_waits_for_the_offload_before_the_kv_cache_wakes(job_env, tmp
 def test_the_timesplit_baseline_refuses_an_overlapped_offload(tmp_path):
     with pytest.raises(ConfigError, match="overlap-offload"):
         config_from_dict({"backend": "cpu", "switch": "timesplit", "overlap_offload": True, "out": str(tmp_path)})
+
+
+def test_the_deepspeed_offload_defers_the_optimizer_state():
+    """ColomemOffload (the DeepSpeed trainer's offload) on a ZeRO-2-shaped engine of real tensors: the fp32
+    masters and Adam moments still copying on return, the rest gone; finish_late() ends it; bytes round-trip."""
+    import colomem
+    from colomem.engines import deepspeed as dsa
+    from colomem.engines.deepspeed.state import LATE_CATEGORIES
+    from colomem.engines.deepspeed.strategies import ColomemOffload
+    from fakes.deepspeed import fake_zero2_engine
+
+    cpu = torch.device("cpu")
+    pool = colomem.PinnedPool("1MiB", pin=False)
+    try:
+        eng = fake_zero2_engine()
+        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, cpu), pool, cpu, 30.0)
+        master = eng.optimizer.single_partition_of_fp32_groups[0]
+        weight = eng.module[0].weight
+        moments = [t for st in eng.optimizer.optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.numel() > 1]
+        before = [t.clone() for t in (master, weight, *moments)]
+        for _ in range(2):
+            move = s.offload(defer_late=True)
+            assert weight.untyped_storage().nbytes() == 0                    # the forward's state: gone
+            late = s.pending_bytes
+            assert late == sum(move.state.sizes[c] for c in LATE_CATEGORIES) > 0
+            assert move.nbytes == sum(move.state.sizes[c] for c in dsa.CATEGORIES) - late
+            assert s.finish_late() == late and s.pending_bytes == 0 and s.finish_late() == 0
+            assert master.untyped_storage().nbytes() == 0 and all(m.untyped_storage().nbytes() == 0 for m in moments)
+            s.reload()
+            assert all(torch.equal(t, b) for t, b in zip((master, weight, *moments), before))
+        s.offload(defer_late=True)
+        s.close()                                   # closing waits for the deferred part, then frees its blocks
+        assert pool.stats()["in_use_bytes"] == 0
+    finally:
+        pool.close(force=True)
