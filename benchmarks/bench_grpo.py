@@ -54,6 +54,7 @@ MODES = {"colomem": ["--switch", "colomem"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
          "timesplit": ["--switch", "timesplit"],
+         "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
@@ -236,8 +237,12 @@ def top_level(report: dict) -> None:
     lora_top_level(report, over_rounds)
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
-        frac = over_rounds(cfg, "colomem", "switch_overhead_fraction")
-        if frac is not None:
+        fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction") for m in ("colomem", "overlap")}
+        fracs = {m: f for m, f in fracs.items() if f is not None}
+        if fracs:
+            report[f"{cfg}_switch_fraction_by_mode"] = fracs
+            # the defaults' figure (the overlapped offload's beside it until it is the default)
+            frac = fracs.get("colomem", fracs.get("overlap"))
             report[f"{cfg}_switch_fraction"] = frac
             report.setdefault("offload_needed_switch_fraction", frac)     # the 1.5B job's when both ran
             report[f"{cfg}_placement"] = (res(f"{cfg}_colomem").get("placement") or {}).get("label")

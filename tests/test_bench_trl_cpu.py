@@ -127,3 +127,16 @@ def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
     assert report["lora7b_shared_switch_fraction"] == pytest.approx(0.005)
     assert report["lora_base_copies_on_gpu"] == 1 and report["adapter_sync_ms"] == pytest.approx(14.0)
     assert report["lora7b_gpu_used_rollout_train_gib"] == {"colomem": [60.0, 70.0], "shared": [45.0, 55.0]}
+
+
+def test_the_jobs_that_must_move_report_their_switch_share_by_mode():
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    report = {"runs": {"bigkv_colomem": res(step_s=10.0, switch_overhead_fraction=0.03,
+                                            placement={"label": "trainer keeps params+other+grads+master"}),
+                       "bigkv_overlap": res(step_s=9.9, switch_overhead_fraction=0.018),
+                       "full7b_colomem": res(step_s=30.0, switch_overhead_fraction=0.05)}}
+    bench.top_level(report)
+    assert report["offload_needed_switch_fraction"] == 0.03            # the default's, not the best mode's
+    assert report["bigkv_switch_fraction_by_mode"] == {"colomem": 0.03, "overlap": 0.018}
+    assert report["bigkv_placement"].startswith("trainer keeps") and report["full7b_step_s"] == 30.0
