@@ -38,7 +38,7 @@ from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, host_usage, median,
-                       memory_snapshot, peak_reserved, release_cache, reset_peak, settle)
+                       memory_snapshot, peak_reserved, release_cache, reset_peak, settle, switch_metrics)
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ class ColocatedRunner:
         rec.metrics.update(stats)
         rec.metrics.update({f"train/{n}": v for n, v in train.items()})
         rec.metrics["weight_version"] = self.version
-        rec.metrics.update(self._switch_details(sync))
+        rec.metrics.update(switch_metrics(sync, self.trainer, self.rollout, self._moved))
         if self.shared is not None:
             rec.metrics.update(self.shared.metrics())
         rec.metrics.update(host_usage())
@@ -384,23 +384,6 @@ class ColocatedRunner:
         return run_bounded(lambda: score_step(self.cfg, self.tokenizer, self.ranks, self.reward_specs,
                                               self.metric_specs, samples, gen_idx, train_idx, completions),
                            self.cfg.phase_timeout_s, "the score phase (the reward functions)")
-
-    def _switch_details(self, sync: Optional[SyncStats]) -> dict:
-        out: dict[str, Any] = {}
-        if sync is not None:
-            out.update({"sync/nbytes": sync.nbytes, "sync/ntensors": sync.ntensors, "sync/nbuckets": sync.nbuckets,
-                        "sync/seconds": sync.seconds})
-        # the reports of this step's moves only: a placement that keeps things in place moves nothing
-        for side, rep in (("offload", self.trainer.last_offload), ("reload", self.trainer.last_reload)):
-            if rep is None or side not in self._moved:
-                continue
-            for k, v in rep.to_dict().items():
-                if isinstance(v, (int, float, str, bool)) or v is None:
-                    out[f"trainer_{side}/{k}"] = v
-        for k, v in self.rollout.timings.items() if "rollout" in self._moved else ():
-            if isinstance(v, (int, float)):
-                out[f"rollout/{k}"] = v
-        return out
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _save(self, rec: StepRecord, done: int) -> None:

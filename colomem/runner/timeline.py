@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Collection, Optional, Sequence, TextIO
 
 from colomem.units import format_bytes
 
@@ -97,6 +97,25 @@ def gpu_free(device: Optional[int]) -> Optional[int]:
     """The GPU's free memory in bytes, as the driver reports it; None without a GPU."""
     cuda = _cuda(device)
     return int(cuda.mem_get_info(device)[0]) if cuda is not None else None
+
+
+def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]) -> dict:
+    """The step's switch as metrics: the sync's sizes and time, and the reports of what moved in this step
+    only (`moved`: offload, reload, rollout; a placement that keeps things in place moves nothing)."""
+    out: dict[str, Any] = {}
+    if sync is not None:
+        out.update({"sync/nbytes": sync.nbytes, "sync/ntensors": sync.ntensors, "sync/nbuckets": sync.nbuckets,
+                    "sync/seconds": sync.seconds})
+    for side, rep in (("offload", trainer.last_offload), ("reload", trainer.last_reload)):
+        if rep is None or side not in moved:
+            continue
+        for k, v in rep.to_dict().items():
+            if isinstance(v, (int, float, str, bool)) or v is None:
+                out[f"trainer_{side}/{k}"] = v
+    for k, v in rollout.timings.items() if "rollout" in moved else ():
+        if isinstance(v, (int, float)):
+            out[f"rollout/{k}"] = v
+    return out
 
 
 @dataclass
