@@ -124,17 +124,14 @@ def test_the_deepspeed_offload_defers_the_optimizer_state():
     from colomem.engines import deepspeed as dsa
     from colomem.engines.deepspeed.state import LATE_CATEGORIES
     from colomem.engines.deepspeed.strategies import ColomemOffload
-    from fakes.deepspeed import fake_zero2_engine
+    from fakes.deepspeed import fake_zero2_engine, zero2_tensors
 
     cpu = torch.device("cpu")
     pool = colomem.PinnedPool("1MiB", pin=False)
     try:
         eng = fake_zero2_engine()
         s = ColomemOffload(lambda: dsa.collect_engine_state(eng, cpu), pool, cpu, 30.0)
-        master = eng.optimizer.single_partition_of_fp32_groups[0]
-        weight = eng.module[0].weight
-        moments = [t for st in eng.optimizer.optimizer.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor) and t.numel() > 1]
+        master, weight, moments = zero2_tensors(eng)
         before = [t.clone() for t in (master, weight, *moments)]
         for _ in range(2):
             move = s.offload(defer_late=True)

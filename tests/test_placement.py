@@ -19,7 +19,7 @@ from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFi
                                       figures_from_step, kv_hint, needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
-from fakes.deepspeed import bare_trainer, fake_zero2_engine
+from fakes.deepspeed import bare_trainer, fake_zero2_engine, zero2_tensors
 from fakes.models import lora_model
 from fakes.vllm import make, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
@@ -174,11 +174,7 @@ def test_a_partial_colomem_offload_moves_only_what_is_not_kept():
     try:
         eng = fake_zero2_engine()
         s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
-        master = eng.optimizer.single_partition_of_fp32_groups[0]
-        weight = eng.module[0].weight
-        moments = [t for st in eng.optimizer.optimizer.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor) and t.numel() > 1]
-        assert moments, "the fake engine's Adam state has moments"
+        master, weight, moments = zero2_tensors(eng)
         before = [t.clone() for t in (master, weight, *moments)]
         for keep in [("params", "other", "grads", "master"), ("params", "other", "grads"), ()]:
             s.keep = keep

@@ -109,6 +109,15 @@ class StackPushingEngine(torch.nn.Module):
         return [1e-3]
 
 
+def zero2_tensors(eng):
+    """(fp32 master partition, a bf16 weight, the Adam moments) of a fake_zero2_engine: one of each category
+    an offload moves differently."""
+    moments = [t for st in eng.optimizer.optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert moments, "the fake engine's Adam state has moments"
+    return eng.optimizer.single_partition_of_fp32_groups[0], eng.module[0].weight, moments
+
+
 def bare_trainer(model, lora, pool=None):
     """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
     t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)
