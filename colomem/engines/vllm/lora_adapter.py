@@ -7,9 +7,10 @@ adapter is registered again after every wake (a wake can drop it).
 With vLLM's engine in this process and an adapter already in one of its slots, a new version is instead
 copied straight from the trainer's tensors into that slot (lora_inplace.py: no file, no load, no new id);
 the first version, and any adapter vLLM would not take in place (AdapterLayoutError), goes through the
-files. vLLM keys its prefix cache by adapter id, so KV blocks cached before an in-place write are stale:
-the rollout resets the prefix cache when the write happens while awake (a sleep clears it anyway), rather
-than bumping the id, which would mean re-keying vLLM's slot table, adapter registry and LRU caches. Once a
+files. vLLM's prefix cache keys each block by the request's adapter (its name), which an in-place write
+keeps, so KV blocks cached before the write are stale: the rollout resets the prefix cache when the write
+happens while awake (a sleep clears it anyway), rather than registering a new name and id, which would
+mean re-keying vLLM's slot table, adapter registry and LRU caches behind its back. Once a
 version went in place the files are older than the slot, so a wake that dropped the adapter cannot
 re-register them: generate refuses (StaleWeightsError) until the next load_weights sends the adapter.
 
@@ -98,6 +99,7 @@ class LoraAdapter:
         self.request: Any = None
         self.path: Optional[str] = None
         self.last_inplace = False
+        self.last_write: dict = {}        # the worker's report of the last in-place write (slot, bytes, seconds)
         self.inplace_refused: Optional[str] = None
         self._files_current = True        # the files at `path` hold what vLLM's slot holds
         self._dropped: Optional[str] = None  # why the adapter vLLM should serve is gone (generate refuses)
@@ -121,7 +123,7 @@ class LoraAdapter:
         self.last_inplace = False
         if self.in_process and self.request is not None and self._dropped is None:
             try:
-                self.write_in_place(adapter)
+                self.last_write = self.write_in_place(adapter)
                 self.last_inplace = True
                 return True
             except AdapterLayoutError as exc:

@@ -181,7 +181,7 @@ def write_copies(copies: list, scaling: float, timeout: float, ready: Any = None
         if ready is not None:
             stream.wait_event(ready)
     scale = float(scaling)
-    with torch.no_grad():
+    with torch.inference_mode():        # vLLM may have made its buffers as inference tensors: writable here
         for tgt, a, b in copies:
             tgt.a.copy_(a, non_blocking=True)
             tgt.b.copy_(b, non_blocking=True)
