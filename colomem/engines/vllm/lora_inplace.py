@@ -28,6 +28,7 @@ vLLM nowhere and CUDA only when the buffers are on a GPU.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -120,22 +121,28 @@ def slot_target(module: str, part: int, a_stacked: torch.Tensor, b_stacked: torc
 
 
 def plan_copies(adapter: Iterable, parts: dict, targets: dict,
-                map_name: Optional[Callable[[str], Optional[str]]] = None) -> list:
+                map_name: Optional[Callable[[str], Optional[str]]] = None, resolved: Optional[dict] = None) -> list:
     """[(Target, A, B)] for the adapter's (peft name, tensor) pairs, checked against the active adapter's
     targets ({(layer, part): Target}); AdapterLayoutError naming the module for anything that does not map
-    exactly (nothing is written before every pair passed)."""
+    exactly (nothing is written before every pair passed). `resolved` keeps {name: (module, key, is_a)} of
+    names already mapped, for the next version against the same targets."""
     halves: dict = {}
     names: dict = {}
+    resolved = {} if resolved is None else resolved
     for name, t in adapter:
         if not isinstance(t, torch.Tensor):
             raise AdapterLayoutError(f"{name!r} is a {type(t).__name__}, not a tensor{_FALLBACK}")
-        module, is_a = peft_module(name, map_name)
-        key = parts.get(module)
-        if key is None:
-            raise AdapterLayoutError(f"vLLM has no LoRA layer for {module!r}{_FALLBACK}")
-        if key not in targets:
-            raise AdapterLayoutError(f"{module!r}: the adapter vLLM holds now has no weights there, so its slot "
-                                     f"part was left empty{_FALLBACK}")
+        hit = resolved.get(name)
+        if hit is None:
+            module, is_a = peft_module(name, map_name)
+            key = parts.get(module)
+            if key is None:
+                raise AdapterLayoutError(f"vLLM has no LoRA layer for {module!r}{_FALLBACK}")
+            if key not in targets:
+                raise AdapterLayoutError(f"{module!r}: the adapter vLLM holds now has no weights there, so its "
+                                         f"slot part was left empty{_FALLBACK}")
+            hit = resolved[name] = (module, key, is_a)
+        module, key, is_a = hit
         pair = halves.setdefault(key, [None, None])
         i = 0 if is_a else 1
         if pair[i] is not None:
@@ -181,12 +188,21 @@ def write_copies(copies: list, scaling: float, timeout: float, ready: Any = None
         if ready is not None:
             stream.wait_event(ready)
     scale = float(scaling)
+    dst = [t.a for t, _, _ in copies] + [t.b for t, _, _ in copies]
+    src = [a for _, a, _ in copies] + [b for _, _, b in copies]
     with torch.inference_mode():        # vLLM may have made its buffers as inference tensors: writable here
-        for tgt, a, b in copies:
-            tgt.a.copy_(a, non_blocking=True)
-            tgt.b.copy_(b, non_blocking=True)
-            if scale != 1.0:
-                tgt.b.mul_(scale)
+        if hasattr(torch, "_foreach_copy_"):   # one call for all (its per-tensor path is copy_ itself)
+            torch._foreach_copy_(dst, src, non_blocking=True)
+        else:
+            for d, t in zip(dst, src):
+                d.copy_(t, non_blocking=True)
+        if scale != 1.0:
+            bs = dst[len(copies):]
+            if hasattr(torch, "_foreach_mul_"):
+                torch._foreach_mul_(bs, scale)
+            else:
+                for d in bs:
+                    d.mul_(scale)
     if stream is not None:
         from colomem.bridge.buffers import wait_stream
 
@@ -205,12 +221,9 @@ def active_slot(manager: Any, lora_id: int) -> Optional[int]:
         return None
 
 
-def manager_targets(manager: Any, lora_id: int, slot: int) -> dict:
+def manager_targets(manager: Any, held_model: Any, lora_id: int, slot: int) -> dict:
     """{(layer, part): Target} of every part the active adapter `lora_id` has weights for, from vLLM's
-    LoRAModelManager (its layers, and the LoRAModel it activated: what set_lora copied and at which shape)."""
-    held_model = manager.get_adapter(lora_id)
-    if held_model is None:
-        raise AdapterLayoutError(f"vLLM's LoRA manager does not hold adapter {lora_id}{_FALLBACK}")
+    LoRAModelManager (its layers) and the LoRAModel it activated (what set_lora copied, at which shape)."""
     targets: dict = {}
     for mname, layer in manager.modules.items():
         held = held_model.get_lora(mname)
@@ -242,25 +255,57 @@ def manager_targets(manager: Any, lora_id: int, slot: int) -> dict:
     return targets
 
 
+@dataclass
+class Layout:
+    """What one active adapter's writes reuse: its targets and the names already mapped to them."""
+    lora_id: int
+    slot: int
+    held: Any                   # weakref to the LoRAModel vLLM activated: a re-added adapter is another one
+    parts: dict
+    targets: dict
+    map_name: Optional[Callable[[str], Optional[str]]]
+    resolved: dict
+
+
+def layout_for(manager: Any, lora_id: int, cache: Optional[dict] = None) -> Layout:
+    """The Layout of adapter `lora_id` in vLLM's manager, from `cache` while it is still the same adapter in
+    the same slot; AdapterLayoutError when it is in no slot or not held."""
+    if manager is None:
+        raise AdapterLayoutError(f"vLLM runs without LoRA (no LoRA manager in its model runner){_FALLBACK}")
+    slot = active_slot(manager, lora_id)
+    if slot is None:
+        raise AdapterLayoutError(f"adapter {lora_id} is in none of vLLM's LoRA slots now{_FALLBACK}")
+    held = manager.get_adapter(lora_id)
+    if held is None:
+        raise AdapterLayoutError(f"vLLM's LoRA manager does not hold adapter {lora_id}{_FALLBACK}")
+    old = cache.get("layout") if cache is not None else None
+    if old is not None and old.lora_id == lora_id and old.slot == slot and old.held() is held:
+        return old
+    mapper = getattr(getattr(manager, "model", None), "hf_to_vllm_mapper", None)
+    layout = Layout(lora_id, slot, weakref.ref(held), part_map(manager.modules, getattr(manager, "packed_modules",
+                                                                                        {}) or {}),
+                    manager_targets(manager, held, lora_id, slot), getattr(mapper, "_map_name", None), {})
+    if cache is not None:
+        cache["layout"] = layout
+    return layout
+
+
 def write_adapter(manager: Any, lora_id: int, adapter: list, scaling: float, timeout: float,
-                  ready: Any = None) -> dict:
-    """The adapter's (peft name, tensor) pairs written over the slot adapter `lora_id` is active in.
+                  ready: Any = None, cache: Optional[dict] = None) -> dict:
+    """The adapter's (peft name, tensor) pairs written over the slot adapter `lora_id` is active in (`cache`:
+    a dict kept between calls, for the Layout).
 
     Returns {"slot", "tensors", "nbytes", "seconds"}; AdapterLayoutError (nothing written) when it does not
     map exactly."""
-    if manager is None:
-        raise AdapterLayoutError(f"vLLM runs without LoRA (no LoRA manager in its model runner){_FALLBACK}")
-    slot = active_slot(manager, int(lora_id))
-    if slot is None:
-        raise AdapterLayoutError(f"adapter {lora_id} is in none of vLLM's LoRA slots now{_FALLBACK}")
-    parts = part_map(manager.modules, getattr(manager, "packed_modules", {}) or {})
-    mapper = getattr(getattr(manager, "model", None), "hf_to_vllm_mapper", None)
-    map_name = getattr(mapper, "_map_name", None)
-    copies = plan_copies(adapter, parts, manager_targets(manager, int(lora_id), slot), map_name)
-    seconds = write_copies(copies, scaling, timeout, ready)
+    t0 = time.perf_counter()
+    lay = layout_for(manager, int(lora_id), cache)
+    copies = plan_copies(adapter, lay.parts, lay.targets, lay.map_name, lay.resolved)
+    write_copies(copies, scaling, timeout, ready)
     nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in copies)
-    return {"slot": slot, "tensors": 2 * len(copies), "nbytes": int(nbytes), "seconds": seconds}
+    return {"slot": lay.slot, "tensors": 2 * len(copies), "nbytes": int(nbytes),
+            "seconds": time.perf_counter() - t0}
 
 
-__all__ = ["EMBEDDING_MODULES", "LINEAR_LORA_LAYERS", "Target", "active_slot", "manager_targets", "part_map",
-           "peft_module", "plan_copies", "slot_target", "write_adapter", "write_copies"]
+__all__ = ["EMBEDDING_MODULES", "LINEAR_LORA_LAYERS", "Layout", "Target", "active_slot", "layout_for",
+           "manager_targets", "part_map", "peft_module", "plan_copies", "slot_target", "write_adapter",
+           "write_copies"]

@@ -195,8 +195,9 @@ class ColomemWorkerExtension:
         tensors themselves), written over the slot adapter `lora_id` is active in, B scaled by `scaling`
         (alpha / r), after the CUDA event `ready`. AdapterLayoutError, nothing written, for anything that does
         not map exactly (lora_inplace.py): the caller registers the adapter through files instead."""
+        cache = self.__dict__.setdefault("_colomem_lora_layout", {})   # the slot's views, kept per adapter
         return lora_inplace.write_adapter(self._colomem_lora_manager(), int(lora_id), list(adapter),
-                                          float(scaling), float(timeout), ready)
+                                          float(scaling), float(timeout), ready, cache)
 
     @rpc_method
     def colomem_lora_slot(self, lora_id: int) -> dict:
