@@ -281,10 +281,10 @@ def layout_for(manager: Any, lora_id: int, cache: Optional[dict] = None) -> Layo
     old = cache.get("layout") if cache is not None else None
     if old is not None and old.lora_id == lora_id and old.slot == slot and old.held() is held:
         return old
-    mapper = getattr(getattr(manager, "model", None), "hf_to_vllm_mapper", None)
-    layout = Layout(lora_id, slot, weakref.ref(held), part_map(manager.modules, getattr(manager, "packed_modules",
-                                                                                        {}) or {}),
-                    manager_targets(manager, held, lora_id, slot), getattr(mapper, "_map_name", None), {})
+    mapper = getattr(getattr(manager, "model", None), "hf_to_vllm_mapper", None)   # as vLLM's loader maps names
+    parts = part_map(manager.modules, getattr(manager, "packed_modules", {}) or {})
+    layout = Layout(lora_id, slot, weakref.ref(held), parts, manager_targets(manager, held, lora_id, slot),
+                    getattr(mapper, "_map_name", None), {})
     if cache is not None:
         cache["layout"] = layout
     return layout
