@@ -144,8 +144,9 @@ class LoraAdapter:
             ready.record()              # the trainer's last writes to these tensors, on its own stream
         req = self.request
         try:
-            out = self._calls.rpc("colomem_lora_write", req.lora_int_id, adapter, self.scaling, self._timeout,
-                                  ready, timeout=self._timeout)
+            # the worker's wait for its copies ends well before this call's, so a hung GPU reports as such
+            out = self._calls.rpc("colomem_lora_write", req.lora_int_id, adapter, self.scaling,
+                                  0.5 * self._timeout, ready, timeout=self._timeout)
         except AdapterLayoutError:
             raise
         except BaseException:
