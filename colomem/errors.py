@@ -53,6 +53,12 @@ class BaseWrittenError(WeightCheckError):
     message names the tensor and the byte range."""
 
 
+class AdapterLayoutError(InvalidArgumentError):
+    """A LoRA adapter cannot be written in place into the slot vLLM's LoRA manager filled (a module vLLM has no
+    LoRA layer for, another shape, tensor parallelism, an embedding or lm_head adapter, no active slot); the
+    message names the module. The adapter goes through vLLM's own loader instead."""
+
+
 class PhaseOrderError(ColomemError):
     """A colocated-runner transition was asked for out of order (for example wake before offload)."""
 
@@ -126,7 +132,7 @@ def _class_named(name: str) -> Optional[type]:
 
 
 __all__ = [
-    "BaseWrittenError", "ColomemError", "ConfigError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError",
+    "AdapterLayoutError", "BaseWrittenError", "ColomemError", "ConfigError", "CudaError", "CudaOutOfMemoryError", "DeviceMismatchError",
     "DoubleReleaseError", "ForeignTensorError", "InvalidArgumentError", "NotAvailableError", "PeerAbortedError", "PeerClosedError",
     "PeerError", "PhaseOrderError", "PoolBusyError", "PoolClosedError", "PoolExhaustedError", "SharedBaseError",
     "StaleWeightsError", "TransferTimeoutError", "WeightCheckError", "error_payload", "is_error_payload",

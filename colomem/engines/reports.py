@@ -24,6 +24,7 @@ class SyncStats:
     replayed_tensors: int = 0     # tensors placed by replaying recorded load_weights copies (load_plan)
     adapter_tensors: int = 0      # LoRA tensors handed to vLLM's LoRA manager (adapter mode)
     adapter_seconds: float = 0.0
+    adapter_inplace: bool = False  # the adapter was copied into vLLM's slot in place (no files, same id)
     complete: Optional[bool] = None  # every vLLM parameter was written (None: not known)
     nmissing: int = 0             # vLLM parameters the sync did not write
     missing: tuple = ()           # the first few of them

@@ -35,6 +35,9 @@ LoRA (`lora=LoraSpec`, `lora_mode`, lora_adapter.py):
             and registered with a fresh id per version; the base weights must survive sleep, so this mode
             needs sleep_level=1 or weights_backup="pool" (a level-2 sleep without a backup would leave garbage
             under a correct adapter, verl#3516). The adapter is registered again after every wake (vllm#53888).
+            With engine_in_process=True, every version after the first is instead copied from the trainer's
+            tensors into the slot vLLM already filled, same id, no file (lora_inplace.py); anything it cannot
+            place exactly goes through the files. SyncStats.adapter_inplace says which way a version went.
 
     config.py        VLLMConfig: every option, validated before vLLM starts (no torch, no vLLM imported)
     rollout.py       VLLMRollout: phases, guards, sleep / wake, sync bookkeeping, check, generate, close
@@ -42,6 +45,7 @@ LoRA (`lora=LoraSpec`, `lora_mode`, lora_adapter.py):
     kv_sleep.py      sleep(keep_weights=True): the KV cache released and mapped back, vLLM's bookkeeping kept
     transports.py    the weight sync: listener, direct
     lora_adapter.py  lora_mode="adapter"
+    lora_inplace.py  the adapter written into vLLM's LoRA slot in place (called in the worker)
     sampling.py      vLLM's sampling requests and outputs
     checks.py        checksums shared with the worker
     worker/          ColomemWorkerExtension, inside vLLM's worker process

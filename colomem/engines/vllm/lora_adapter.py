@@ -2,8 +2,19 @@
 
 Tensors named *lora_A* / *lora_B* are written as a peft adapter (safetensors in /dev/shm) and registered
 with vLLM's LoRA manager under a fresh id per version; the rest are base weights, synced as usual. The
-adapter is registered again after every wake (a wake can drop it). This module imports neither torch nor
-vLLM at module level (the config validates LoRA ranks with it).
+adapter is registered again after every wake (a wake can drop it).
+
+With vLLM's engine in this process and an adapter already in one of its slots, a new version is instead
+copied straight from the trainer's tensors into that slot (lora_inplace.py: no file, no load, no new id);
+the first version, and any adapter vLLM would not take in place (AdapterLayoutError), goes through the
+files. vLLM's prefix cache keys each block by the request's adapter (its name), which an in-place write
+keeps, so KV blocks cached before the write are stale: the rollout resets the prefix cache when the write
+happens while awake (a sleep clears it anyway), rather than registering a new name and id, which would
+mean re-keying vLLM's slot table, adapter registry and LRU caches behind its back. Once a
+version went in place the files are older than the slot, so a wake that dropped the adapter cannot
+re-register them: generate refuses (StaleWeightsError) until the next load_weights sends the adapter.
+
+This module imports neither torch nor vLLM at module level (the config validates LoRA ranks with it).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from colomem.errors import ColomemError
+from colomem.errors import AdapterLayoutError, ColomemError, StaleWeightsError
 
 if TYPE_CHECKING:
     from .engine_calls import EngineCalls
@@ -75,15 +86,78 @@ def split_adapter(named_tensors: Iterable) -> tuple[list, list]:
 
 
 class LoraAdapter:
-    """The adapter vLLM serves now: its request (passed to generate), its files, the next id."""
+    """The adapter vLLM serves now: its request (passed to generate), its files, the next id.
 
-    def __init__(self, lora: Any, calls: "EngineCalls", timeout: float):
+    in_process: vLLM's worker runs in this process, so the trainer's tensors can be handed to it as they are
+    (the in-place path). `last_inplace` says how the last version went; `inplace_refused` why the in-place
+    path was last refused.
+    """
+
+    def __init__(self, lora: Any, calls: "EngineCalls", timeout: float, in_process: bool = False):
         self.lora, self._calls, self._timeout = lora, calls, timeout
+        self.in_process = bool(in_process)
         self.request: Any = None
         self.path: Optional[str] = None
+        self.last_inplace = False
+        self.last_write: dict = {}        # the worker's report of the last in-place write (slot, bytes, seconds)
+        self.inplace_refused: Optional[str] = None
+        self._files_current = True        # the files at `path` hold what vLLM's slot holds
+        self._dropped: Optional[str] = None  # why the adapter vLLM should serve is gone (generate refuses)
         self._next_id = 1
 
-    def load(self, adapter: list, version: int) -> None:
+    @property
+    def scaling(self) -> float:
+        """alpha / r, the factor vLLM's loader folds into B (the adapter files say use_rslora=False)."""
+        return float(lora_attr(self.lora, "alpha", "lora_alpha")) / int(lora_attr(self.lora, "r"))
+
+    def serving(self) -> Any:
+        """The request generate passes to vLLM; StaleWeightsError when the adapter was lost (see module doc)."""
+        if self._dropped is not None:
+            raise StaleWeightsError(f"{self._dropped}: call load_weights(adapter tensors, version) before "
+                                    f"generating")
+        return self.request
+
+    def load(self, adapter: list, version: int) -> bool:
+        """Puts the adapter of `version` into vLLM: in place when it can, else as files under a fresh id.
+        Returns True when it went in place."""
+        self.last_inplace = False
+        if self.in_process and self.request is not None and self._dropped is None:
+            try:
+                self.last_write = self.write_in_place(adapter)
+                self.last_inplace = True
+                return True
+            except AdapterLayoutError as exc:
+                if self.inplace_refused is None:
+                    log.warning("LoRA adapter not written in place, loading it from files: %s", exc)
+                self.inplace_refused = str(exc)
+        self.load_files(adapter, version)
+        return False
+
+    def write_in_place(self, adapter: list) -> dict:
+        """Copies the adapter tensors over the slot vLLM activated for the current request (same id).
+        AdapterLayoutError, nothing written, when vLLM's slot does not take them exactly."""
+        import torch
+
+        ready = None
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for _, t in adapter):
+            ready = torch.cuda.Event()
+            ready.record()              # the trainer's last writes to these tensors, on its own stream
+        req = self.request
+        try:
+            # the worker's wait for its copies ends well before this call's, so a hung GPU reports as such
+            out = self._calls.rpc("colomem_lora_write", req.lora_int_id, adapter, self.scaling,
+                                  0.5 * self._timeout, ready, timeout=self._timeout)
+        except AdapterLayoutError:
+            raise
+        except BaseException:
+            # a failure after the checks (a wait that ran out, a dead engine) may leave the slot half written
+            self._dropped = "writing the LoRA adapter into vLLM's slot failed part way"
+            raise
+        self._files_current = False
+        self.inplace_refused = None
+        return out[0]
+
+    def load_files(self, adapter: list, version: int) -> None:
         """Writes the adapter tensors as a peft adapter and registers it for `version`."""
         from safetensors.torch import save_file
 
@@ -113,6 +187,7 @@ class LoraAdapter:
         self._calls.call(lambda llm: llm.llm_engine.add_lora(req), self._timeout, "add_lora")
         old, old_dir = self.request, self.path
         self.request, self.path = req, d
+        self._files_current, self._dropped = True, None
         if old is not None:
             try:
                 self._calls.call(lambda llm: llm.llm_engine.remove_lora(old.lora_int_id), self._timeout,
@@ -125,9 +200,21 @@ class LoraAdapter:
                 shutil.rmtree(old_dir, ignore_errors=True)
 
     def register_again(self, version: int) -> None:
-        """After a wake: the same files under a fresh id (a wake may have dropped the adapter)."""
-        if self.request is not None and self.path is not None:
+        """After a wake: the same files under a fresh id (a wake may have dropped the adapter). Files older
+        than the slot (a version went in place since) are not registered: the slot is kept when vLLM still
+        has the adapter active (the wake restored it with the weights), else the adapter counts as lost."""
+        if self.request is None or self.path is None or self._dropped is not None:
+            return
+        if self._files_current:
             self.register(self.path, version)
+            return
+        slot = self._calls.rpc("colomem_lora_slot", self.request.lora_int_id, timeout=self._timeout)[0]["slot"]
+        if slot < 0:
+            log.warning("the wake dropped LoRA adapter %s, whose last version was written in place; the next "
+                        "load_weights loads it from files", self.request.lora_int_id)
+            self._dropped = (f"the wake dropped LoRA adapter {self.request.lora_int_id} (version {version}, "
+                             f"written in place, so its files are older)")
+            self.remove_files()
 
     def remove_files(self) -> None:
         if self.path:

@@ -86,7 +86,7 @@ class VLLMRollout:
 
         # An in-process engine runs its CUDA work on the engine-call thread: that thread must use its GPU.
         self._calls = EngineCalls(c.rpc_timeout_s, self._set_device if self.engine_in_process else None)
-        self._adapter = (LoraAdapter(self.lora, self._calls, c.rpc_timeout_s)
+        self._adapter = (LoraAdapter(self.lora, self._calls, c.rpc_timeout_s, self.engine_in_process)
                          if self.lora_mode == "adapter" else None)
         t0 = time.perf_counter()
         self._kv = KvSleep(self._calls, self.llm_kwargs, self.wake_timeout_s, self.device, _WAKE_MARGIN)
@@ -214,7 +214,7 @@ class VLLMRollout:
             return []
         kw: dict = {"use_tqdm": False}
         if self._adapter is not None and self._adapter.request is not None:
-            kw["lora_request"] = self._adapter.request
+            kw["lora_request"] = self._adapter.serving()
         params, prompts = requests(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                    logprobs=logprobs)
@@ -357,7 +357,7 @@ class VLLMRollout:
             stats = self._sync_base(items, version, sampled, snapshots)
         if adapter and self._adapter is not None:
             ta = time.perf_counter()
-            self._adapter.load(adapter, version)
+            stats.adapter_inplace = self._adapter.load(adapter, version)
             stats.adapter_tensors = len(adapter)
             stats.adapter_seconds = time.perf_counter() - ta
         if stats.ntensors == 0 and not adapter:
@@ -374,7 +374,7 @@ class VLLMRollout:
             # what check() must find: the trainer's bytes for unfused names, the worker's right after the sync
             self._expected = [{**snap, **sampled} for snap in snapshots] or [dict(sampled)]
             self._expected_from = f"version {version}"
-        if stats.ntensors and self._phase == AWAKE:
+        if (stats.ntensors or stats.adapter_inplace) and self._phase == AWAKE:  # an in-place adapter keeps its id
             self._drop_prefix_cache()
         self.weight_version = version
         self._expected_version = max(self._expected_version, version)

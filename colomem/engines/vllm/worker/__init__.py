@@ -17,6 +17,7 @@ returns `colomem.errors.error_payload(exc)` instead and the parent re-raises the
     kv_release.py     the KV cache released alone, the weights left mapped (sleep(keep_weights=True))
     wake_rollback.py  undoing a wake that ran out of memory
     trainer_watch.py  ending the engine's process when the trainer that started it is gone
+    ../lora_inplace.py  the trainer's LoRA adapter written into the slot vLLM activated for it
     ../checks.py      checksums and parameter sampling (shared with the trainer process)
 
 Importing this package does not import vLLM; only the functions that need vLLM's internals do.
@@ -33,6 +34,7 @@ import torch
 from colomem.errors import InvalidArgumentError, error_payload
 
 from ..checks import CHECKSUM_SAMPLE_WORDS, checksum_parts, finish_checksums, param_info, spread_sample
+from .. import lora_inplace
 from . import kv_release, pool_backup, receive
 from .listener import Listener
 from .state import SyncState, WorkerState, torch_device
@@ -113,6 +115,11 @@ class ColomemWorkerExtension:
     def _colomem_apply(self, msg: dict) -> dict:
         return receive.apply_bucket(self, msg)
 
+    def _colomem_lora_manager(self) -> Any:
+        """vLLM's LoRAModelManager (its LoRA layers, slots and adapters); None when vLLM runs without LoRA."""
+        workers = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+        return getattr(workers, "_adapter_manager", None)
+
     # -- bridge -----------------------------------------------------------------------------------------
     @rpc_method
     def colomem_attach(self, address: Any, timeout: float = 30.0, verify: str = "sampled",
@@ -179,6 +186,24 @@ class ColomemWorkerExtension:
         if st.trainer_watch is None or not st.trainer_watch.watching:
             st.trainer_watch = TrainerWatch(int(pid), float(interval_s), float(grace_s)).start()
         return {"watching": True, "pid": os.getpid(), "trainer_pid": int(pid)}
+
+    # -- LoRA adapter in place -------------------------------------------------------------------------------
+    @rpc_method
+    def colomem_lora_write(self, lora_id: int, adapter: list, scaling: float,
+                           timeout: float = DEFAULT_COPY_TIMEOUT_S, ready: Any = None) -> dict:
+        """The trainer's adapter, (peft name, tensor) pairs (the engine runs in the trainer's process, so the
+        tensors themselves), written over the slot adapter `lora_id` is active in, B scaled by `scaling`
+        (alpha / r), after the CUDA event `ready`. AdapterLayoutError, nothing written, for anything that does
+        not map exactly (lora_inplace.py): the caller registers the adapter through files instead."""
+        cache = self.__dict__.setdefault("_colomem_lora_layout", {})   # the slot's views, kept per adapter
+        return lora_inplace.write_adapter(self._colomem_lora_manager(), int(lora_id), list(adapter),
+                                          float(scaling), float(timeout), ready, cache)
+
+    @rpc_method
+    def colomem_lora_slot(self, lora_id: int) -> dict:
+        """{"slot": the LoRA slot adapter `lora_id` is active in, -1 when none}."""
+        slot = lora_inplace.active_slot(self._colomem_lora_manager(), int(lora_id))
+        return {"slot": -1 if slot is None else slot}
 
     # -- checks -----------------------------------------------------------------------------------------
     @rpc_method
