@@ -65,8 +65,8 @@ stage() {  # the stages run in the order given on the command line
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
-    sharedbase) run shared_base_tests 420 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
-      tests/gpu/test_shared_base_runner_gpu.py ;;
+    sharedbase) run shared_base_tests 540 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
+      tests/gpu/test_lora_inplace_gpu.py tests/gpu/test_shared_base_runner_gpu.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 benchmarks/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
