@@ -9,8 +9,9 @@ is offloaded into a PinnedPool, as the trainer's are when everything moves; the 
 host views (SwapSet.host_view), as the DeepSpeed adapter's resolve_sync hands them to the bridge. A second
 process maps the bridge's buffers and copies every bucket out along raw ranges (BridgeImporter.copy_out, what
 vLLM's worker does from its third sync on) on its default stream, then ACKs over the socket (the listener
-transport). Bucket sizes: `loop` is the one `--bucket-bytes auto` grows to (the whole sync in one bucket, up
-to colomem.runner.placement.MAX_SYNC_BUCKET), the others as given; two buffers each. The same sync from the
+transport). Bucket sizes: `loop` is the one `--bucket-bytes auto` grows to for a sync from host copies
+(colomem.runner.placement.sync_bucket_target: a few buckets, so copies pipeline with the consumer), the others
+as given; two buffers each. The same sync from the
 tensors reloaded to the GPU is timed beside (`resident`), for what reading host memory costs.
 
 Every configuration is checked first (the consumer's tensors against the set's, word sums per tensor), then
@@ -85,11 +86,11 @@ def consumer(address: str) -> None:
 
 # -- the producer ----------------------------------------------------------------------------------------------
 def loop_bucket(nbytes: int) -> int:
-    """The bucket `--bucket-bytes auto` grows to when the placement leaves the memory: all of the sync's bytes
-    in 64 MiB steps, capped (colomem.runner.placement.sync_bucket)."""
-    from colomem.runner.placement import MAX_SYNC_BUCKET
+    """The bucket `--bucket-bytes auto` grows to for a sync read from the pool's host copies when the placement
+    leaves the memory (colomem.runner.placement.sync_bucket_target)."""
+    from colomem.runner.placement import sync_bucket_target
 
-    return min(MAX_SYNC_BUCKET, -(-nbytes // (64 * MiB)) * 64 * MiB)
+    return sync_bucket_target(nbytes, from_host=True)
 
 
 def read_line(child: subprocess.Popen, timeout: float) -> dict:

@@ -54,7 +54,7 @@ stage() {  # the stages run in the order given on the command line
       --deselect tests/gpu/test_cuda_waits_gpu.py ;;
     # held streams and a copy that fails part-way: in a process of their own, each test's stack dumped when it
     # runs past 60 s (a bound that does not fire shows where it waits)
-    cudawaits) run cuda_waits_tests 300 python3 -m pytest -v -s -rs -o faulthandler_timeout=60 \
+    cudawaits) run cuda_waits_tests 150 python3 -m pytest -v -s -rs -o faulthandler_timeout=60 \
       tests/gpu/test_cuda_waits_gpu.py ;;
     faults1) run faults_engine 590 python3 benchmarks/faults.py --out "$OUT/faults" \
       --faults engine_rollout,engine_sync,trainer_sync --time-budget-s 560 ;;
@@ -65,7 +65,7 @@ stage() {  # the stages run in the order given on the command line
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
-    sharedbase) run shared_base_tests 540 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
+    sharedbase) run shared_base_tests "${SHAREDBASE_TIMEOUT_S:-540}" python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
       tests/gpu/test_lora_inplace_gpu.py tests/gpu/test_shared_base_runner_gpu.py ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers

@@ -15,7 +15,7 @@ from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 from colomem.runner.loop_memory import grow_sync_bucket
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
-                                      sync_bucket,
+                                      Placement, sync_bucket, sync_bucket_target,
                                       figures_from_step, kv_hint, needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
@@ -144,6 +144,22 @@ def test_the_weight_bridge_grows_to_one_bucket_a_sync_when_the_placement_leaves_
     assert sync_bucket(choose("auto", "auto", [full], margin=2 * GB), [full], 3 * GB, 512 * MiB, 2,
                        margin=2 * GB) is None
     assert sync_bucket(p, [], 3 * GB, 512 * MiB, 2) is None
+
+
+def test_a_sync_from_the_pools_host_copies_keeps_a_few_buckets_so_copies_pipeline_with_the_worker():
+    f = figs(total=140, rollout=60, left=1, peak=45)
+    p = Placement((), True, "the trainer offloaded: the sync reads the host copies of its weights")
+    # 3.09 GB read from host copies: six buckets of ~491 MiB would be smaller than 512 MiB, so 512 MiB each;
+    # the bridge already has 512 MiB buckets, so nothing grows
+    assert sync_bucket_target(3_087_428_608, from_host=True) == 512 * MiB
+    assert sync_bucket(p, [f], 3_087_428_608, 512 * MiB, 2, margin=2 * GB) is None
+    # 15 GB: six buckets of 2.5 GB, rounded up to 64 MiB
+    assert sync_bucket_target(15 * GB, from_host=True) == 2432 * MiB
+    assert sync_bucket(p, [f], 15 * GB, 512 * MiB, 2, margin=2 * GB) == 2432 * MiB
+    # a sync smaller than the smallest host bucket is one bucket, and GPU sources still get one bucket
+    assert sync_bucket_target(100 * MiB, from_host=True) == 128 * MiB
+    assert sync_bucket_target(3_087_428_608, from_host=False) == 3008 * MiB
+    assert sync_bucket_target(15 * GB, from_host=False) == 4 * GiB
 
 
 def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():

@@ -201,18 +201,36 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
 # model syncs fastest with 4 GiB buckets), while each buffer of it stays allocated for the whole job.
 MAX_SYNC_BUCKET = 4 << 30
 _BUCKET_ROUND = 64 << 20
+# When the sync reads the pool's host copies (the bf16 weights were offloaded), a bucket's H2D copy overlaps
+# the worker's load of the one before only if a sync has several: one bucket leaves the worker's load and ack
+# after the whole copy. So such a sync keeps about this many buckets, none below the smallest size given
+# here (benchmarks/bench_sync_inloop.py measures both against the H2D link).
+HOST_SYNC_BUCKETS = 6
+_MIN_HOST_BUCKET = 512 << 20
+
+
+def sync_bucket_target(sync_bytes: int, from_host: bool) -> int:
+    """The bucket a sync of sync_bytes runs fastest with, memory permitting: all of it in one bucket when it
+    reads GPU tensors, about HOST_SYNC_BUCKETS of them when it reads host copies; 64 MiB multiples, at most
+    MAX_SYNC_BUCKET."""
+    want = -(-sync_bytes // HOST_SYNC_BUCKETS) if from_host else sync_bytes
+    if from_host:
+        want = max(want, min(sync_bytes, _MIN_HOST_BUCKET))
+    return min(MAX_SYNC_BUCKET, -(-want // _BUCKET_ROUND) * _BUCKET_ROUND)
 
 
 def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int, current: int, buffers: int,
                 margin: Optional[int] = None) -> Optional[int]:
     """A larger weight-bridge bucket when placement p leaves the GPU memory for it, else None. Each bucket of
-    a sync costs a round trip to vLLM's worker, so one bucket holding all sync_bytes is fastest; the bridge
-    holds `buffers` of them for the whole job, so the growth must fit in what p leaves free, keeping 1 GiB
-    beside the margin. Halved until it fits; None when no larger bucket does."""
+    a sync costs a round trip to vLLM's worker, so from GPU tensors one bucket holding all sync_bytes is
+    fastest; from the pool's host copies (p offloads the bf16 weights) a few buckets pipeline the copy with the
+    worker (sync_bucket_target). The bridge holds `buffers` of them for the whole job, so the growth must fit
+    in what p leaves free, keeping 1 GiB beside the margin. Halved until it fits; None when no larger bucket
+    does."""
     if not figures or sync_bytes <= current:
         return None
     spare = -max(_short(p, f, margin) for f in figures) - (1 << 30)
-    target = min(MAX_SYNC_BUCKET, -(-sync_bytes // _BUCKET_ROUND) * _BUCKET_ROUND)
+    target = sync_bucket_target(sync_bytes, from_host="params" not in p.keep)
     while target > current:
         if buffers * (target - current) <= spare:
             return target
@@ -234,5 +252,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[M
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
-           "kv_hint", "needs_measuring", "sync_bucket"]
+           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "kv_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

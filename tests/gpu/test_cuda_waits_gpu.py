@@ -58,6 +58,8 @@ def test_ipc_buffer_close_times_out_under_a_held_stream_then_closes_once_release
     buf = _C.ExportableBuffer(0, 2 * MiB)
     ptr = buf.ptr
     view = _torch.device_bytes(ptr, 2 * MiB, torch.device("cuda", 0), owner=buf)
+    view.fill_(0)  # the fill kernel loaded before the gate holds (_stream_gate's docstring says why)
+    torch.cuda.synchronize()
     gate.hold()
     with torch.cuda.stream(gate.stream):
         view.fill_(7)  # a kernel writing the buffer, queued behind the gate
@@ -96,10 +98,12 @@ def test_device_checksum_times_out_on_a_held_stream_and_is_right_once_released(g
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     want = _C.checksum_buffer(data.cpu().numpy().tobytes(), 1)
+    other = torch.cuda.Stream()
+    # the checksum kernel loaded before the gate holds (_stream_gate's docstring says why)
+    assert _C.checksum(data.data_ptr(), n, 1, other.cuda_stream, 0) == want
     gate.hold()
     with pytest.raises(TransferTimeoutError, match="checksum"):
         _C.checksum(data.data_ptr(), n, 1, gate.stream.cuda_stream, 0, timeout_s=0.2)
-    other = torch.cuda.Stream()
     assert _C.checksum(data.data_ptr(), n, 1, other.cuda_stream, 0) == want  # only the held stream waits
     gate.release()
     assert _C.checksum(data.data_ptr(), n, 1, gate.stream.cuda_stream, 0, timeout_s=60.0) == want
