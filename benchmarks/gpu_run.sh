@@ -65,8 +65,10 @@ stage() {  # the stages run in the order given on the command line
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
     kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
-    sharedbase) run shared_base_tests "${SHAREDBASE_TIMEOUT_S:-540}" python3 -m pytest -q -rs -s -m vllm tests/gpu/test_shared_base_gpu.py \
-      tests/gpu/test_lora_inplace_gpu.py tests/gpu/test_shared_base_runner_gpu.py ;;
+    # one pytest process per file: each builds an in-process vLLM with sleep mode, and vLLM allows one a process
+    sharedbase) for f in shared_base lora_inplace shared_base_runner; do
+        run "${f}_tests" "${SHAREDBASE_TIMEOUT_S:-240}" python3 -m pytest -q -rs -s -m vllm "tests/gpu/test_${f}_gpu.py"
+      done ;;
     runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 benchmarks/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \

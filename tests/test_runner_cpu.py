@@ -117,6 +117,7 @@ def test_cpu_loop_end_to_end(cache_env, tmp_path):
         # the rollout sampled with exactly the trainer's weights: its logprobs match the trainer's
         assert r["train/rollout_logprob_gap"] < 1e-4
         assert r["sync/ntensors"] > 0 and r["trainer_offload/moved_bytes"] > 0
+        assert r["sync/apply_seconds"] > 0  # where the sync's time went is logged with it
     assert [r["weight_version"] for r in steps] == [1, 2, 3]
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -499,3 +499,26 @@ def test_direct_transport_loads_the_trainers_tensors_in_process():
     assert r._bridge is None and r.llm.calls.count("colomem_load_direct") == 3
     r.check(reference=w.items())
     r.close()
+
+
+def test_a_second_in_process_engine_with_sleep_mode_is_refused_before_vllm_builds_it(monkeypatch, fake_vllm):
+    from colomem.engines.vllm.engine_calls import build_llm
+    from colomem.errors import ConfigError
+
+    held = {"bytes": 1 << 20}
+    built = []
+    allocator = types.ModuleType("vllm.device_allocator")
+    setattr(allocator, "get_mem_allocator_instance",
+            lambda: types.SimpleNamespace(get_current_usage=lambda: held["bytes"]))
+    envs = types.ModuleType("vllm.envs")
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator", allocator)
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    setattr(fake_vllm, "envs", envs)
+    setattr(fake_vllm, "LLM", lambda **kw: built.append(kw) or "engine")
+    with pytest.raises(ConfigError, match="one such engine per process"):
+        build_llm({"enable_sleep_mode": True}, True, lambda: None)
+    assert built == []                       # refused before vLLM started anything
+    assert build_llm({"enable_sleep_mode": False}, True, lambda: None) == "engine"  # no sleep mode: no allocator
+    held["bytes"] = 0
+    assert build_llm({"enable_sleep_mode": True}, True, lambda: None) == "engine"
+    assert len(built) == 2

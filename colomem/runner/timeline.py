@@ -106,6 +106,12 @@ def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]
     if sync is not None:
         out.update({"sync/nbytes": sync.nbytes, "sync/ntensors": sync.ntensors, "sync/nbuckets": sync.nbuckets,
                     "sync/seconds": sync.seconds})
+        # where the sync's time went (the worker's apply, the bridge's round trips, the RPC's return), when the
+        # engine reports it
+        for k in ("apply_seconds", "bridge_seconds", "rpc_wait_seconds", "replayed_tensors", "adapter_seconds"):
+            v = getattr(sync, k, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f"sync/{k}"] = v
     for side, rep in (("offload", trainer.last_offload), ("reload", trainer.last_reload)):
         if rep is None or side not in moved:
             continue

@@ -17,7 +17,7 @@ import signal
 import threading
 from typing import Any, Callable, Iterator, Optional
 
-from colomem.errors import ColomemError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
+from colomem.errors import ColomemError, ConfigError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
 
 from .launcher import kept_random_state, launcher_env
 
@@ -192,6 +192,23 @@ def _without_agent_store() -> Iterator[None]:
             os.environ[AGENT_STORE_VAR] = old
 
 
+def refuse_second_sleeping_engine() -> None:
+    """vLLM's sleep mode has one allocator per process, and an engine built while it holds memory fails deep
+    inside vLLM (an assertion while loading weights). Say so before anything is built."""
+    try:
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        held = int(get_mem_allocator_instance().get_current_usage())
+    except (ImportError, AttributeError, RuntimeError):
+        return  # a vLLM without that allocator, or a platform without sleep mode: vLLM decides
+    if held:
+        raise ConfigError(
+            f"an in-process vLLM engine with sleep mode already holds {held} bytes of vLLM's sleep-mode allocator "
+            "in this process, and vLLM allows one such engine per process (its memory stays with the process "
+            "after the engine closes). Start this engine in its own process (engine_in_process=False), or run "
+            "each in-process engine in a process of its own")
+
+
 def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
     """vllm.LLM(**kwargs); with in_process, EngineCore and its worker run in this process (with the external
     launcher: as this torchrun rank's shard of a tensor-parallel engine), the caller's random state kept."""
@@ -205,6 +222,8 @@ def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) ->
             return LLM(**kwargs)
     from vllm import envs as vllm_envs
 
+    if kwargs.get("enable_sleep_mode"):
+        refuse_second_sleeping_engine()
     # vLLM reads this when it builds the engine: 0 keeps EngineCore and its worker in this process. An
     # in-process EngineCore also freezes vLLM's environment reads (enable_envs_cache): undone after, so
     # a later engine of this process is not built in-process too.
@@ -272,4 +291,4 @@ def _kill(pids: list) -> None:
             pass
 
 
-__all__ = ["EngineCalls", "EngineThread", "build_llm", "describe_exit", "engine_pids"]
+__all__ = ["refuse_second_sleeping_engine", "EngineCalls", "EngineThread", "build_llm", "describe_exit", "engine_pids"]
