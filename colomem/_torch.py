@@ -54,11 +54,21 @@ def stream_handle(device: torch.device, stream: Optional[torch.cuda.Stream] = No
     return int(s.cuda_stream) or CUDA_STREAM_LEGACY
 
 
+def driver_memory(device: Optional[int]) -> Optional[tuple[int, int]]:
+    """(free, total) bytes of CUDA device `device` as the driver reports them (cudaMemGetInfo: what every
+    process on the GPU holds counts); None for no device (the CPU backend) or where CUDA is not available.
+    The one place colomem asks the driver; the runner's timeline and the vLLM wake check read it here."""
+    if device is None or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
 def mem_get_info(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes as the driver sees them; (0, 0) on the host."""
     if device.type != "cuda":
         return (0, 0)
-    return torch.cuda.mem_get_info(device)
+    return driver_memory(device_index(device)) or (0, 0)
 
 
 class _CudaArray:

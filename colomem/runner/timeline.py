@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Collection, Optional, Sequence, TextIO
 
+from colomem._torch import driver_memory
 from colomem.units import format_bytes
 
 from .phases import ORDER, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
@@ -42,10 +43,11 @@ def settle(device: Optional[int]) -> None:
 def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
     snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
     cuda = _cuda(device)
-    if cuda is not None:
-        free, total = cuda.mem_get_info(device)
+    mem = driver_memory(device) if cuda is not None else None
+    if cuda is not None and mem is not None:
+        free, total = mem
         snap.update(allocated=int(cuda.memory_allocated(device)), reserved=int(cuda.memory_reserved(device)),
-                    driver_used=int(total - free))
+                    driver_used=total - free)
     pinned = int(extra_pinned)
     if pool is not None and not getattr(pool, "closed", True):
         pinned += int(pool.stats()["reserved_bytes"])
@@ -89,14 +91,14 @@ def peak_reserved(device: Optional[int]) -> Optional[int]:
 
 def gpu_total(device: Optional[int]) -> Optional[int]:
     """The GPU's memory in bytes; None without a GPU."""
-    cuda = _cuda(device)
-    return int(cuda.mem_get_info(device)[1]) if cuda is not None else None
+    mem = driver_memory(device)
+    return mem[1] if mem is not None else None
 
 
 def gpu_free(device: Optional[int]) -> Optional[int]:
     """The GPU's free memory in bytes, as the driver reports it; None without a GPU."""
-    cuda = _cuda(device)
-    return int(cuda.mem_get_info(device)[0]) if cuda is not None else None
+    mem = driver_memory(device)
+    return mem[0] if mem is not None else None
 
 
 def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]) -> dict:

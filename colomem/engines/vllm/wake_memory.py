@@ -3,16 +3,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
+from colomem._torch import driver_memory
 from colomem.units import format_bytes
 
 
 def free_bytes(device: int) -> Optional[int]:
     """Free GPU memory on the device, as the driver reports it; None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.mem_get_info(device)[0])
+    info = driver_memory(device)
+    return None if info is None else info[0]
 
 
 def wake_oom_message(tags: tuple, need: int, free: Optional[int], state: str, device: int) -> str:
