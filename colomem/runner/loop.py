@@ -11,36 +11,31 @@ Guarantees: transitions only in that order (PhaseMachine, PhaseOrderError otherw
 barrier bounded (Watchdog, BarrierTimeoutError); rollout, trainer and pool closed in `finally` whatever
 happened; an out-of-memory while vLLM wakes or generates puts it back to sleep, reloads nothing and says
 which knob to lower; metrics lines already written are never rewritten (MetricsWriter appends and flushes).
+
+The phases, the awake window and the placement a step is built from are colomem.runner.phase_runner's; here
+are the steps of a run around them: one step's work, checkpoints, a stop signal, progress lines, the summary.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
-from colomem.engines.reports import SyncStats
+from colomem.engines.protocols import Rollout, Trainer
 from colomem.errors import StaleWeightsError, is_oom
-from colomem.units import parse_bytes
 
-from .phases import CYCLE, PhaseMachine, PhaseTimeoutError, Watchdog
-from .placement import MemoryFigures, Placement, choose, figures_from_step, kv_hint, needs_measuring
-from .inrank import check_group_agrees, rollout_digest
-from .loop_memory import first_placement, grow_sync_bucket, oom_error
-from .ranks import Ranks
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
+from .inrank import check_group_agrees, rollout_digest
+from .loop_memory import oom_error
+from .phase_runner import PhaseRunner
+from .phases import CYCLE
+from .ranks import Ranks
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .status import StatusFile
-from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, host_usage, median,
-                       memory_snapshot, peak_reserved, release_cache, reset_peak, settle, switch_metrics)
-
-log = logging.getLogger(__name__)
+from .timeline import MetricsWriter, StepRecord, host_usage, median, peak_reserved, reset_peak, settle, switch_metrics
 
 
 def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
@@ -55,171 +50,31 @@ class RunResult:
     records: list = field(default_factory=list)
 
 
-class ColocatedRunner:
+class ColocatedRunner(PhaseRunner):
     """Runs the steps of one colocated GRPO job on built engines (see run_job for the whole job)."""
 
     def __init__(self, cfg, *, rollout: Rollout, trainer: Trainer, pool, task, tokenizer, ranks: Ranks, reward_specs,
                  metric_specs=(), writer: Optional[MetricsWriter] = None, rank_writer: Optional[MetricsWriter] = None,
                  device: Optional[int] = None, grad_accum: int = 1, reporters: Sequence[Reporter] = (),
                  print_fn: Callable[[str], None] = print, shared: Any = None):
-        self.cfg = cfg
-        self.rollout, self.trainer, self.pool = rollout, trainer, pool
-        # SharedBase: the trainer's base is the rollout's weights; the rollout then sleeps its KV cache only
-        self.shared = shared
-        self.task, self.tokenizer, self.ranks = task, tokenizer, ranks
+        super().__init__(cfg, rollout=rollout, trainer=trainer, pool=pool, ranks=ranks, writer=writer, device=device,
+                         print_fn=print_fn, shared=shared)
+        self.task, self.tokenizer = task, tokenizer
         self.reward_specs, self.metric_specs = list(reward_specs), list(metric_specs)
-        self.writer, self.rank_writer = writer, rank_writer
+        self.rank_writer = rank_writer
         self.reporters = list(reporters)           # TensorBoard / wandb: rank 0 only
         self.stop_requested: Optional[str] = None  # a signal's name: finish this step, then stop
         self.stop_failure: Optional[str] = None    # the step a stop signal kept from finishing, and why
-        self.device = device
         self.grad_accum = grad_accum
-        self.print = print_fn if ranks.is_main else (lambda *_: None)
-        self.machine = PhaseMachine()
-        self.watchdog = Watchdog(cfg.phase_timeout_s)
-        self.alarm = MemoryAlarm(cfg.memory_alarm_mib * (1 << 20))
-        self.version = 0                    # weights version: number of train steps (batches) taken
         self.records: list[StepRecord] = []
-        self.rollout_awake = False
         self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
         self.checkpointer: Optional[Checkpointer] = None
         # colomem's offload keeps the trainer state readable in the pool: a checkpoint due after step k is
         # written right after step k+1's offload (no reload, no GPU memory); other switches save resident
         self.save_from_pool = cfg.switch == "colomem"
-        # what moves between phases (colomem.runner.placement); measured on the first step when it may vary
-        self.placement: Placement = first_placement(cfg)
-        self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
-        self.placement_figures: list[dict] = []
-        self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self._save_due: Optional[int] = None
         self.final_checkpoint: dict[str, Any] = {}
-        self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
-
-    # -- phases -------------------------------------------------------------------------------------------
-    def _memory(self) -> dict:
-        extra = 0
-        if self.pool is None:
-            try:
-                extra = int(self.trainer.memory().get("pinned_pool", 0) or 0)   # a trainer that owns its pool
-            except Exception:  # noqa: BLE001  (memory reporting must not break a step)
-                extra = 0
-        try:
-            return memory_snapshot(self.device, self.pool, extra)
-        except Exception as e:  # noqa: BLE001
-            return {"error": f"{type(e).__name__}: {e}"}
-
-    @contextlib.contextmanager
-    def phase(self, rec: StepRecord, name: str):
-        self.machine.enter(name)
-        if self.status is not None:
-            self.status.phase(rec.step, name)
-        self.watchdog.start(f"phase {name!r} of step {rec.step}")
-        t0 = time.perf_counter()
-        ok = False
-        try:
-            yield
-            ok = True
-        except KeyboardInterrupt:
-            if self.watchdog.fired:
-                raise PhaseTimeoutError(
-                    f"phase {name!r} of step {rec.step} ran past phase_timeout_s={self.cfg.phase_timeout_s:.0f} s "
-                    "(stacks above); raise --phase-timeout-s if it is just slow") from None
-            raise
-        finally:
-            self.watchdog.stop()
-            rec.phase_s[name] = time.perf_counter() - t0
-            self.machine.leave(ok)
-            rec.memory[name] = self._memory()
-
-    @contextlib.contextmanager
-    def timed(self, rec: StepRecord, name: str):
-        if self.status is not None:
-            self.status.phase(rec.step, name)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            rec.phase_s[name] = time.perf_counter() - t0
-
-    def _put_rollout_to_sleep(self) -> Optional[str]:
-        """After a failure while vLLM may be awake: sleep again so its memory is free. Returns a note."""
-        if not self.rollout_awake:
-            return None
-        if self.rollout.phase == ASLEEP or (self.shared is not None and self.rollout.phase == WEIGHTS_ONLY):
-            self.rollout_awake = False
-            return "the rollout engine was already asleep"
-        try:
-            self._sleep_rollout()
-            self.rollout_awake = False
-            return "the rollout engine was put back to sleep"
-        except Exception as e:  # noqa: BLE001  (reported; cleanup closes it anyway)
-            return f"putting the rollout engine back to sleep failed too ({type(e).__name__}: {e})"
-
-    def _weights_fit(self) -> bool:
-        """Whether vLLM's weights fit in the GPU memory free now (beside an offload still copying out)."""
-        need = self.rollout.wake_need(("weights",))
-        free = gpu_free(self.device)
-        return need is not None and (free is None or free >= need)
-
-    def _finish_offload(self, rec: StepRecord) -> None:
-        """Waits for what an overlapped offload left copying (nothing to do otherwise)."""
-        if self.trainer.offload_pending:
-            with self.timed(rec, "offload_wait"):
-                self.trainer.finish_offload()
-
-    def _sleep_rollout(self) -> None:
-        """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
-        if self.shared is not None:
-            self.rollout.sleep(keep_weights=True)
-        else:
-            self.rollout.sleep()
-
-    # -- placement ----------------------------------------------------------------------------------------
-    def offload_trainer(self) -> None:
-        """The trainer's part of the placement: what it does not keep goes to the pool."""
-        if self.placement.trainer_moves and not self.trainer.offloaded:
-            # overlapped: the optimizer state copies out behind the weights' wake, sync and check; not in the
-            # step that measures for the planner (what the trainer left after its offload must be complete)
-            defer = self.cfg.overlap_offload and not self._plan_after_step
-            self.trainer.offload(keep=self.placement.keep, defer=defer)
-            self._moved.add("offload")
-        elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
-            release_cache(self.device)
-
-    def reload_trainer(self) -> None:
-        if self.trainer.offloaded:
-            self.trainer.reload()
-            self._moved.add("reload")
-
-    def _plan(self, rec: StepRecord) -> None:
-        """After the first step (everything moved): the placement of every later step, from its memory
-        figures on every rank (the same placement everywhere: the one that fits on every GPU)."""
-        self._plan_after_step = False
-        self.alarm.baseline = None           # the floor after sleep is the new placement's from the next step
-        c = self.cfg
-        total = gpu_total(self.device)
-        by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
-        mine = figures_from_step(rec.memory, by_cat, total or 0)
-        every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
-        hint = ""
-        if any(f is None for f in every):
-            self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
-        else:
-            figs = [MemoryFigures(**f) for f in every]
-            margin = parse_bytes(c.placement_margin) if c.placement_margin else None
-            self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
-            self.placement_figures = every
-            grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
-                                     margin, self.print)
-            hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
-        self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
-        if hint:
-            self.print(f"[colomem] KV cache: {hint}")
-        if self.writer is not None:
-            self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
-                               "kv_hint": hint, "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
-                               "figures": self.placement_figures})
 
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, k: int) -> StepRecord:
@@ -325,54 +180,6 @@ class ColocatedRunner:
         if self._plan_after_step:
             self._plan(rec)
         return rec
-
-    def awake_window(self, rec: StepRecord, step: int,
-                     work: Sequence[tuple[str, Callable[[], Any]]]) -> tuple[Optional[SyncStats], dict]:
-        """wake_weights -> sync -> check -> wake_kv -> each (phase, fn) of work -> sleep, each a phase; after
-        a failure vLLM is put back to sleep (an out-of-memory says which knob to lower). Returns the sync's
-        stats and what each fn returned, by phase."""
-        current = "wake_weights"
-        done: dict[str, Any] = {}
-        try:
-            if self.trainer.offload_pending and self.rollout.phase == ASLEEP and not self._weights_fit():
-                self._finish_offload(rec)
-            with self.phase(rec, "wake_weights"):      # awake already when it does not sleep
-                self.rollout_awake = True
-                if self.rollout.phase == ASLEEP:
-                    self.rollout.wake_weights()
-                    self._moved.add("rollout")
-            current = "sync"
-            with self.phase(rec, "sync"):
-                sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
-            current = "check"
-            with self.phase(rec, "check"):
-                self.rollout.check()
-                if self.shared is not None:          # nobody wrote into the base both sides read
-                    self.shared.check()
-            current = "offload_wait"
-            self._finish_offload(rec)              # the KV cache needs the memory the optimizer state held
-            current = "wake_kv"
-            with self.phase(rec, "wake_kv"):
-                if self.rollout.phase == WEIGHTS_ONLY:
-                    self.rollout.wake_kv()
-            for name, fn in work:
-                current = name
-                with self.phase(rec, name):
-                    done[name] = fn()
-            current = "sleep"
-            with self.phase(rec, "sleep"):
-                if self.placement.rollout_sleeps:
-                    self._sleep_rollout()
-                    self.rollout_awake = False
-                    self._moved.add("rollout")
-        except BaseException as e:
-            note = self._put_rollout_to_sleep()
-            if is_oom(e):
-                raise oom_error(self.cfg, self.placement, current, step, e, note) from e
-            if note and isinstance(e, Exception):
-                log.error("step %d failed in %s; %s", step, current, note)
-            raise
-        return sync, done
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
