@@ -57,7 +57,7 @@ def stream_handle(device: torch.device, stream: Optional[torch.cuda.Stream] = No
 def driver_memory(device: Optional[int]) -> Optional[tuple[int, int]]:
     """(free, total) bytes of CUDA device `device` as the driver reports them (cudaMemGetInfo: what every
     process on the GPU holds counts); None for no device (the CPU backend) or where CUDA is not available.
-    The one place colomem asks the driver; the runner's timeline and the vLLM wake check read it here."""
+    The runner's timeline, the vLLM wake check and mem_get_info below all read it here."""
     if device is None or not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info(device)
