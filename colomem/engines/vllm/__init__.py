@@ -42,7 +42,10 @@ LoRA (`lora=LoraSpec`, `lora_mode`, lora_adapter.py):
     config.py        VLLMConfig: every option, validated before vLLM starts (no torch, no vLLM imported)
     rollout.py       VLLMRollout: phases, guards, sleep / wake, sync bookkeeping, check, generate, close
     engine_calls.py  the engine-call thread, bounded waits, engine death, killing the engine's processes
+    wake_memory.py   a wake by tag within the GPU's free memory, a partial wake rolled back, the OOM message
     kv_sleep.py      sleep(keep_weights=True): the KV cache released and mapped back, vLLM's bookkeeping kept
+    weight_sync.py   the base weights' sync through the transport, its SyncStats, the trainer-side checksums
+    weight_check.py  what check() compares vLLM's parameters against, and the comparison
     transports.py    the weight sync: listener, direct
     lora_adapter.py  lora_mode="adapter"
     lora_inplace.py  the adapter written into vLLM's LoRA slot in place (called in the worker)

@@ -1,8 +1,9 @@
 """VLLMRollout: vLLM as the rollout side of a colocated step (colomem.engines.protocols.Rollout).
 
-The phases, the guards (version, phase order, weights discarded by a sleep), sleep / wake with their
-out-of-memory handling, the sync's bookkeeping and the post-sync check live here; the engine calls, the
-transports and the LoRA adapter files live in the modules beside this one (see the package docstring).
+The phases and the guards (version, phase order, weights discarded by a sleep) live here, with sleep / wake
+and the sync's bookkeeping around them; the wake within free memory (wake_memory.py), the base weights'
+sync (weight_sync.py), what check() compares (weight_check.py), the engine calls, the transports and the
+LoRA adapter live in the modules beside this one (see the package docstring).
 """
 
 from __future__ import annotations
@@ -11,29 +12,25 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
 from colomem.engines.reports import SyncStats
-from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, PeerError,
-                            PhaseOrderError, PoolClosedError, StaleWeightsError, TransferTimeoutError,
-                            WeightCheckError, is_oom)
+from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
+                            StaleWeightsError, WeightCheckError)
 
-from .checks import checksum_parts, finish_checksums, hashed_pick, same_layout, tensor_checksum
 from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
 from .kv_sleep import KvSleep
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
-from . import wake_memory
-from .transports import ListenerTransport, Transport, make_transport
-from .wake_memory import wake_oom_message
+from .wake_memory import WAKE_MARGIN, TagWake
+from .weight_check import WeightCheck
+from .weight_sync import BaseWeightSync, SentWeights
 
 log = logging.getLogger(__name__)
-
-_WAKE_MARGIN = 256 << 20                                 # headroom kept free beyond what a wake maps
 
 
 class VLLMRollout:
@@ -76,11 +73,6 @@ class VLLMRollout:
         self._expected_version = 0           # newest version the trainer announced
         self._phase = AWAKE
         self._weights_valid = True           # False after a level-2 sleep without backup, until a full sync
-        self._expected: list = []            # per worker rank: {vLLM param name: checksum check() must find}
-        self._expected_from = "start"
-        self._param_info: Optional[dict] = None
-        self._tag_bytes: dict = {}
-        self._transports: dict[str, Transport] = {}
         self.last_sync: Optional[SyncStats] = None
         self.timings: dict[str, float] = {}
 
@@ -88,11 +80,15 @@ class VLLMRollout:
         self._calls = EngineCalls(c.rpc_timeout_s, self._set_device if self.engine_in_process else None)
         self._adapter = (LoraAdapter(self.lora, self._calls, c.rpc_timeout_s, self.engine_in_process)
                          if self.lora_mode == "adapter" else None)
+        self._weight_check = WeightCheck(self._calls)
+        # _make_bridge looked up when a bridge is made: subclasses and the CPU tests replace it
+        self._base_sync = BaseWeightSync(self._calls, self, lambda: self._make_bridge())
+        self._tag_wake = TagWake(self._calls, self)
         t0 = time.perf_counter()
-        self._kv = KvSleep(self._calls, self.llm_kwargs, self.wake_timeout_s, self.device, _WAKE_MARGIN)
+        self._kv = KvSleep(self._calls, self.llm_kwargs, self.wake_timeout_s, self.device, WAKE_MARGIN)
         self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
-        self._refresh_tag_bytes()
+        self._tag_wake.read_layout()
 
     # ------------------------------------------------------------------------------------ construction
     def _set_device(self) -> None:
@@ -237,8 +233,8 @@ class VLLMRollout:
             self._kv.check_available()
         t0 = time.perf_counter()
         keep = self._weights_valid and (keep_weights or self._weights_backup == "pool" or self._sleep_level == 1)
-        if keep and not any(self._expected):
-            self._snapshot("before sleep")  # what check() must find after the wake
+        if keep and not self._weight_check.recorded:
+            self._weight_check.snapshot("before sleep", self.check_sample)  # what check() must find after the wake
         if keep_weights:  # from WEIGHTS_ONLY the cache is out already (released here or by vLLM's sleep)
             self.timings.update(self._kv.release(already_out=self._phase == WEIGHTS_ONLY))
             self._phase = WEIGHTS_ONLY
@@ -257,7 +253,7 @@ class VLLMRollout:
         self._slept_with = (level, self._weights_backup)
         if level == 2 and self._weights_backup != "pool":
             self._weights_valid = False
-            self._expected = []
+            self._weight_check.forget()
         self.timings["sleep_s"] = time.perf_counter() - t0
 
     def wake_weights(self, restore: Optional[bool] = None) -> None:
@@ -267,7 +263,7 @@ class VLLMRollout:
         """
         self._require((ASLEEP,), "wake_weights", "call sleep() first")
         t0 = time.perf_counter()
-        self._wake(("weights",))
+        self._tag_wake.wake(("weights",), self._slept_with)
         self._phase = WEIGHTS_ONLY
         if self._slept_with[1] == "pool":
             if restore is None or restore:
@@ -275,7 +271,7 @@ class VLLMRollout:
                 self.timings["pool_restore_s"] = max(x["seconds"] for x in r)
             else:
                 self._weights_valid = False
-                self._expected = []
+                self._weight_check.forget()
         if self._adapter is not None:
             self._adapter.register_again(self.weight_version)
         self.timings["wake_weights_s"] = time.perf_counter() - t0
@@ -287,7 +283,7 @@ class VLLMRollout:
         if self._kv.released:
             self.timings.update(self._kv.map_back())
         else:
-            self._wake(("kv_cache",))
+            self._tag_wake.wake(("kv_cache",), self._slept_with)
         self._phase = AWAKE
         self.timings["wake_kv_s"] = time.perf_counter() - t0
 
@@ -299,40 +295,7 @@ class VLLMRollout:
     def wake_need(self, tags: Iterable[str]) -> Optional[int]:
         """GPU bytes waking `tags` maps (vLLM's allocations by tag, read when the engine started) plus the
         margin the wake asks for; None when the layout could not be read."""
-        if not self._tag_bytes:
-            return None
-        return sum(self._tag_bytes.get(t, 0) for t in tags) + _WAKE_MARGIN
-
-    def _wake(self, tags: tuple) -> None:
-        need = sum(self._tag_bytes.get(t, 0) for t in tags)
-        free = wake_memory.free_bytes(self.device)
-        if need and free is not None and free < need + _WAKE_MARGIN:
-            raise CudaOutOfMemoryError(wake_oom_message(tags, need, free, "before waking (vLLM still asleep)",
-                                                        self.device))
-        try:
-            self._calls.call(lambda llm: llm.wake_up(tags=list(tags)), self.wake_timeout_s,
-                             f"wake_up({list(tags)})")
-        except (TransferTimeoutError, PeerError):
-            raise
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            keep = tags == ("weights",) and self._slept_with == (1, "vllm")
-            try:
-                self.rpc("colomem_rollback_wake", list(tags), keep, self.wake_timeout_s,
-                         timeout=self.wake_timeout_s)
-            except ColomemError as rb:
-                log.error("rolling back the partial wake failed: %s", rb)
-            raise CudaOutOfMemoryError(wake_oom_message(tags, need, wake_memory.free_bytes(self.device),
-                                                        "vLLM was put back to sleep", self.device)) from exc
-
-    def _refresh_tag_bytes(self) -> None:
-        try:
-            r = self.rpc("colomem_memory")
-            self._tag_bytes = dict(r[0].get("cumem_bytes_by_tag", {})) if r else {}
-        except ColomemError as exc:
-            log.warning("could not read vLLM's memory layout: %s", exc)
-            self._tag_bytes = {}
+        return self._tag_wake.need(tags)
 
     # -------------------------------------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable, version: int) -> SyncStats:
@@ -349,12 +312,11 @@ class VLLMRollout:
         items: Iterable = named_tensors
         if self._adapter is not None:
             items, adapter = split_adapter(named_tensors)
-        stats = SyncStats(version=version)
-        sampled: dict = {}
+        sent = SentWeights(SyncStats(version=version), {}, [])   # stays so when only an adapter comes
         t0 = time.perf_counter()
-        snapshots: list = []
         if self._adapter is None or items:
-            stats = self._sync_base(items, version, sampled, snapshots)
+            sent = self._base_sync.send(items, version, self._weight_check.direct_names())
+        stats = sent.stats
         if adapter and self._adapter is not None:
             ta = time.perf_counter()
             stats.adapter_inplace = self._adapter.load(adapter, version)
@@ -372,8 +334,7 @@ class VLLMRollout:
         if stats.ntensors:
             self._weights_valid = True
             # what check() must find: the trainer's bytes for unfused names, the worker's right after the sync
-            self._expected = [{**snap, **sampled} for snap in snapshots] or [dict(sampled)]
-            self._expected_from = f"version {version}"
+            self._weight_check.record_sync(sent.sampled, sent.snapshots, version)
         if (stats.ntensors or stats.adapter_inplace) and self._phase == AWAKE:  # an in-place adapter keeps its id
             self._drop_prefix_cache()
         self.weight_version = version
@@ -390,70 +351,16 @@ class VLLMRollout:
             raise ColomemError("vLLM refused to reset its prefix cache after a weight sync (requests still "
                                "running?); generating now would reuse KV blocks of the old weights")
 
-    def _transport(self) -> Transport:
-        name = self._sync_transport
-        if name not in self._transports:
-            self._transports[name] = make_transport(name, self._calls, self, self._make_bridge)
-        return self._transports[name]
-
     @property
     def _bridge(self) -> Any:
         """The listener transport's WeightBridge (None before the first listener sync)."""
-        t = self._transports.get("listener")
-        return t.bridge if isinstance(t, ListenerTransport) else None
+        return self._base_sync.bridge
 
     def set_bucket_bytes(self, bucket_bytes: Any, buffers: Optional[int] = None) -> None:
         """Re-creates the bridge with another bucket size (the worker re-attaches on the next sync)."""
         c = VLLMConfig(bucket_bytes=bucket_bytes, bucket_buffers=self.bucket_buffers if buffers is None else buffers)
         self.bucket_bytes, self.bucket_buffers = int(c.bucket_bytes), c.bucket_buffers
-        self._close_bridge()
-
-    def _close_bridge(self) -> None:
-        t = self._transports.get("listener")
-        if t is not None:
-            t.close()
-
-    def _direct_names(self) -> dict:
-        """vLLM parameter names that equal an HF name with the same shape (checkable against the trainer)."""
-        if self._param_info is None:
-            self._param_info = self.rpc("colomem_param_info")[0]
-        return self._param_info
-
-    def _sync_base(self, items: Iterable, version: int, sampled: dict, snapshots: list) -> SyncStats:
-        transport = self._transport()
-        info = self._direct_names()
-        stats = SyncStats(version=version)
-        k = self.check_sample
-        pending: dict = {}
-
-        def watched() -> Iterator:
-            for name, t in items:
-                if not isinstance(t, torch.Tensor):
-                    raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a tensor")
-                if len(pending) < k and hashed_pick(name) and same_layout(t, info.get(name)):
-                    pending[name] = checksum_parts(t)  # queued: no wait inside the pack pipeline
-                stats.ntensors += 1
-                stats.nbytes += t.numel() * t.element_size()
-                yield name, t
-
-        t0 = time.perf_counter()
-        acks = transport.sync(watched(), version, stats)
-        stats.apply_seconds = max(float(a.get("total_apply_ms", 0.0)) for a in acks) / 1e3 if acks else 0.0
-        sampled.update(finish_checksums(pending))
-        stats.seconds = time.perf_counter() - t0
-        if acks:
-            flags = [a.get("complete") for a in acks]
-            stats.complete = None if None in flags else all(flags)
-            stats.nmissing = max(int(a.get("nmissing", 0)) for a in acks)
-            stats.missing = tuple(acks[0].get("missing", ()))
-            snapshots.extend(dict(a.get("snapshot", {})) for a in acks)
-            stats.replayed_tensors = min(int(a.get("replayed_tensors", 0)) for a in acks)
-        return stats
-
-    def _snapshot(self, why: str) -> None:
-        """Records checksums of a spread sample of vLLM's parameters (per worker) for check() to find again."""
-        self._expected = [r["checksums"] for r in self.rpc("colomem_param_checksums", None, self.check_sample)]
-        self._expected_from = why
+        self._base_sync.close_bridge()
 
     def check(self, reference: Optional[Iterable] = None) -> None:
         """Cheap post-wake / post-sync check: checksums of sampled parameters against what they must be.
@@ -466,27 +373,7 @@ class VLLMRollout:
         if not self._weights_valid:
             raise WeightCheckError("vLLM's weights were discarded by a level-2 sleep and not synced since; "
                                    "call load_weights(...) with every parameter")
-        if reference is not None:
-            info = self._direct_names()
-            expected = {n: tensor_checksum(t) for n, t in reference if same_layout(t, info.get(n))}
-            if not expected:
-                raise InvalidArgumentError("no reference tensor matches a vLLM parameter's name, shape and dtype")
-            source = "the reference tensors"
-            per_rank = None
-        else:
-            per_rank, source = [dict(e) for e in self._expected], self._expected_from
-            if not any(per_rank):
-                return
-            expected = per_rank[0]
-        names = sorted(set().union(*per_rank) if per_rank else expected)
-        for rank, got in enumerate(self.rpc("colomem_param_checksums", names, 0)):
-            want = per_rank[rank] if per_rank and rank < len(per_rank) else expected
-            bad = [n for n, c in got["checksums"].items() if n in want and c != want[n]]
-            if bad:
-                raise WeightCheckError(
-                    f"{len(bad)} of {len(want)} sampled vLLM parameters on worker {rank} differ from {source} "
-                    f"(e.g. {bad[:3]}); the weights are not what they must be: sync them again "
-                    f"(load_weights) before generating")
+        self._weight_check.check(reference)
 
     # -------------------------------------------------------------------------------------------- report
     def memory(self) -> dict:
@@ -516,8 +403,7 @@ class VLLMRollout:
                     self.rpc("colomem_close", timeout=min(10.0, timeout))
                 except ColomemError as exc:
                     log.warning("colomem_close in vLLM's worker failed: %s", exc)
-            for t in self._transports.values():
-                t.close(detach=False)  # colomem_close detached the worker already
+            self._base_sync.forget()  # colomem_close detached the worker already
         finally:
             self._phase = CLOSED
             self._calls.shutdown(timeout)
