@@ -32,6 +32,15 @@ from .engine_calls import EngineCalls
 log = logging.getLogger(__name__)
 
 
+def reset_prefix_cache(calls: EngineCalls, timeout_s: float, after: str, stale: str) -> None:
+    """Drops vLLM's cached KV blocks (of the prefix cache), whose bytes no longer match their prompts: after the
+    cache was mapped back, or after new weights reached an engine that stayed awake. `stale` says what
+    generating would do with them if vLLM refuses."""
+    ok = calls.call(lambda llm: llm.reset_prefix_cache(), timeout_s, "reset_prefix_cache()")
+    if ok is False:
+        raise ColomemError(f"vLLM refused to reset its prefix cache {after} (requests still running?); {stale}")
+
+
 class KvSleep:
     """Releases vLLM's KV cache and maps it back, the weights left mapped. `released` while it is out."""
 
@@ -97,10 +106,8 @@ class KvSleep:
         r = self._rpc("colomem_kv_map")
         self.released, nbytes = False, self.nbytes
         self.nbytes = 0
-        ok = self._call(lambda llm: llm.reset_prefix_cache(), "reset_prefix_cache()")
-        if ok is False:
-            raise ColomemError("vLLM refused to reset its prefix cache after its KV cache was mapped back (requests "
-                               "still running?); its cached blocks hold undefined bytes now")
+        reset_prefix_cache(self._calls, self.timeout_s, "after its KV cache was mapped back",
+                           "its cached blocks hold undefined bytes now")
         self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
         return {"kv_mapped_bytes": nbytes, "kv_taken_bytes": max(int(x["taken_bytes"]) for x in r),
                 "kv_map_s": max(float(x["seconds"]) for x in r)}
@@ -138,4 +145,4 @@ class KvSleep:
         return {"kv_released": self.released, "kv_released_bytes": self.nbytes}
 
 
-__all__ = ["KvSleep"]
+__all__ = ["KvSleep", "reset_prefix_cache"]

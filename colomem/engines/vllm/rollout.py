@@ -23,7 +23,7 @@ from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError,
 
 from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
-from .kv_sleep import KvSleep
+from .kv_sleep import KvSleep, reset_prefix_cache
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
 from .wake_memory import WAKE_MARGIN, TagWake
@@ -346,10 +346,8 @@ class VLLMRollout:
     def _drop_prefix_cache(self) -> None:
         """New base weights into an engine that stayed awake: the cached KV blocks of earlier prompts were
         computed with the old ones (a sleep drops them; without one they must go here)."""
-        ok = self._calls.call(lambda llm: llm.reset_prefix_cache(), self.wake_timeout_s, "reset_prefix_cache()")
-        if ok is False:
-            raise ColomemError("vLLM refused to reset its prefix cache after a weight sync (requests still "
-                               "running?); generating now would reuse KV blocks of the old weights")
+        reset_prefix_cache(self._calls, self.wake_timeout_s, "after a weight sync",
+                           "generating now would reuse KV blocks of the old weights")
 
     @property
     def _bridge(self) -> Any:
