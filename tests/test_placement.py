@@ -235,12 +235,13 @@ def test_weights_kept_on_the_device_are_read_there_while_the_rest_is_offloaded()
 def test_a_sync_into_an_engine_that_stayed_awake_drops_its_prefix_cache():
     """Without a sleep, vLLM's cached KV blocks were computed with the old weights: they must go."""
     r = make(sync_transport="listener")
-    r.load_weights(trainer_weights(1).items(), version=1)       # awake (a fresh engine): nothing slept
+    first = r.load_weights(trainer_weights(1).items(), version=1)  # awake (a fresh engine): nothing slept
     assert r.llm.calls.count("reset_prefix_cache") == 1
+    assert 0 < first.prefix_reset_seconds <= first.seconds       # its time is the sync's, and said apart
     r.sleep()
     r.wake_weights()
-    r.load_weights(trainer_weights(2).items(), version=2)       # weights only: the sleep dropped the cache
-    assert r.llm.calls.count("reset_prefix_cache") == 1
+    second = r.load_weights(trainer_weights(2).items(), version=2)  # weights only: the sleep dropped the cache
+    assert r.llm.calls.count("reset_prefix_cache") == 1 and second.prefix_reset_seconds == 0
     r.wake_kv()
     r.load_weights(trainer_weights(3).items(), version=3)
     assert r.llm.calls.count("reset_prefix_cache") == 2

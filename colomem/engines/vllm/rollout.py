@@ -336,7 +336,9 @@ class VLLMRollout:
             # what check() must find: the trainer's bytes for unfused names, the worker's right after the sync
             self._weight_check.record_sync(sent.sampled, sent.snapshots, version)
         if (stats.ntensors or stats.adapter_inplace) and self._phase == AWAKE:  # an in-place adapter keeps its id
+            tr = time.perf_counter()
             self._drop_prefix_cache()
+            stats.prefix_reset_seconds = time.perf_counter() - tr
         self.weight_version = version
         self._expected_version = max(self._expected_version, version)
         stats.seconds = time.perf_counter() - t0
