@@ -124,16 +124,11 @@ def test_the_deepspeed_offload_defers_the_optimizer_state():
     import colomem
     from colomem.engines import deepspeed as dsa
     from colomem.engines.deepspeed.state import LATE_CATEGORIES
-    from colomem.engines.deepspeed.strategies import ColomemOffload
-    from fakes.deepspeed import fake_zero2_engine, zero2_tensors
+    from fakes.deepspeed import zero2_offload
 
-    cpu = torch.device("cpu")
     pool = colomem.PinnedPool("1MiB", pin=False)
     try:
-        eng = fake_zero2_engine()
-        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, cpu), pool, cpu, 30.0)
-        master, weight, moments = zero2_tensors(eng)
-        before = [t.clone() for t in (master, weight, *moments)]
+        s, (master, weight, moments), before = zero2_offload(pool)
         for _ in range(2):
             move = s.offload(defer_late=True)
             assert weight.untyped_storage().nbytes() == 0                    # the forward's state: gone

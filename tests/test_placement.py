@@ -9,7 +9,6 @@ import torch
 
 import colomem
 from colomem.engines import deepspeed as dsa
-from colomem.engines.deepspeed.strategies import ColomemOffload
 from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
@@ -19,7 +18,7 @@ from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFi
                                       figures_from_step, kv_hint, needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
-from fakes.deepspeed import bare_trainer, fake_zero2_engine, zero2_tensors
+from fakes.deepspeed import bare_trainer, zero2_offload
 from fakes.models import lora_model
 from fakes.vllm import make, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
@@ -188,10 +187,7 @@ def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():
 def test_a_partial_colomem_offload_moves_only_what_is_not_kept():
     pool = colomem.PinnedPool("1MiB", pin=False)
     try:
-        eng = fake_zero2_engine()
-        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
-        master, weight, moments = zero2_tensors(eng)
-        before = [t.clone() for t in (master, weight, *moments)]
+        s, (master, weight, moments), before = zero2_offload(pool)
         for keep in [("params", "other", "grads", "master"), ("params", "other", "grads"), ()]:
             s.keep = keep
             move = s.offload()

@@ -118,6 +118,18 @@ def zero2_tensors(eng):
     return eng.optimizer.single_partition_of_fp32_groups[0], eng.module[0].weight, moments
 
 
+def zero2_offload(pool):
+    """ColomemOffload (the DeepSpeed trainer's offload) over a fake_zero2_engine's state, into `pool`; with
+    that engine's zero2_tensors and clones of them (master, weight, *moments) to compare after a reload."""
+    from colomem.engines import deepspeed as dsa
+    from colomem.engines.deepspeed.strategies import ColomemOffload
+
+    eng = fake_zero2_engine()
+    strategy = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    master, weight, moments = zero2_tensors(eng)
+    return strategy, (master, weight, moments), [t.clone() for t in (master, weight, *moments)]
+
+
 def bare_trainer(model, lora, pool=None):
     """A DeepSpeedTrainer shell around a plain (ZeRO-2-like: full tensors) model, without DeepSpeed."""
     t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)
