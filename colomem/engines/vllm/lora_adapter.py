@@ -89,8 +89,8 @@ class LoraAdapter:
     """The adapter vLLM serves now: its request (passed to generate), its files, the next id.
 
     in_process: vLLM's worker runs in this process, so the trainer's tensors can be handed to it as they are
-    (the in-place path). `last_inplace` says how the last version went; `inplace_refused` why the in-place
-    path was last refused.
+    (the in-place path). load() says how a version went; `inplace_refused` why the in-place path was last
+    refused.
     """
 
     def __init__(self, lora: Any, calls: "EngineCalls", timeout: float, in_process: bool = False):
@@ -98,7 +98,6 @@ class LoraAdapter:
         self.in_process = bool(in_process)
         self.request: Any = None
         self.path: Optional[str] = None
-        self.last_inplace = False
         self.last_write: dict = {}        # the worker's report of the last in-place write (slot, bytes, seconds)
         self.inplace_refused: Optional[str] = None
         self._files_current = True        # the files at `path` hold what vLLM's slot holds
@@ -120,11 +119,9 @@ class LoraAdapter:
     def load(self, adapter: list, version: int) -> bool:
         """Puts the adapter of `version` into vLLM: in place when it can, else as files under a fresh id.
         Returns True when it went in place."""
-        self.last_inplace = False
         if self.in_process and self.request is not None and self._dropped is None:
             try:
                 self.last_write = self.write_in_place(adapter)
-                self.last_inplace = True
                 return True
             except AdapterLayoutError as exc:
                 if self.inplace_refused is None:
