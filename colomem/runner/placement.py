@@ -213,9 +213,7 @@ def sync_bucket_target(sync_bytes: int, from_host: bool) -> int:
     """The bucket a sync of sync_bytes runs fastest with, memory permitting: all of it in one bucket when it
     reads GPU tensors, about HOST_SYNC_BUCKETS of them when it reads host copies; 64 MiB multiples, at most
     MAX_SYNC_BUCKET."""
-    want = -(-sync_bytes // HOST_SYNC_BUCKETS) if from_host else sync_bytes
-    if from_host:
-        want = max(want, min(sync_bytes, _MIN_HOST_BUCKET))
+    want = max(-(-sync_bytes // HOST_SYNC_BUCKETS), min(sync_bytes, _MIN_HOST_BUCKET)) if from_host else sync_bytes
     return min(MAX_SYNC_BUCKET, -(-want // _BUCKET_ROUND) * _BUCKET_ROUND)
 
 

@@ -43,7 +43,7 @@ def settle(device: Optional[int]) -> None:
 def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
     snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
     cuda = _cuda(device)
-    mem = driver_memory(device) if cuda is not None else None
+    mem = driver_memory(device)
     if cuda is not None and mem is not None:
         free, total = mem
         snap.update(allocated=int(cuda.memory_allocated(device)), reserved=int(cuda.memory_reserved(device)),
