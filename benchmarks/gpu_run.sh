@@ -58,9 +58,9 @@ stage() {  # the stages run in the order given on the command line
       tests/gpu/test_cuda_waits_gpu.py ;;
     # FAULTS_BUDGET_S: how long each fault chain may start new runs (a run under way finishes)
     faults1) run faults_engine $((${FAULTS_BUDGET_S:-560} + 30)) python3 benchmarks/faults.py --out "$OUT/faults" \
-      --faults engine_rollout,engine_sync,trainer_sync --time-budget-s "${FAULTS_BUDGET_S:-560}" ;;
+      --faults engine_rollout,engine_sync,trainer_sync --time-budget-s "${FAULTS_BUDGET_S:-560}" --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
     faults2) run faults_stop $((${FAULTS_BUDGET_S:-560} + 30)) python3 benchmarks/faults.py --out "$OUT/faults-stop" \
-      --faults sigterm_step,sigterm_group,wake_oom --time-budget-s "${FAULTS_BUDGET_S:-560}" ;;
+      --faults sigterm_step,sigterm_group,wake_oom --time-budget-s "${FAULTS_BUDGET_S:-560}" --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
     soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -356,6 +357,33 @@ def test_dead_engine_is_reported_not_waited_for():
     with pytest.raises(PeerError, match="died"):
         r.rpc("colomem_memory")
     r.close()
+
+
+def test_an_engine_that_dies_mid_call_is_reported_at_once_not_at_the_timeout():
+    # vLLM's synchronous client can wait forever once its engine died mid-call: the wait watches the engine
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        r = make(proc=proc, rpc_timeout_s=60.0, shutdown_timeout_s=0.5)
+        r.llm.hang = True
+
+        def die():
+            proc.kill()
+            proc.wait()
+            r.llm.llm_engine.engine_core.resources.engine_dead = True
+
+        threading.Timer(0.3, die).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="engine process died during colomem_memory"):
+            r.rpc("colomem_memory")
+        assert time.monotonic() - t0 < 10           # not the 60 s timeout
+        with pytest.raises(PeerError, match="unusable"):
+            r.rpc("colomem_memory")
+        r.llm.block.set()
+        r.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():

@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 from colomem.errors import ColomemError, ConfigError, PeerError, PoolClosedError, TransferTimeoutError, raise_payload
@@ -24,6 +25,9 @@ from .launcher import kept_random_state, launcher_env
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"   # set by torchrun in every rank it starts
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.25          # how often a wait on the engine looks whether its processes are still alive
+DEATH_GRACE_S = 2.0    # how long vLLM may take to raise a dead engine's error itself before we do
 
 
 class EngineThread:
@@ -89,7 +93,16 @@ class EngineCalls:
     def engine_dead(self) -> bool:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         res = getattr(core, "resources", None)
-        return bool(getattr(res, "engine_dead", False))
+        if getattr(res, "engine_dead", False):
+            return True
+        # vLLM's own monitor may not have seen it yet: a process of the engine that has an exit code is dead
+        for p in getattr(getattr(res, "engine_manager", None), "processes", []) or []:
+            try:
+                if getattr(p, "exitcode", None) is not None:
+                    return True
+            except Exception:  # noqa: BLE001  (not ours to poll)
+                pass
+        return False
 
     def death_note(self, wait_s: float = 2.0) -> str:
         """How vLLM's engine process ended, for the error a user reads ("killed by SIGKILL ...")."""
@@ -119,9 +132,33 @@ class EngineCalls:
         llm = self.llm
         return self._thread.submit(lambda: fn(llm))
 
+    def _result(self, fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
+        """fut's result within `timeout`, watching the engine's processes meanwhile: vLLM's synchronous client
+        can wait forever on an engine that died mid-call (its monitor shuts the output thread down without
+        waking the waiting call), so a death is reported here once vLLM had DEATH_GRACE_S to raise it."""
+        deadline = time.monotonic() + timeout
+        died_at: Optional[float] = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return fut.result(timeout=max(0.0, min(POLL_S, left)))
+            except concurrent.futures.TimeoutError:
+                if fut.done():
+                    raise
+                now = time.monotonic()
+                if died_at is None and self.pids and self.engine_dead():
+                    died_at = now
+                if died_at is not None and now - died_at >= DEATH_GRACE_S:
+                    note = self.death_note()
+                    self.broken = f"its engine process died, {note}"
+                    raise PeerError(f"vLLM's engine process died during {what} ({note}); close() this rollout "
+                                    "and start a new one") from None
+                if now >= deadline:
+                    raise
+
     def wait(self, fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
         try:
-            return fut.result(timeout=timeout)
+            return self._result(fut, timeout, what)
         except BaseException as exc:
             if isinstance(exc, TimeoutError) and not fut.done():  # our wait ran out, not the call
                 self.broken = f"{what} timed out after {timeout:.0f} s"
