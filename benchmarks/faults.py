@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from job_procs import (Job, engine_pid, gpu_apps, gpu_used_mib, group_pids, proc_name, read_lines,  # noqa: E402
-                       step_lines, wait_group_gone)
+from job_procs import (Job, engine_pid, gpu_used_mib, group_pids, proc_name, read_lines, step_lines,  # noqa: E402
+                       wait_gpu_released, wait_group_gone)
 
 HELD_MIB = 512          # GPU memory in use after a run beyond what was before it that counts as held
 
@@ -85,7 +85,8 @@ FAULTS: dict[str, Fault] = {
                       args=["--gpu-memory-utilization", "0.97", "--bucket-bytes", "4GiB", "--steps", "3"]),
 }
 CHAIN_ORDER = ("engine_rollout", "engine_sync", "trainer_sync", "sigterm_step", "sigterm_group")
-ERROR_LINE = re.compile(r"^(error:|interrupted|\[colomem\] the trainer process)")
+# the trainer watch's line comes from the EngineCore, whose output vLLM prefixes with "(EngineCore pid=N) "
+ERROR_LINE = re.compile(r"^(error:|interrupted|(\(EngineCore[^)]*\) )?\[colomem\] the trainer process)")
 
 
 def read_status(path: Path) -> Optional[dict]:
@@ -168,7 +169,7 @@ def run_one(name: str, fault: Fault, out: Path, job_args: list, target_step: int
         rec["exit_s"] = (time.monotonic() - t_from) if gone is not None and code is not None else None
         left = group_pids(job.pgid)
         rec["left_alive"] = [{"pid": p, "name": proc_name(p)} for p in left]
-        apps = gpu_apps()
+        apps, rec["gpu_released_after_s"] = wait_gpu_released(job.seen, a.orphan_timeout_s)
         rec["gpu_held_by_job_mib"] = None if apps is None else {str(p): m for p, m in apps.items() if p in job.seen}
         rec["gpu_apps_after"] = None if apps is None else {str(p): m for p, m in apps.items()}
         rec["gpu_used_after_mib"] = gpu_used_mib()

@@ -77,6 +77,22 @@ def gpu_apps(timeout_s: float = 20.0) -> Optional[dict[int, int]]:
     return apps
 
 
+def wait_gpu_released(pids: set, timeout_s: float) -> tuple[Optional[dict[int, int]], Optional[float]]:
+    """nvidia-smi's compute apps once none of `pids` is among them, and the seconds that took (None: one still
+    was at the deadline). The driver tears a dead process's context down after the process left /proc, so
+    the list can name it for a moment after its group is gone."""
+    t0 = time.monotonic()
+    while True:
+        apps = gpu_apps()
+        if apps is None:
+            return None, None
+        if not any(p in pids for p in apps):
+            return apps, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            return apps, None
+        time.sleep(0.25)
+
+
 def gpu_used_mib(timeout_s: float = 20.0) -> Optional[int]:
     """Memory in use on GPU 0 (nvidia-smi), whoever holds it: in a container nvidia-smi may not list the
     processes (other pid namespace), this total still says whether memory was left held."""
