@@ -78,6 +78,15 @@ class PeerAbortedError(PeerError):
 
 # ------------------------------------------------------------------------------------------ out of memory
 _OOM_NAMES = ("OutOfMemoryError", "CudaOutOfMemoryError")
+# Where an out-of-memory message's advice starts: a caller that knows better knobs (the runner's flags and their
+# values) puts its own advice in place of the library's instead of after it.
+TO_FIT = " To fit: "
+
+
+def oom_advice_replaced(message: str, advice: str) -> str:
+    """`message` with the advice after TO_FIT (if any) replaced by `advice`."""
+    head = message.split(TO_FIT, 1)[0].rstrip(". ")
+    return f"{head}. {advice}"
 
 
 def is_oom(exc: BaseException) -> bool:

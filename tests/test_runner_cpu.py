@@ -333,6 +333,21 @@ def test_oom_at_wake_rolls_back_and_names_the_knob(cache_env, tmp_path):
     assert summary["status"] == "error" and summary["steps_done"] == 1
 
 
+def test_the_runner_gives_its_own_flags_in_place_of_the_rollouts_advice():
+    from types import SimpleNamespace
+
+    from colomem.engines.vllm.wake_memory import wake_oom_message
+    from colomem.runner.loop_memory import oom_error
+    from colomem.runner.placement import EVERYTHING_MOVES
+
+    c = SimpleNamespace(gpu_memory_utilization=0.97, max_model_len=256, switch="colomem", micro_batch=8)
+    e = CudaOutOfMemoryError(wake_oom_message(("kv_cache",), 135 << 30, 129 << 30, "before waking", 0))
+    msg = str(oom_error(c, EVERYTHING_MOVES, "wake_kv", 0, e, "the rollout engine was put back to sleep"))
+    assert msg.count("To fit:") == 1 and msg.count("gpu-memory-utilization") == 1
+    assert "--gpu-memory-utilization (now 0.97)" in msg and "gpu_memory_utilization" not in msg
+    assert "needs 135.00 GiB but 129.00 GiB is free" in msg and "The rollout engine was put back to sleep" in msg
+
+
 def test_oom_in_training_names_micro_batch(cache_env, tmp_path):
     held = {}
     with pytest.raises(CudaOutOfMemoryError, match=r"'train'.*--micro-batch \(now 8\)"):

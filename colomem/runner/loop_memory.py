@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from colomem.errors import CudaOutOfMemoryError
+from colomem.errors import CudaOutOfMemoryError, oom_advice_replaced
 from colomem.units import format_bytes
 
 from .placement import EVERYTHING_MOVES, Placement, choose, needs_measuring, sync_bucket
@@ -54,9 +54,10 @@ def oom_error(c, placement: Placement, phase: str, step: int, e: BaseException,
     if placement.keep and c.switch == "colomem":
         knob += (f" (the placement was {placement.label!r}: --offload all --rollout-sleep always moves "
                  "everything)")
-    parts = [f"step {step}: out of GPU memory in phase {phase!r}: {e}", knob]
+    # the error's own advice names library arguments: the flags above (with their values) replace it
+    parts = [oom_advice_replaced(f"step {step}: out of GPU memory in phase {phase!r}: {e}", "To fit: " + knob)]
     if note:
-        parts.append(note + "; the trainer was not reloaded")
+        parts.append(note[:1].upper() + note[1:] + "; the trainer was not reloaded")
     return CudaOutOfMemoryError(". ".join(p.rstrip(".") for p in parts) + ".")
 
 

@@ -12,7 +12,7 @@ import logging
 from typing import Iterable, Optional, Protocol
 
 from colomem._torch import driver_memory
-from colomem.errors import ColomemError, CudaOutOfMemoryError, PeerError, TransferTimeoutError, is_oom
+from colomem.errors import TO_FIT, ColomemError, CudaOutOfMemoryError, PeerError, TransferTimeoutError, is_oom
 from colomem.units import format_bytes
 
 from .engine_calls import EngineCalls
@@ -36,7 +36,7 @@ def wake_oom_message(tags: tuple, need: int, free: Optional[int], state: str, de
              "or offload more of the trainer (smaller micro-batch)")
     free_s = "unknown" if free is None else format_bytes(free)
     return (f"waking vLLM's {what} needs {format_bytes(need)} but {free_s} is free on cuda:{device}; "
-            f"{state}. To fit: {knobs}.")
+            f"{state}.{TO_FIT}{knobs}.")
 
 
 class WakeOptions(Protocol):
