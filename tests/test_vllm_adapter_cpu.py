@@ -160,6 +160,34 @@ def test_generate_returns_completions_with_logprobs(fake_vllm):
     r.close()
 
 
+def test_logprobs_are_asked_flat_and_read_from_either_form():
+    from colomem.engines.vllm.sampling import _sampled_logprobs
+    from fakes.vllm import flat_logprobs
+
+    toks = [3, 5, 0]
+    want = [-0.5, -1.0, -1.5]
+    flat = flat_logprobs(toks)
+    assert _sampled_logprobs(types.SimpleNamespace(logprobs=flat), toks) == want
+    flat.token_ids[2], flat.token_ids[3] = flat.token_ids[3], flat.token_ids[2]   # sampled token not first
+    flat.logprobs[2], flat.logprobs[3] = flat.logprobs[3], flat.logprobs[2]
+    assert _sampled_logprobs(types.SimpleNamespace(logprobs=flat), toks) == want
+    dicts = [{t: types.SimpleNamespace(logprob=lp)} for t, lp in zip(toks, want)]
+    assert _sampled_logprobs(types.SimpleNamespace(logprobs=dicts), toks) == want
+    short = _sampled_logprobs(types.SimpleNamespace(logprobs=flat_logprobs(toks[:2])), toks)
+    assert short[:2] == want[:2] and short[2] != short[2]                          # NaN where none came
+
+
+def test_generate_asks_for_flat_logprobs_only_when_it_wants_them(fake_vllm, monkeypatch):
+    seen = []
+    r = make()
+    real = r.llm.generate
+    monkeypatch.setattr(r.llm, "generate", lambda prompts, params, **kw: seen.extend(params) or real(prompts, params, **kw))
+    r.generate([[1, 2]], n=1, max_new_tokens=2)
+    r.generate([[1, 2]], n=1, max_new_tokens=2, logprobs=False)
+    assert [p.flat_logprobs for p in seen] == [True, False]
+    r.close()
+
+
 def test_phase_order_is_enforced(fake_vllm):
     r = make()
     with pytest.raises(PhaseOrderError):

@@ -278,10 +278,23 @@ class FakeLLM:
             comps = []
             for i in range(sp.n):
                 toks = [(len(prompt["prompt_token_ids"]) + i + k) % 7 for k in range(sp.max_tokens)]
-                lps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(toks)]
+                lps = flat_logprobs(toks) if getattr(sp, "flat_logprobs", False) else \
+                    [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(toks)]
                 comps.append(types.SimpleNamespace(index=i, token_ids=toks, logprobs=lps, finish_reason="length"))
             outs.append(types.SimpleNamespace(outputs=comps[::-1]))
         return outs
+
+
+def flat_logprobs(toks: list) -> types.SimpleNamespace:
+    """vLLM's FlatLogprobs of a completion (the sampled token first at each position, then one other),
+    with the logprobs the list-of-dicts form gives: -0.5 * (position + 1)."""
+    out = types.SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
+    for k, t in enumerate(toks):
+        out.start_indices.append(len(out.logprobs))
+        out.token_ids += [t, (t + 1) % 7]
+        out.logprobs += [-0.5 * (k + 1), -9.0]
+        out.end_indices.append(len(out.logprobs))
+    return out
 
 
 def install_vllm_stubs(monkeypatch) -> types.ModuleType:

@@ -21,6 +21,9 @@ def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: floa
     params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
                              top_p=float(top_p), seed=None if seed is None else int(seed) + i,
                              logprobs=0 if logprobs else None, detokenize=False,
+                             # the sampled tokens' logprobs as a few flat lists per completion instead of a
+                             # dict and a Logprob object per token, built in this process at every decode step
+                             flat_logprobs=bool(logprobs),
                              stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                              ignore_eos=bool(ignore_eos))
               for i in range(len(prompt_ids))]
@@ -51,10 +54,17 @@ def _sampled_logprobs(c: Any, ids: list) -> list:
         return [float("nan")] * len(ids)
     if hasattr(lps, "start_indices"):  # FlatLogprobs
         out = []
+        starts, ends, tokens, values = lps.start_indices, lps.end_indices, lps.token_ids, lps.logprobs
         for i, tok in enumerate(ids):
-            lo, hi = lps.start_indices[i], lps.end_indices[i]
-            vals = [lps.logprobs[j] for j in range(lo, hi) if lps.token_ids[j] == tok]
-            out.append(float(vals[0]) if vals else float("nan"))
+            if i >= len(starts):
+                out.append(float("nan"))
+                continue
+            lo, hi = starts[i], ends[i]
+            if lo < hi and tokens[lo] == tok:          # vLLM's sampler puts the sampled token first
+                out.append(float(values[lo]))
+                continue
+            j = next((j for j in range(lo, hi) if tokens[j] == tok), None)
+            out.append(float(values[j]) if j is not None else float("nan"))
         return out
     out = []
     for i, tok in enumerate(ids):
