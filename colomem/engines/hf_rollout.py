@@ -36,8 +36,10 @@ class HFRollout:
 
     def __init__(self, model_path, *, eos_token_id: int, pad_token_id: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, check_sample: int = 4,
-                 lora=None):
+                 lora=None, seed: int = 0):
         self.device = torch.device(device)
+        # what unseeded generate() calls draw from, as vLLM's engine generator: seeded once, advanced by each call
+        self._engine_rng = torch.Generator().manual_seed(int(seed)).get_state()
         self.model = load_model(model_path, dtype, trust_remote_code).to(self.device).eval()
         self.lora = lora
         # the base by HF name, before an adapter wraps it (peft keeps these very tensors as its base layers)
@@ -187,12 +189,16 @@ class HFRollout:
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            if seed is not None:
+            if seed is None:
+                torch.random.set_rng_state(self._engine_rng)
+            else:
                 torch.manual_seed(int(seed))
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, **knobs, max_new_tokens=int(max_new_tokens), min_new_tokens=0,
                 eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True)
+            if seed is None:
+                self._engine_rng = torch.random.get_rng_state()
         gen = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1)[:, : gen.shape[1]].float() / (1.0 if greedy else float(temperature))
         lps = torch.log_softmax(logits, dim=-1).gather(-1, gen[..., None]).squeeze(-1)

@@ -138,7 +138,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
 
             hf_rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code,
-                                   lora=cfg.lora if cfg.shared_base else None)
+                                   lora=cfg.lora if cfg.shared_base else None,
+                                   seed=cfg.rollout_engine_seed(ranks.rollout_group))
             rollout = hf_rollout
             hf_rollout.sleep(keep_weights=cfg.shared_base)
             cpu_base = hf_rollout.base_parameters() if cfg.shared_base else None

@@ -73,6 +73,13 @@ class RunConfig(_Strict):
     max_model_len: int = Field(256, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
     enforce_eager: bool = True
+    rollout_seeding: Literal["request", "engine"] = Field(
+        "request", description="request: every prompt's completions drawn from a seed of their own (the run's "
+                               "seed, the step, the prompt), so a resumed run samples exactly what an unbroken "
+                               "one did; engine: vLLM's own generator, seeded once when it starts (as TRL does), "
+                               "which spares vLLM's sampler a step per seeded request at every decode step, but "
+                               "the samples then depend on how vLLM batched the requests and a resumed run "
+                               "does not repeat them")
     # phase switch
     backend: Literal["auto", "gpu", "cpu"] = "auto"
     switch: Literal["colomem", "timesplit"] = Field(
@@ -207,17 +214,25 @@ class RunConfig(_Strict):
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload)
 
+    def rollout_engine_seed(self, rollout_group: int = 0) -> int:
+        """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank
+        engines, or --rollout-seeding engine: no per-request seeds), one seed for the shards of an engine and
+        another for each engine, so engines with other prompts do not draw the same noise."""
+        from .inrank import engine_seed
+
+        if self.effective_engine == "in-rank" or self.rollout_seeding == "engine":
+            return engine_seed(self.seed, rollout_group)
+        return self.seed
+
     def vllm_config(self, device: int = 0, rollout_group: int = 0) -> "VLLMConfig":
         """The rollout engine's options (colomem.engines.vllm.VLLMConfig) this run asks for, on the rank of
         rollout group `rollout_group` (the in-rank engine's seed is its group's: colomem.runner.inrank)."""
         from colomem.engines.vllm.config import VLLMConfig
 
-        from .inrank import engine_seed
-
         in_rank = self.effective_engine == "in-rank"
         return VLLMConfig(gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
                           tensor_parallel_size=self.tensor_parallel_size,
-                          seed=engine_seed(self.seed, rollout_group) if in_rank else self.seed,
+                          seed=self.rollout_engine_seed(rollout_group),
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
                           lora_mode="adapter" if self.shared_base else "merged",
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,

@@ -43,6 +43,13 @@ def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
     return sum(vals) / len(vals) if vals else None
 
 
+def rollout_seed(seed: int, step: int, rollout_group: int, seeding: str) -> Optional[int]:
+    """The seed of step `step`'s rollout (prompt i then uses it + i), or None: vLLM's own generator draws."""
+    if seeding == "engine":
+        return None
+    return (seed * 1_000_003 + step * 10_007 + rollout_group * 101) % (2 ** 31)
+
+
 @dataclass
 class RunResult:
     out_dir: Path
@@ -119,7 +126,7 @@ class ColocatedRunner(PhaseRunner):
             return self.rollout.generate(
                 prompt_ids, n=cfg.grpo.group_size, max_new_tokens=self.max_new_tokens,
                 temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p,
-                seed=(cfg.seed * 1_000_003 + k * 10_007 + ranks.rollout_group * 101) % (2 ** 31))
+                seed=rollout_seed(cfg.seed, k, ranks.rollout_group, cfg.rollout_seeding))
         work: list[tuple[str, Callable[[], Any]]] = [("rollout", rollout)]
         evaluator = self.evaluator
         if evaluator is not None and evaluator.due(self.version):
