@@ -14,6 +14,7 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)
   still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
+  enginerng    the default with --rollout-seeding engine: vLLM's own generator, seeded once, as TRL samples
 All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
@@ -55,6 +56,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
          "timesplit": ["--switch", "timesplit"],
          "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
+         # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
+         "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
@@ -65,7 +68,7 @@ PEER_MODULES = {"trl": "trl", "trl_sleep": "trl"}        # what must be importab
 # top-level speedups of the planner's default against each other layout, on the full fine-tune
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
-          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep"}
+          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng"}
 GiB = float(1 << 30)
 
 

@@ -4,7 +4,8 @@
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
 # (offload(keep=...) tests), syncbench,
-# dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults), soak
+# dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
+# chain FAULTS_LIST names), soak
 # (SOAK_S seconds of the default job), inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
 # kvsleep (vLLM's KV-only sleep), sharedbase (GPU tests of one copy of a LoRA base shared by vLLM and the
 # trainer), syncinloop (the weight sync from the pool's host views against the H2D peak),
@@ -61,6 +62,9 @@ stage() {  # the stages run in the order given on the command line
       --faults engine_rollout,engine_sync,trainer_sync --time-budget-s "${FAULTS_BUDGET_S:-560}" --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
     faults2) run faults_stop $((${FAULTS_BUDGET_S:-560} + 30)) python3 benchmarks/faults.py --out "$OUT/faults-stop" \
       --faults sigterm_step,sigterm_group,wake_oom --time-budget-s "${FAULTS_BUDGET_S:-560}" --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
+    faults) run faults_list $((${FAULTS_BUDGET_S:-560} + 30)) python3 benchmarks/faults.py --out "$OUT/faults-list" \
+      --faults "${FAULTS_LIST:-engine_sync,trainer_sync}" --time-budget-s "${FAULTS_BUDGET_S:-560}" \
+      --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
     soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
