@@ -212,6 +212,14 @@ def checksum_into(ptr: int, nbytes: int, stride_words: int, out: int, stream: in
     """
     Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order.
     """
+
+def exponential_rows(q: int, row_stride: int, n_q_rows: int, vocab: int, meta: int, n: int, stream: int = 0,
+                     device: int = -1) -> None:
+    """
+    Exponential noise (-log u, u in (0, 1) from Philox4x32-10 keyed by a seed, counted by an offset and the
+    column) into n rows of the float32 matrix at q: meta holds 3 * n int64, the rows, their seeds, their
+    offsets. device=-1: host memory; else device memory on that GPU, one launch on `stream`, asynchronous.
+    """
 def copy_ranges(ops: int, count: int, dst_base: int = 0, src_base: int = 0, stream: int = 0, device: int = -1) -> None:
     """
     Copies `count` ranges, int64 triples (dst, src, nbytes) at host address `ops`, each address plus its base; destinations must not overlap (the copies may run concurrently). device >= 0: enqueued on `stream` (batched); device=-1: host memcpy now.

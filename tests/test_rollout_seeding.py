@@ -27,6 +27,8 @@ def test_request_seeding_gives_every_step_and_group_a_seed_and_engine_seeding_no
     seeds = {rollout_seed(3, k, g, "request") for k in range(20) for g in range(4)}
     assert len(seeds) == 80 and all(0 <= s < 2 ** 31 for s in seeds)
     assert rollout_seed(3, 5, 1, "request") == rollout_seed(3, 5, 1, "request")
+    starts = sorted(seeds)                          # each step's 32 x 8 completions take a range of seeds
+    assert all(b - a >= 256 for a, b in zip(starts, starts[1:]))
     assert rollout_seed(3, 5, 1, "engine") is None
 
 

@@ -54,8 +54,9 @@ class Rollout(Protocol):
         ...
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int) -> list[list["Completion"]]:
-        """n completions per prompt; temperature 0 is greedy decoding (top_p and seed then do nothing)."""
+                 top_p: float, seed: Optional[int]) -> list[list["Completion"]]:
+        """n completions per prompt; temperature 0 is greedy decoding (top_p and seed then do nothing). seed
+        None: the engine's own generator draws (the samples then depend on how it batched the prompts)."""
         ...
 
     def sleep(self, keep_weights: bool = False) -> None:

@@ -17,6 +17,7 @@ are the steps of a run around them: one step's work, checkpoints, a stop signal,
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,10 +45,14 @@ def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
 
 
 def rollout_seed(seed: int, step: int, rollout_group: int, seeding: str) -> Optional[int]:
-    """The seed of step `step`'s rollout (prompt i then uses it + i), or None: vLLM's own generator draws."""
+    """The seed of step `step`'s rollout (prompt i then uses it + i * group size), or None: vLLM's own generator
+    draws."""
     if seeding == "engine":
         return None
-    return (seed * 1_000_003 + step * 10_007 + rollout_group * 101) % (2 ** 31)
+    # A hash, not a sum of strides: a step's completions take the seeds from this one on (one each), so the
+    # ranges of two steps or two rollout groups must not overlap, whatever the batch size
+    digest = hashlib.blake2b(f"{seed}:{step}:{rollout_group}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2 ** 31 - 2 ** 24)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-// The only nvcc-compiled file: the bucket checksum of core/checksum.h on the GPU.
+// The only nvcc-compiled file: the bucket checksum of core/checksum.h and the sampling noise of
+// core/seeded_noise.h on the GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 
 #include "core/checksum.h"
 #include "core/copy_engine.h"  // wait_bound
+#include "core/seeded_noise.h"
 #include "cuda/cuda_check.h"
 #include "cuda/driver_api.h"
 #include "cuda/event_wait.h"
@@ -52,6 +54,27 @@ __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned c
     sum += checksum_detail::term(n_words, w);
   }
   *out = checksum_detail::finish(sum, nbytes, stride);
+}
+
+// One thread per (seeded row, 4 columns): one Philox block gives the four uniforms.
+__global__ void exponential_rows_kernel(float* __restrict__ q, int64_t row_stride, int64_t n_q_rows, int64_t vocab,
+                                        const int64_t* __restrict__ meta, int64_t n) {
+  const int64_t quads = (vocab + 3) / 4;
+  const int64_t total = n * quads;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += step) {
+    const int64_t i = t / quads, quad = t - i * quads;
+    const int64_t row = meta[i];
+    if (row < 0 || row >= n_q_rows) continue;
+    const noise_detail::Block4 b = noise_detail::quad_bits(static_cast<uint64_t>(meta[n + i]),
+                                                           static_cast<uint64_t>(meta[2 * n + i]),
+                                                           static_cast<uint64_t>(quad));
+    float* out = q + row * row_stride + quad * 4;
+    const int64_t left = vocab - quad * 4;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (k < left) out[k] = -logf(noise_detail::open_uniform(b.x[k]));
+  }
 }
 
 void require_device(int device) {
@@ -159,6 +182,25 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
   COLOMEM_CUDA_CHECK(cudaMemcpyAsync(&value, scratch, sizeof(value), cudaMemcpyDeviceToHost, rb));
   COLOMEM_CUDA_CHECK(cudaStreamSynchronize(rb));  // only this 8-byte copy is on it: its data is ready
   return value;
+}
+
+void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,
+                             int64_t n, uintptr_t stream, int device) {
+  require(vocab > 0 && row_stride >= vocab && n >= 0 && n_q_rows >= 0,
+          cat("exponential_rows: need vocab > 0, row_stride >= vocab, n >= 0; got vocab ", vocab, ", row_stride ",
+              row_stride, ", n ", n));
+  if (n == 0) return;
+  require(q != 0 && q % 4 == 0 && meta != 0 && meta % 8 == 0, "exponential_rows: null or misaligned pointer");
+  require_device(device);
+  DeviceGuard guard(device);
+  int sms = 0;
+  COLOMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const uint64_t total = static_cast<uint64_t>(n) * static_cast<uint64_t>((vocab + 3) / 4);
+  const unsigned int blocks = static_cast<unsigned int>(
+      std::min<uint64_t>((total + kThreads - 1) / kThreads, static_cast<uint64_t>(std::max(sms, 1)) * 16ull));
+  exponential_rows_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<float*>(q), row_stride, n_q_rows, vocab, reinterpret_cast<const int64_t*>(meta), n);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace colomem

@@ -21,4 +21,11 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
                           int device);
 
+// The noise of core/seeded_noise.h for n seeded rows of the float32 tensor at device address q (row_stride
+// elements apart, n_q_rows rows, vocab columns), in one launch on `stream`. meta: a device address of 3 * n
+// int64 (the rows, then their seeds, then their offsets); a row outside q is skipped (callers check first).
+// Asynchronous: nothing waits.
+void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,
+                             int64_t n, uintptr_t stream, int device);
+
 }  // namespace colomem

@@ -32,4 +32,8 @@ void device_checksum_into(uintptr_t, size_t, size_t, uintptr_t, uintptr_t, int) 
   unavailable("checksum on a CUDA device");
 }
 
+void device_exponential_rows(uintptr_t, int64_t, int64_t, int64_t, uintptr_t, int64_t, uintptr_t, int) {
+  unavailable("sampling noise on a CUDA device");
+}
+
 }  // namespace colomem

@@ -34,6 +34,8 @@ CHOICES: dict[str, tuple[tuple, str]] = {
     "logprobs_mode": (LOGPROBS_MODES, "'processed_logprobs' (log-softmax of logits / temperature, as the GRPO "
                                       "loss computes them) or 'raw_logprobs'"),
     "lora_mode": (("merged", "adapter"), "'merged' or 'adapter'"),
+    "seeded_noise": (("vllm", "batched"), "'vllm' (vLLM's sampler draws each seeded request's noise itself) or "
+                                          "'batched' (colomem's draw of every seeded request in one launch)"),
 }
 
 
@@ -84,6 +86,7 @@ class VLLMConfig(BaseModel):
     device: int = 0
     max_num_seqs: Optional[int] = None
     logprobs_mode: str = "processed_logprobs"
+    seeded_noise: str = "vllm"           # worker/seeded_noise.py; "batched" once measured on the GPU host
     verify: str = "sampled"
     check_sample: int = 8
     sync_transport: str = "listener"

@@ -89,6 +89,9 @@ class VLLMRollout:
         self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
         self._tag_wake.read_layout()
+        self.seeded_noise = "vllm"
+        if c.seeded_noise != "vllm":
+            self.set_seeded_noise(c.seeded_noise)
 
     # ------------------------------------------------------------------------------------ construction
     def _set_device(self) -> None:
@@ -106,6 +109,19 @@ class VLLMRollout:
         checksum = {"full": "full", "none": "none"}.get(self.verify, "sampled")
         return WeightBridge(bucket_bytes=self.bucket_bytes, buffers=self.bucket_buffers, device=self.device,
                             checksum=checksum)
+
+    def set_seeded_noise(self, mode: str) -> str:
+        """How vLLM's sampler draws the noise of requests with a seed: 'vllm' (its own, a launch per request
+        and decode step) or 'batched' (every seeded request of a step in one launch, worker/seeded_noise.py;
+        the same tokens whatever a request is batched with, but not the tokens of vLLM's own draws). Returns
+        the mode in place: 'vllm' when this vLLM's sampler lacks what the batched draw replaces."""
+        mode = str(check_choice("seeded_noise", mode))
+        states = self.rpc("colomem_seeded_noise", mode == "batched")
+        on = all(bool(x.get("installed")) for x in states)
+        if mode == "batched" and not on:
+            log.warning("vLLM's sampler could not take the batched seeded draw; its own per-request draws stay")
+        self.seeded_noise = "batched" if on else "vllm"
+        return self.seeded_noise
 
     @property
     def sleep_level(self) -> int:
@@ -185,7 +201,7 @@ class VLLMRollout:
                  ignore_eos: bool = False, logprobs: bool = True) -> list:
         """Samples n completions per prompt. Returns list[list[Completion]] with vLLM's sampled-token logprobs.
 
-        Prompt i uses seed + i (None: unseeded). Refuses (StaleWeightsError) when the weights are older
+        Prompt i uses seed + i * n, its completion j seed + i * n + j (None: unseeded). Refuses (StaleWeightsError) when the weights are older
         than the version the trainer announced, or were discarded by a sleep and not synced since.
         """
         self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")

@@ -10,7 +10,9 @@ from colomem.errors import ColomemError
 def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
              seed: Optional[int], stop_token_ids: Optional[list], ignore_eos: bool,
              logprobs: bool) -> tuple[list, list]:
-    """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i. temperature 0
+    """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i * n (vLLM seeds
+    completion j of a prompt seeded s with s + j, so every completion of the call has a seed of its own: with
+    seed + i, completion j + 1 of prompt i and completion j of prompt i + 1 would draw the same noise). temperature 0
     is vLLM's greedy decoding; top_p is then 1 (no nucleus: the argmax token is always kept)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -19,7 +21,7 @@ def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: floa
         top_p = 1.0
 
     params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
-                             top_p=float(top_p), seed=None if seed is None else int(seed) + i,
+                             top_p=float(top_p), seed=None if seed is None else int(seed) + i * int(n),
                              logprobs=0 if logprobs else None, detokenize=False,
                              # the sampled tokens' logprobs as a few flat lists per completion instead of a
                              # dict and a Logprob object per token, built in this process at every decode step

@@ -279,6 +279,18 @@ class ColomemWorkerExtension:
         """{name: data_ptr} of the model's parameters (a trainer that views them needs them to stay put)."""
         return {n: int(p.data_ptr()) for n, p in self._colomem_model().named_parameters()}
 
+    @rpc_method
+    def colomem_seeded_noise(self, batched: bool) -> dict:
+        """batched: vLLM's sampler draws every seeded request's noise of a step in one launch (seeded_noise.py);
+        False: its own per-request draws again. Returns whether the batched draw is in place."""
+        from . import seeded_noise
+
+        if batched:
+            seeded_noise.install()
+        else:
+            seeded_noise.uninstall()
+        return {"installed": seeded_noise.installed()}
+
     # -- memory ---------------------------------------------------------------------------------------------
     @rpc_method
     def colomem_memory(self) -> dict:
