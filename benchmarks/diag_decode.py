@@ -10,9 +10,10 @@ interleaved (A B C D, A B C D, ...), the rollout of the 1.5B job timed under eac
   unseeded     awake, no per-request seeds (vLLM's own generator, `--rollout-seeding engine`): what the
                sampler's draw per seeded request at every decode step costs
   nologprobs   awake, seeded, without the sampled tokens' logprobs: what returning them costs
+  batched      awake, seeded, the seeded requests' noise drawn in one launch (seeded_noise="batched")
 
     python3 benchmarks/diag_decode.py --out OUT/diag_decode [--rounds 3] [--resident-gib 45] [--eager]
-        [--conditions fresh,unseeded,nologprobs,sleep1,sleep2pool,resident]
+        [--conditions fresh,unseeded,nologprobs,batched,sleep1,sleep2pool,resident]
 
 The model is Qwen2-1.5B-shaped with random weights (vLLM's dummy load): 32 prompts x 8 completions x 256 new
 tokens, sampled at temperature 1 like the benchmark job, so every rollout does the same work. Writes
@@ -34,8 +35,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.append(ROOT)    # a fallback: an installed colomem or PYTHONPATH's comes first
 GiB = 1 << 30
-CONDITIONS = ("fresh", "unseeded", "nologprobs", "sleep1", "sleep2pool", "resident")
-AWAKE = ("fresh", "unseeded", "nologprobs")        # conditions that do not sleep before their rollout
+CONDITIONS = ("fresh", "unseeded", "nologprobs", "batched", "sleep1", "sleep2pool", "resident")
+AWAKE = ("fresh", "unseeded", "nologprobs", "batched")        # conditions that do not sleep before their rollout
 
 
 def log(*a) -> None:
@@ -80,7 +81,14 @@ def run(a) -> dict:
                         held = torch.empty(int(a.resident_gib * GiB), dtype=torch.uint8, device="cuda").fill_(1)
                         torch.cuda.synchronize()
                     r.wake()
-                seconds, tokens = rollout(r, prompts, a.new_tokens, cond)
+                if cond == "batched" and r.set_seeded_noise("batched") != "batched":
+                    log("the batched seeded draw could not be put in place: skipping that condition")
+                    continue
+                try:
+                    seconds, tokens = rollout(r, prompts, a.new_tokens, cond)
+                finally:
+                    if cond == "batched":
+                        r.set_seeded_noise("vllm")
                 res["runs"][cond].append({"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
                                           "free_gib": torch.cuda.mem_get_info()[0] / GiB})
                 log(f"round {rnd} {cond}: {seconds:.2f} s, {tokens / seconds:.0f} tok/s")

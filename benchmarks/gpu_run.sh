@@ -68,7 +68,8 @@ stage() {  # the stages run in the order given on the command line
     soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
-    vllm) run vllm_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py ;;
+    vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \
+      tests/gpu/test_seeded_noise_gpu.py ;;
     kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
     # one pytest process per file: each builds an in-process vLLM with sleep mode, and vLLM allows one a process
     sharedbase) for f in shared_base lora_inplace shared_base_runner; do
