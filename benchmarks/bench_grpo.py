@@ -15,6 +15,7 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
   enginerng    the default with --rollout-seeding engine: vLLM's own generator, seeded once, as TRL samples
+  batchednoise the default with --seeded-noise batched: the seeded requests' noise of a step in one launch
 All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
@@ -58,6 +59,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
          # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
          "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
+         # the planner's with the seeded requests' noise drawn in one launch
+         "batchednoise": ["--switch", "colomem", "--seeded-noise", "batched"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
@@ -68,7 +71,8 @@ PEER_MODULES = {"trl": "trl", "trl_sleep": "trl"}        # what must be importab
 # top-level speedups of the planner's default against each other layout, on the full fine-tune
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
-          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng"}
+          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng",
+          "batchednoise": "speedup_vs_batchednoise"}
 GiB = float(1 << 30)
 
 

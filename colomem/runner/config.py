@@ -80,6 +80,11 @@ class RunConfig(_Strict):
                                "which spares vLLM's sampler a step per seeded request at every decode step, but "
                                "the samples then depend on how vLLM batched the requests and a resumed run "
                                "does not repeat them")
+    seeded_noise: Literal["vllm", "batched"] = Field(
+        "vllm", description="with request seeding, how vLLM's sampler draws the seeded requests' noise: vllm (its "
+                            "own draw, one launch per request at every decode step) or batched (every request "
+                            "of a step in one launch, from a generator keyed by each request's seed: the same "
+                            "tokens whatever the batch, not the tokens of vLLM's own draw)")
     # phase switch
     backend: Literal["auto", "gpu", "cpu"] = "auto"
     switch: Literal["colomem", "timesplit"] = Field(
@@ -232,7 +237,7 @@ class RunConfig(_Strict):
         in_rank = self.effective_engine == "in-rank"
         return VLLMConfig(gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
                           tensor_parallel_size=self.tensor_parallel_size,
-                          seed=self.rollout_engine_seed(rollout_group),
+                          seed=self.rollout_engine_seed(rollout_group), seeded_noise=self.seeded_noise,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
                           lora_mode="adapter" if self.shared_base else "merged",
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
