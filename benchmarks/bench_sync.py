@@ -46,15 +46,15 @@ from sync_methods import (BENCH_WORKER, GiB, T0, bench_bridge, bench_direct, ben
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# Qwen2 configs (HF transformers names); Qwen2-7B and Qwen2-1.5B as published.
-SHAPES = {
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
-    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False),
-}
+if ROOT not in sys.path:
+    sys.path.append(ROOT)   # a fallback: an installed colomem or PYTHONPATH's comes first
+
+from colomem.grpo.tiny_model import SHAPES as MODEL_SHAPES  # noqa: E402
+
+# Qwen2 configs (HF transformers names) of Qwen2-1.5B and Qwen2-7B: the one table's dimensions (through the
+# runner's model specs), with the published configs' context length
+SHAPES = {size: dict(MODEL_SHAPES[f"qwen2-{size}"], max_position_embeddings=32768, rms_norm_eps=1e-6,
+                     use_sliding_window=False) for size in ("1.5b", "7b")}
 KEY = {"1.5b": "1p5b", "7b": "7b"}
 TARGET_7B_MS = 30.0
 SIZE_TIMEOUT_S = {"1.5b": 140.0, "7b": 210.0}   # both sizes fit the 6-minute budget of one GPU run
