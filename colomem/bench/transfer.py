@@ -10,6 +10,7 @@ import torch
 
 import colomem
 from colomem import _C
+from colomem._torch import mem_get_info
 from colomem.bench.shapes import ModelShape
 
 
@@ -163,13 +164,13 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
     cyc: list[dict] = []
     res: dict[str, Any] = {"nbytes": nbytes, "tensors": len(tensors), "pool_create_s": pool_s, "gap_s": gap_s,
                            "cycles": cyc}
-    free_resident = torch.cuda.mem_get_info()[0]
+    free_resident = mem_get_info(torch.device("cuda"))[0]
     for i in range(reps + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = s.offload(timing=True)
         off_wall = time.perf_counter() - t0
-        freed = torch.cuda.mem_get_info()[0] - free_resident
+        freed = mem_get_info(torch.device("cuda"))[0] - free_resident
         if gap_s:
             time.sleep(gap_s)
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from typing import Any, Collection, Iterator, Mapping, Optional
 import torch
 from torch import Tensor
 
+from colomem._torch import mem_get_info
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
@@ -151,7 +152,7 @@ class DeepSpeedTrainer:
         return collect_engine_state(self.engine, self.device, exclude=self._shared_storages)
 
     def memory(self) -> dict[str, int]:
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, total = mem_get_info(self.device)
         out = {"allocated": torch.cuda.memory_allocated(self.device),
                "reserved": torch.cuda.memory_reserved(self.device), "driver_used": total - free,
                "driver_free": free, "pinned_pool": 0}
@@ -265,7 +266,7 @@ class DeepSpeedTrainer:
             prepare_sync = False               # named_weights() reads them where they are
         dev = self.device
         torch.cuda.synchronize(dev)        # DeepSpeed's side streams (reduction, all-gather) included
-        free0 = torch.cuda.mem_get_info(dev)[0]
+        free0 = mem_get_info(dev)[0]
         t0 = time.perf_counter()
         if self.zero_stage == 3 and hasattr(self.engine.optimizer, "empty_partition_cache"):
             self.engine.optimizer.empty_partition_cache()     # gathered params are copies of the partitions
@@ -283,7 +284,7 @@ class DeepSpeedTrainer:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
         release_cached_memory()
         torch.cuda.synchronize(dev)
-        free1 = torch.cuda.mem_get_info(dev)[0]
+        free1 = mem_get_info(dev)[0]
         state = move.state
         if state is None:
             raise ColomemError(f"the {method} offload reported no engine state; this is a bug in the DeepSpeed "
@@ -320,7 +321,7 @@ class DeepSpeedTrainer:
         if rep is not None:
             rep.moved_bytes += nbytes
             rep.wait_seconds = waited
-            rep.free_bytes = torch.cuda.mem_get_info(self.device)[0]
+            rep.free_bytes = mem_get_info(self.device)[0]
         return waited
 
     def reload(self) -> None:
@@ -330,7 +331,7 @@ class DeepSpeedTrainer:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
         self.finish_offload()                 # a deferred part first: the set reloads once it is offloaded
         dev = self.device
-        free0 = torch.cuda.mem_get_info(dev)[0]
+        free0 = mem_get_info(dev)[0]
         t0 = time.perf_counter()
         method = self._offloaded_by or self.offload_method
         strategy = self._strategies[method]
@@ -342,7 +343,7 @@ class DeepSpeedTrainer:
         # This stream only: a device-wide synchronize would also wait for the deferred copies on colomem's
         # H2D stream, and the reload phase would last as long as the whole copy (docs/performance.md).
         torch.cuda.current_stream(dev).synchronize()
-        free1 = torch.cuda.mem_get_info(dev)[0]
+        free1 = mem_get_info(dev)[0]
         self.last_reload = SwitchReport(method, "reload", time.perf_counter() - t0, move.nbytes,
                                         free0 - free1, free1, torch.cuda.memory_allocated(dev),
                                         torch.cuda.memory_reserved(dev), move_seconds=move.seconds,

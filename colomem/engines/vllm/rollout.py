@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from colomem._torch import driver_memory
 from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
 from colomem.engines.reports import SyncStats
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
@@ -393,10 +394,11 @@ class VLLMRollout:
 
     # -------------------------------------------------------------------------------------------- report
     def memory(self) -> dict:
-        """Free/total GPU memory seen from this process (mem_get_info) and what vLLM's workers hold."""
+        """Free/total GPU memory as the driver reports it and what vLLM's workers hold."""
         out: dict = {"phase": self._phase, "weight_version": self.weight_version}
-        if torch.cuda.is_available():
-            f, t = torch.cuda.mem_get_info(self.device)
+        info = driver_memory(self.device)
+        if info is not None:
+            f, t = info
             out.update(free_bytes=int(f), total_bytes=int(t), used_bytes=int(t - f))
         out.update(self._kv.report())
         if self._phase != CLOSED and not self._calls.broken:

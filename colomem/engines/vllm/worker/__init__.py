@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from colomem._torch import mem_get_info
 from colomem.errors import InvalidArgumentError, error_payload
 
 from ..checks import CHECKSUM_SAMPLE_WORDS, checksum_parts, finish_checksums, param_info, spread_sample
@@ -298,7 +299,7 @@ class ColomemWorkerExtension:
         out: dict = {"pid": os.getpid()}
         device = self._colomem_device()
         if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
+            free, total = mem_get_info(device)
             out.update(free_bytes=int(free), total_bytes=int(total),
                        torch_allocated_bytes=int(torch.cuda.memory_allocated(device)),
                        torch_reserved_bytes=int(torch.cuda.memory_reserved(device)))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from colomem._torch import mem_get_info
 from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError, PhaseOrderError, is_oom
 from colomem.units import format_bytes
 
@@ -72,7 +73,7 @@ def cumem_api(worker: Any) -> types.SimpleNamespace:
 
 
 def _free_bytes(device: torch.device) -> int:
-    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 0
+    return mem_get_info(device)[0]
 
 
 def _empty_cache(device: torch.device) -> None:
