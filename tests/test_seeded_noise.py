@@ -30,7 +30,7 @@ def expected(seed, offset, vocab):
     out = []
     for quad in range((vocab + 3) // 4):
         words = philox([quad & MASK, quad >> 32, offset & MASK, offset >> 32], [seed & MASK, seed >> 32])
-        out += [-math.log(((w >> 8) + 0.5) / 2 ** 24) for w in words]
+        out += [-math.log(((w >> 9) + 0.5) / 2 ** 23) for w in words]
     return out[:vocab]
 
 
@@ -68,6 +68,15 @@ def test_the_noise_is_exponential_and_never_zero_or_infinite():
     assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.02
     for t in (0.5, 1.0, 3.0):                                  # P(q > t) = exp(-t)
         assert abs((q > t).double().mean().item() - math.exp(-t)) < 0.005
+
+
+def test_the_uniform_stays_inside_0_and_1_in_float32_for_every_23_bit_value():
+    import numpy as np
+
+    k = np.arange(2 ** 23, dtype=np.float32)                 # what the core computes, in float32 as it does
+    u = (k + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
+    assert u.dtype == np.float32 and u.min() > 0 and u.max() < 1
+    assert (-np.log(u)).min() > 0 and np.isfinite(-np.log(u)).all()
 
 
 def test_bad_input_is_refused_before_anything_is_written():

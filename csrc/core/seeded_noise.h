@@ -49,9 +49,10 @@ COLOMEM_HD Block4 philox4x32_10(Block4 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
-// A uniform in (0, 1) from the top 24 bits: never 0 or 1, so -log(u) is finite and above 0 (a zero would
-// make its token's score infinite).
-COLOMEM_HD float open_uniform(uint32_t x) { return (static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f); }
+// A uniform in (0, 1) from the top 23 bits: never 0 or 1, so -log(u) is finite and above 0 (a zero would
+// make its token's score infinite). 23 bits, not 24: k + 0.5 is exact in float32 only for k < 2^23 (above, it
+// rounds, and the largest k would give exactly 1).
+COLOMEM_HD float open_uniform(uint32_t x) { return (static_cast<float>(x >> 9) + 0.5f) * (1.0f / 8388608.0f); }
 
 // The four uniforms of columns 4 * quad .. 4 * quad + 3 of a row with this seed and offset.
 COLOMEM_HD Block4 quad_bits(uint64_t seed, uint64_t offset, uint64_t quad) {
