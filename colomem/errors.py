@@ -84,9 +84,9 @@ TO_FIT = " To fit: "
 
 
 def oom_advice_replaced(message: str, advice: str) -> str:
-    """`message` with the advice after TO_FIT (if any) replaced by `advice`."""
+    """`message` with the advice after TO_FIT (if any) replaced by `advice`, behind the same marker."""
     head = message.split(TO_FIT, 1)[0].rstrip(". ")
-    return f"{head}. {advice}"
+    return f"{head}.{TO_FIT}{advice}"
 
 
 def is_oom(exc: BaseException) -> bool:

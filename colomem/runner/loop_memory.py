@@ -55,7 +55,7 @@ def oom_error(c, placement: Placement, phase: str, step: int, e: BaseException,
         knob += (f" (the placement was {placement.label!r}: --offload all --rollout-sleep always moves "
                  "everything)")
     # the error's own advice names library arguments: the flags above (with their values) replace it
-    parts = [oom_advice_replaced(f"step {step}: out of GPU memory in phase {phase!r}: {e}", "To fit: " + knob)]
+    parts = [oom_advice_replaced(f"step {step}: out of GPU memory in phase {phase!r}: {e}", knob)]
     if note:
         parts.append(note[:1].upper() + note[1:] + "; the trainer was not reloaded")
     return CudaOutOfMemoryError(". ".join(p.rstrip(".") for p in parts) + ".")

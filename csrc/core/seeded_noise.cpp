@@ -6,12 +6,16 @@
 
 namespace colomem {
 
-void host_exponential_rows(float* q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, const int64_t* rows,
-                           const int64_t* seeds, const int64_t* offsets, int64_t n) {
-  using namespace noise_detail;
+void check_exponential_rows_args(int64_t row_stride, int64_t n_q_rows, int64_t vocab, int64_t n) {
   require(vocab > 0 && row_stride >= vocab && n >= 0 && n_q_rows >= 0,
           cat("exponential_rows: need vocab > 0, row_stride >= vocab, n >= 0; got vocab ", vocab, ", row_stride ",
               row_stride, ", n ", n));
+}
+
+void host_exponential_rows(float* q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, const int64_t* rows,
+                           const int64_t* seeds, const int64_t* offsets, int64_t n) {
+  using namespace noise_detail;
+  check_exponential_rows_args(row_stride, n_q_rows, vocab, n);
   if (n == 0) return;
   require(q != nullptr && rows != nullptr && seeds != nullptr && offsets != nullptr,
           "exponential_rows: null pointer");

@@ -66,6 +66,9 @@ COLOMEM_HD Block4 quad_bits(uint64_t seed, uint64_t offset, uint64_t quad) {
 
 }  // namespace noise_detail
 
+// The checks both the host and the GPU path make of their sizes (InvalidArgument).
+void check_exponential_rows_args(int64_t row_stride, int64_t n_q_rows, int64_t vocab, int64_t n);
+
 // For i < n: row rows[i] of q (float32, row_stride elements apart, n_q_rows rows) gets -log(u) in its first
 // vocab columns, u from (seeds[i], offsets[i], column). InvalidArgument for a row outside q.
 void host_exponential_rows(float* q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, const int64_t* rows,

@@ -186,9 +186,7 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
 
 void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,
                              int64_t n, uintptr_t stream, int device) {
-  require(vocab > 0 && row_stride >= vocab && n >= 0 && n_q_rows >= 0,
-          cat("exponential_rows: need vocab > 0, row_stride >= vocab, n >= 0; got vocab ", vocab, ", row_stride ",
-              row_stride, ", n ", n));
+  check_exponential_rows_args(row_stride, n_q_rows, vocab, n);
   if (n == 0) return;
   require(q != 0 && q % 4 == 0 && meta != 0 && meta % 8 == 0, "exponential_rows: null or misaligned pointer");
   require_device(device);

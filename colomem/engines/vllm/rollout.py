@@ -202,8 +202,9 @@ class VLLMRollout:
                  ignore_eos: bool = False, logprobs: bool = True) -> list:
         """Samples n completions per prompt. Returns list[list[Completion]] with vLLM's sampled-token logprobs.
 
-        Prompt i uses seed + i * n, its completion j seed + i * n + j (None: unseeded). Refuses (StaleWeightsError) when the weights are older
-        than the version the trainer announced, or were discarded by a sleep and not synced since.
+        Prompt i uses seed + i * n, its completion j seed + i * n + j (None: unseeded). Refuses
+        (StaleWeightsError) when the weights are older than the version the trainer announced, or were
+        discarded by a sleep and not synced since.
         """
         self._require((AWAKE,), "generate", "call wake_weights(), load_weights(...) and wake_kv() first")
         if not self._weights_valid:
