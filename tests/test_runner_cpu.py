@@ -382,6 +382,18 @@ def test_memory_alarm_flags_growth_after_sleep():
     assert len(a.alarms) == 1 and a.observe(5, None) is None
 
 
+def test_memory_alarm_restarts_with_a_new_placement_after_its_first_step():
+    # the planner's first step moves everything (vLLM asleep: a low floor); from step 1 nothing moves, the
+    # awake engine is the floor, and the resident trainer's first training adds its cached activations
+    a = MemoryAlarm(threshold_bytes=256 << 20, warmup_steps=1)
+    a.restart(1)
+    assert a.observe(1, 31 << 30) is None                 # the new placement's first step: a warm-up
+    assert a.observe(2, (31 << 30) + (954 << 20)) is None  # its baseline
+    assert a.observe(3, (31 << 30) + (954 << 20)) is None and not a.alarms
+    msg = a.observe(4, (32 << 30) + (954 << 20))
+    assert msg and "since step 2" in msg and len(a.alarms) == 1
+
+
 def test_default_yaml_is_the_embedded_default():
     data = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     assert config_from_dict(data).model_dump() == RunConfig().model_dump()

@@ -204,7 +204,7 @@ class PhaseRunner:
         """After the first step (everything moved): the placement of every later step, from its memory
         figures on every rank (the same placement everywhere: the one that fits on every GPU)."""
         self._plan_after_step = False
-        self.alarm.baseline = None           # the floor after sleep is the new placement's from the next step
+        self.alarm.restart(rec.step + 1)     # the floor after sleep is the new placement's from the next step
         c = self.cfg
         total = gpu_total(self.device)
         by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}

@@ -222,19 +222,28 @@ class MemoryAlarm:
         self.threshold = float(threshold_bytes)
         self.warmup = warmup_steps
         self.baseline: Optional[int] = None
+        self.baseline_step: Optional[int] = None
         self.alarms: list[dict] = []
+        self._worst = 0
+
+    def restart(self, from_step: int) -> None:
+        """A new placement from step `from_step` on: its floor is not the old one's. The new placement's
+        first step is a warm-up too (a trainer that stays resident keeps its first training's activations
+        in torch's cache, read at the next step), so the baseline is the step after it."""
+        self.warmup = from_step + 1
+        self.baseline = self.baseline_step = None
         self._worst = 0
 
     def observe(self, step: int, used_after_sleep: Optional[int]) -> Optional[str]:
         if used_after_sleep is None or step < self.warmup:
             return None
         if self.baseline is None:
-            self.baseline = used_after_sleep
+            self.baseline, self.baseline_step = used_after_sleep, step
             return None
         growth = used_after_sleep - self.baseline
         if growth > self.threshold and growth > self._worst:
             self._worst = growth
-            msg = (f"memory left after sleep grew by {format_bytes(growth)} since step {self.warmup} "
+            msg = (f"memory left after sleep grew by {format_bytes(growth)} since step {self.baseline_step} "
                    f"({format_bytes(self.baseline)} -> {format_bytes(used_after_sleep)}): something is not freed "
                    "between steps (a leak in the trainer offload, the sync or vLLM's sleep)")
             self.alarms.append({"step": step, "growth_bytes": growth, "used_after_sleep": used_after_sleep,
