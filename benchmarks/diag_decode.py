@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Why does vLLM decode slower after a sleep / wake beside a resident trainer? One engine, the conditions
-interleaved (A B C D, A B C D, ...), the rollout of the 1.5B job timed under each:
+interleaved (A B C D, B C D A, ...), the rollout of the 1.5B job timed under each:
 
   fresh        the engine as it started (after a warm-up rollout)
   sleep1       vLLM's level-1 sleep and wake (weights copied to the host and back, KV re-mapped)
@@ -51,6 +51,11 @@ def rollout(r, prompts: list, new_tokens: int, cond: str = "fresh") -> tuple[flo
     return seconds, sum(len(c.token_ids) for group in out for c in group)
 
 
+def rotated(conditions: list, rnd: int) -> list:
+    k = rnd % len(conditions)
+    return list(conditions[k:]) + list(conditions[:k])
+
+
 def run(a) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import torch
@@ -72,7 +77,11 @@ def run(a) -> dict:
     try:
         rollout(r, prompts, a.new_tokens)                      # warm-up: compile, graphs, allocator
         for rnd in range(a.rounds):
-            for cond in a.conditions:
+            # the order rotates from round to round (A B C, B C A, C A B): a condition that follows another's
+            # aftermath (a freed 45 GiB, a wake) in one round follows a different one in the next
+            order = rotated(a.conditions, rnd)
+            res.setdefault("order", []).append(order)
+            for cond in order:
                 held = None
                 if cond not in AWAKE:
                     r.sleep_level, r.weights_backup = (2, "pool") if cond == "sleep2pool" else (1, "vllm")

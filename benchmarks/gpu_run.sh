@@ -65,7 +65,8 @@ stage() {  # the stages run in the order given on the command line
     faults) run faults_list $((${FAULTS_BUDGET_S:-560} + 30)) python3 benchmarks/faults.py --out "$OUT/faults-list" \
       --faults "${FAULTS_LIST:-engine_sync,trainer_sync}" --time-budget-s "${FAULTS_BUDGET_S:-560}" \
       --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
-    soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" ;;
+    soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" \
+      ${SOAK_ARGS:-} ;;  # SOAK_ARGS="-- --offload all --rollout-sleep always": the moving path
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \
