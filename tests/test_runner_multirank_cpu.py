@@ -52,6 +52,29 @@ WORKER = textwrap.dedent(r'''
         except BarrierTimeoutError as e:
             dump({"error": str(e), "type": type(e).__name__, "timeout": isinstance(e, TimeoutError)})
             sys.exit(3)
+    elif mode == "stop":
+        # a SIGTERM that reaches rank 1 only, during its first training step
+        import signal
+        from colomem.runner.config import config_from_dict
+        from colomem.runner import run_job
+        from colomem.runner.backends import build_engines
+
+        def factory(cfg, backend, model_path, tok, ranks, grad_accum):
+            eng = build_engines(cfg, backend, model_path, tok, ranks, grad_accum=grad_accum)
+            train_step = eng.trainer.train_step
+
+            def train_step_then_signal(*a, **kw):
+                out = train_step(*a, **kw)
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return out
+            eng.trainer.train_step = train_step_then_signal
+            return eng
+        cfg = config_from_dict({"backend": "cpu", "steps": 4, "prompts_per_step": 4, "micro_batch": 8,
+                                "progress": False, "plots": False, "out": os.path.join(out, "job"),
+                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}})
+        res = run_job(cfg, engines_factory=factory, print_fn=print)
+        dump({"status": res.summary["status"], "error": res.summary.get("error"), "steps": len(res.records)})
     elif mode == "run":
         import torch
         from colomem.runner.config import config_from_dict
@@ -183,3 +206,22 @@ def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
     state = json.loads((job / "checkpoints" / "step-2" / "state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 2 and state["trainer"] == "torch"
     assert (job / "checkpoints" / "step-2" / "trainer.pt").is_file()
+
+
+def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    from colomem.grpo.tasks import make_task
+    from colomem.grpo.tiny_model import model_dir
+
+    cache = tmp_path / "cache"
+    model_dir("tiny", make_task("successor").alphabet, cache_dir=cache / "models", log=lambda *_: None)
+    procs = _launch(tmp_path, "stop", cache)
+    outs = [_finish(p, 300) for p in procs]
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["status"] == r1["status"] == "interrupted"
+    assert r0["steps"] == r1["steps"] == 1                   # both stopped after the step the signal came in
+    assert r1["error"] == "interrupted (SIGTERM) after step 1", r1
+    assert r0["error"] == "interrupted (a stop signal on another rank) after step 1", r0
+    # the stop's checkpoint: every rank took part (one rank alone would wait at its barrier)
+    assert sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir()) == ["step-1"]

@@ -253,6 +253,7 @@ class ColocatedRunner(PhaseRunner):
                     if self.stop_requested is None or not self._stop_after_failed_step(k, start, e, say):
                         raise
                     break
+                self._agree_on_stop(k + 1)
                 self._after_step(k + 1, last=k + 1 == steps or self.stop_requested is not None)
                 if self.stop_requested is not None:
                     say(f"[colomem] {self.stop_requested}: stopped after step {k + 1}")
@@ -277,6 +278,17 @@ class ColocatedRunner(PhaseRunner):
         finally:
             if bar is not None:
                 bar.close()
+
+    def _agree_on_stop(self, done: int) -> None:
+        """Every rank stops after the same step. A signal can reach one rank first (a scheduler's notice that
+        reaches one node first; a launcher that stops its node's workers because a peer node died): the ranks
+        that did not get it stop with it. A peer that died shows here, as BarrierTimeoutError, even when the
+        signal came after the step's last collective."""
+        if self.ranks.world_size == 1:
+            return
+        stop = self.ranks.any_true(self.stop_requested is not None, f"the stop check after step {done}")
+        if stop and self.stop_requested is None:
+            self.stop_requested = "a stop signal on another rank"
 
     # Phases a step can fail in with the trainer's state still that of the step before (nothing trained yet).
     _BEFORE_TRAINING = CYCLE[:CYCLE.index("reload")] + ("score",)   # score: timed outside the phase machine

@@ -171,6 +171,23 @@ class Ranks:
                                       "another rank is stuck or died") from None
         return t.tolist()
 
+    def any_true(self, flag: bool, what: str) -> bool:
+        """True on every rank when `flag` is true on any (bounded by the group's timeout); a rank that died or
+        hangs makes it raise BarrierTimeoutError naming `what`."""
+        if self.world_size == 1:
+            return bool(flag)
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+        try:
+            dist.all_reduce(t, group=self.group)
+        except RuntimeError as e:
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BarrierTimeoutError(f"rank {self.rank}: the other ranks did not take part in {what} ({detail}); "
+                                      "another rank is stuck or died: see its log") from None
+        return bool(t.item() > 0)
+
     def peer_failure(self, error: BaseException, during: Optional[str] = None) -> Optional[BarrierTimeoutError]:
         """The BarrierTimeoutError naming this rank for `error` when it is a RuntimeError raised inside
         torch.distributed (a collective outside these helpers, e.g. the trainer's gradient all-reduce, saw a
