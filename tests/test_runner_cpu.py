@@ -501,3 +501,27 @@ def test_a_gpu_sized_config_on_the_cpu_says_it_needs_a_gpu(cache_env, tmp_path):
             run_job(cfg, print_fn=lambda *_: None)
         assert time.monotonic() - t0 < 60                              # refused before any model was built
         assert not list((cache_env / "models").glob("qwen2-1.5b*"))
+
+
+def test_prepare_only_builds_the_model_into_an_empty_cache_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    from colomem.runner.cli import main
+
+    cache = tmp_path / "fresh-cache"
+    monkeypatch.setenv("COLOMEM_CACHE", str(cache))
+    out = tmp_path / "out"
+    assert main(["--prepare-only", "--backend", "cpu", "--seed", "3", "--out", str(out)]) == 0
+    built = [p for p in (cache / "models").iterdir() if (p / "config.json").is_file()]
+    assert len(built) == 1 and any(built[0].glob("*.safetensors"))
+    assert str(built[0]) in capsys.readouterr().out
+    assert not out.exists()                                  # no run: no outputs, no engines
+    # the same config then finds it: a second prepare builds nothing new
+    assert main(["--prepare-only", "--backend", "cpu", "--seed", "3"]) == 0
+    assert [p for p in (cache / "models").iterdir() if (p / "config.json").is_file()] == built
+
+
+def test_prepare_only_reports_a_bad_input_without_starting_anything(tmp_path, monkeypatch, capsys):
+    from colomem.runner.cli import main
+
+    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path / "cache"))
+    assert main(["--prepare-only", "--backend", "cpu", "--model", str(tmp_path / "no-such-model")]) == 2
+    assert "error:" in capsys.readouterr().err

@@ -31,6 +31,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(levelname)s %(message)s")
     parser = build_arg_parser(DESCRIPTION)
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="build the job's inputs (a config-built model and its tokenizer into the cache, "
+                             "COLOMEM_CACHE; the task or dataset and the rewards checked) and exit: on each node "
+                             "of a job whose nodes share no cache, or before runs that are timed")
     if os.path.basename(sys.argv[0]) == "__main__.py":
         parser.prog = "python -m colomem.runner"
     try:
@@ -38,6 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if parser.parse_args(argv).prepare_only:
+        return _prepare(cfg)
     out = Path(cfg.out) if cfg.out else default_out_dir()
     try:
         result = run_job(cfg, out_dir=out)
@@ -56,6 +62,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("interrupted", file=sys.stderr)
         _say_how_to_resume(out)
         return 130
+    return 0
+
+
+def _prepare(cfg) -> int:
+    """--prepare-only: what a run builds before its engines start, and nothing else (no GPU memory held)."""
+    from colomem.errors import ConfigError
+
+    from .job import job_inputs
+
+    try:
+        inputs = job_inputs(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ColomemError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"[colomem] ready: model {inputs.model_path}; task {cfg.task if not cfg.dataset else cfg.dataset}")
     return 0
 
 

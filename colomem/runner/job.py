@@ -345,8 +345,8 @@ def _model_path(cfg, alphabet: str, ranks: Ranks, say) -> str:
             raise ConfigError(
                 f"rank {ranks.rank}: the config-built model in {path} has no config.json or weights (the cache is "
                 "not shared with rank 0's node, and only rank 0 writes a model). Put COLOMEM_CACHE on a filesystem "
-                "every node shares, or build the model on each node first (one process per node, e.g. a 1-step "
-                "run without torchrun), after deleting that directory")
+                "every node shares, or build the model on each node first (the same command with --prepare-only, "
+                "without torchrun), after deleting that directory")
     return str(path)
 
 
