@@ -69,17 +69,19 @@ class TagWake:
         return sum(self.tag_bytes.get(t, 0) for t in tags)
 
     def need(self, tags: Iterable[str]) -> Optional[int]:
-        """mapped_bytes(tags) plus the margin a wake asks for; None when the layout could not be read."""
+        """The free GPU memory waking `tags` needs: mapped_bytes(tags) plus the margin a wake asks for, 0 when
+        they map nothing, None when the layout could not be read. wake() checks exactly this figure."""
         if not self.tag_bytes:
             return None
-        return self.mapped_bytes(tags) + WAKE_MARGIN
+        mapped = self.mapped_bytes(tags)
+        return mapped + WAKE_MARGIN if mapped else 0
 
     def wake(self, tags: tuple, slept_with: tuple) -> None:
         """Maps `tags` again. slept_with: (sleep level, weights_backup) of the sleep being undone."""
         device, timeout = self._opt.device, self._opt.wake_timeout_s
         need = self.mapped_bytes(tags)
-        free = free_bytes(device)
-        if need and free is not None and free < need + WAKE_MARGIN:
+        want, free = self.need(tags), free_bytes(device)
+        if want and free is not None and free < want:
             raise CudaOutOfMemoryError(wake_oom_message(tags, need, free, "before waking (vLLM still asleep)",
                                                         device))
         try:
