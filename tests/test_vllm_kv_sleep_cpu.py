@@ -251,6 +251,22 @@ def test_a_precheck_refuses_the_map_back_when_the_gpu_lacks_the_memory(monkeypat
     r.close()
 
 
+def test_the_map_back_reads_the_rollouts_device_and_timeout_when_it_runs(monkeypatch):
+    from colomem.engines.vllm import wake_memory
+
+    r = make_kv()
+    r.sleep(keep_weights=True)
+    r.device, r.wake_timeout_s = 3, 12.5                   # changed after the engine was built
+    asked = []
+    monkeypatch.setattr(wake_memory, "free_bytes", lambda device: asked.append(device) or 1024)
+    with pytest.raises(CudaOutOfMemoryError, match="cuda:3"):
+        r.wake_kv()
+    assert asked == [3] and r._kv.timeout_s == 12.5
+    monkeypatch.undo()
+    r.wake_kv()
+    r.close()
+
+
 def test_refused_when_vllm_has_no_sleep_mode():
     r = make_kv(llm_kwargs={"enable_sleep_mode": False})
     with pytest.raises(NotAvailableError, match="enable_sleep_mode"):

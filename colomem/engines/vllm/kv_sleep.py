@@ -27,6 +27,7 @@ from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError
 from colomem.units import format_bytes
 
 from . import wake_memory
+from .wake_memory import WakeOptions
 from .engine_calls import EngineCalls
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,10 @@ def reset_prefix_cache(calls: EngineCalls, timeout_s: float, after: str, stale: 
 class KvSleep:
     """Releases vLLM's KV cache and maps it back, the weights left mapped. `released` while it is out."""
 
-    def __init__(self, calls: EngineCalls, llm_kwargs: dict, timeout_s: float, device: int, margin: int):
+    def __init__(self, calls: EngineCalls, llm_kwargs: dict, options: WakeOptions, margin: int):
         self._calls = calls
         self._sleep_mode = bool(llm_kwargs.get("enable_sleep_mode", False))
-        self.timeout_s = float(timeout_s)
-        self.device = int(device)
+        self._opt = options                  # the rollout: its device and wake timeout, read at each use
         self.margin = int(margin)
         self.released = False
         self.nbytes = 0              # what the workers released (the largest worker's figure)
@@ -57,6 +57,14 @@ class KvSleep:
         if not self._sleep_mode:
             raise NotAvailableError("sleep(keep_weights=True) needs vLLM's sleep mode, but this engine was built "
                                     "with enable_sleep_mode=False (llm_kwargs): drop that override")
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self._opt.wake_timeout_s)
+
+    @property
+    def device(self) -> int:
+        return int(self._opt.device)
 
     def _rpc(self, method: str, *args) -> list:
         return self._calls.rpc(method, *args, timeout=self.timeout_s)

@@ -86,7 +86,7 @@ class VLLMRollout:
         self._base_sync = BaseWeightSync(self._calls, self, lambda: self._make_bridge())
         self._tag_wake = TagWake(self._calls, self)
         t0 = time.perf_counter()
-        self._kv = KvSleep(self._calls, self.llm_kwargs, self.wake_timeout_s, self.device, WAKE_MARGIN)
+        self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN)
         self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
         self._tag_wake.read_layout()
