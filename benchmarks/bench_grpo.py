@@ -378,6 +378,16 @@ def main(argv=None) -> int:
     for bad, known, what in ((set(configs) - set(CONFIGS), CONFIGS, "config"), (set(modes) - set(MODES), MODES, "mode")):
         if bad:
             ap.error(f"unknown {what} {sorted(bad)}; choose from {sorted(known)}")
+    # a fresh machine compiles every package's Python files at their first import (tens of seconds for vLLM):
+    # done here, outside the timed runs, so the first run does not pay it for the ones after it
+    mods = [m for m in ("vllm", "deepspeed", "transformers", "peft", *(PEER_MODULES[m] for m in modes
+                                                                       if m in PEER_MODULES))
+            if importlib.util.find_spec(m) is not None]
+    t0 = time.perf_counter()
+    warm = subprocess.run([sys.executable, "-c", "import " + ", ".join(dict.fromkeys(mods))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=a.run_timeout_s) if mods else None
+    report["warm_imports"] = {"modules": list(dict.fromkeys(mods)), "seconds": time.perf_counter() - t0,
+                              "rc": warm.returncode if warm is not None else None}
     for cfg in configs:
         # the config-built model goes into the cache before any timed run: no mode pays for building it (the
         # first run of a call still fills vLLM's compile cache, which later runs load: `first_run` says which)
