@@ -135,7 +135,8 @@ def analyse(out_dir: Path) -> dict:
     steps = [r for r in _read_jsonl(out_dir / "metrics.jsonl") if "phase_s" in r and not r.get("failed")]
     warm = steps[1:] if len(steps) > 1 else steps
     res = {"status": summary.get("status"), "error": summary.get("error"), "steps_done": len(steps),
-           "build_s": summary.get("build_s"), "backend": summary.get("backend"),
+           "build_s": summary.get("build_s"), "startup_s": summary.get("startup_s"),
+           "backend": summary.get("backend"),
            "model_shape": (summary.get("config") or {}).get("model_shape"),
            "vllm_enforce_eager": (summary.get("trl") or {}).get("vllm_enforce_eager",
                                                                 (summary.get("config") or {}).get("enforce_eager"))}
@@ -152,6 +153,9 @@ def analyse(out_dir: Path) -> dict:
         "first_step": {"step_s": steps[0]["step_s"], "switch_s": steps[0]["switch_s"],
                        "phase_s": steps[0]["phase_s"]},
         "first_step_s": steps[0]["step_s"],
+        # from the job's start line to its first step's (a step line's time is when the step began)
+        "first_step_after_s": next((steps[0]["time"] - r["time"] for r in _read_jsonl(out_dir / "metrics.jsonl")
+                                    if r.get("event") == "start" and "time" in r and "time" in steps[0]), None),
         "step_s_spread": [min(r["step_s"] for r in warm), max(r["step_s"] for r in warm)],
         "placement": summary.get("placement"),
         "gpu_used_both_asleep_gib": _gib(max((mem(r, "sleep", "driver_used") or 0) for r in steps)),

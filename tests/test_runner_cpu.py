@@ -134,6 +134,15 @@ def test_lora_run_syncs_merged_weights(cache_env, tmp_path):
     assert steps[1]["train/rollout_logprob_gap"] < 1e-4
 
 
+def test_the_summary_says_where_the_start_up_went(cache_env, tmp_path):
+    res = run_job(small_cfg(tmp_path / "startup", steps=1), print_fn=lambda *_: None)
+    parts = res.summary["startup_s"]
+    assert set(parts) == {"inputs", "pool", "rollout", "trainer"} and all(v >= 0 for v in parts.values())
+    built = parts["pool"] + parts["rollout"] + parts["trainer"]
+    assert built <= res.summary["build_s"] + 1e-6 and built >= 0.9 * res.summary["build_s"]
+    assert sum(parts.values()) <= res.summary["wall_s"]
+
+
 def test_sync_moves_trained_weights_into_the_rollout(cache_env):
     """Train one step, sync: the rollout's sampled logprobs equal the trained policy's, not the old ones."""
     from colomem.engines.stand_ins import HFRollout, TorchTrainer

@@ -114,8 +114,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         start, resume_from, resumed = _resume_point(cfg, ident, out, steps)
         if backend == "cpu":         # before a GPU-sized model is built or loaded into host memory
             _check_cpu_fits(cfg)
+        t_inputs = time.perf_counter()
         model_path = _model_path(cfg, _alphabet(cfg, task, eval_plan), ranks, say)
         tokenizer, reward_specs, metric_specs = _bind(cfg, task, model_path, reward_fns, say)
+        inputs_s = time.perf_counter() - t_inputs
         config_json = cfg.model_dump(mode="json")
         summary.update(backend=backend, switch=cfg.switch, world_size=ranks.world_size, model=model_path,
                        task=_task_label(cfg), steps=steps, config=config_json)
@@ -137,6 +139,9 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         t_build = time.perf_counter()
         engines = factory(cfg, backend, model_path, tokenizer, ranks, grad_accum)
         summary["build_s"] = time.perf_counter() - t_build
+        # where the wait before the first step went: the model (built or found in the cache) and tokenizer,
+        # then each engine (a custom factory may not say)
+        summary["startup_s"] = {"inputs": inputs_s, **getattr(engines, "build_parts_s", {})}
         device = ranks.local_rank if backend == "gpu" else None
         rollout, trainer = engines.require()
         checkpointer = None
