@@ -388,10 +388,15 @@ def main(argv=None) -> int:
                                                                        if m in PEER_MODULES))
             if importlib.util.find_spec(m) is not None]
     t0 = time.perf_counter()
-    warm = subprocess.run([sys.executable, "-c", "import " + ", ".join(dict.fromkeys(mods))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=a.run_timeout_s) if mods else None
+    code = "import " + ", ".join(dict.fromkeys(mods))
+    if "deepspeed" in mods:     # and DeepSpeed's FusedAdam, built by its JIT at the first use on a machine
+        code += ("\nimport torch\nif torch.cuda.is_available():\n"
+                 "    from deepspeed.ops.op_builder import FusedAdamBuilder\n    FusedAdamBuilder().load()")
+    warm = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=a.run_timeout_s) if mods else None
     report["warm_imports"] = {"modules": list(dict.fromkeys(mods)), "seconds": time.perf_counter() - t0,
-                              "rc": warm.returncode if warm is not None else None}
+                              "rc": warm.returncode if warm is not None else None,
+                              "error_tail": warm.stderr[-1500:] if warm is not None and warm.returncode else None}
     for cfg in configs:
         # the config-built model goes into the cache before any timed run: no mode pays for building it (the
         # first run of a call still fills vLLM's compile cache, which later runs load: `first_run` says which)
