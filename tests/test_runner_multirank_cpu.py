@@ -172,17 +172,22 @@ def test_a_stalled_rank_makes_the_other_fail_with_a_timeout(tmp_path, staller):
     assert "stuck or died" in res["error"]
 
 
-def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
+def _run_both(tmp_path, mode):
+    """Both ranks of a `mode` job on the tiny model (built first, in a cache of their own); both must exit 0."""
     from colomem.grpo.tasks import make_task
     from colomem.grpo.tiny_model import model_dir
 
     cache = tmp_path / "cache"
     model_dir("tiny", make_task("successor").alphabet, cache_dir=cache / "models", log=lambda *_: None)
-    procs = _launch(tmp_path, "run", cache)
+    procs = _launch(tmp_path, mode, cache)
     outs = [_finish(p, 300) for p in procs]
     for rc, out in outs:
         assert rc == 0, out[-4000:]
-    r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
+    return outs, _result(tmp_path, 0), _result(tmp_path, 1)
+
+
+def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
+    outs, r0, r1 = _run_both(tmp_path, "run")
     assert r0["status"] == r1["status"] == "ok"
     # gradients are averaged over the ranks: both trainers hold the same weights after every step
     assert r0["weights"] == r1["weights"]
@@ -209,16 +214,7 @@ def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
 
 
 def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    from colomem.grpo.tasks import make_task
-    from colomem.grpo.tiny_model import model_dir
-
-    cache = tmp_path / "cache"
-    model_dir("tiny", make_task("successor").alphabet, cache_dir=cache / "models", log=lambda *_: None)
-    procs = _launch(tmp_path, "stop", cache)
-    outs = [_finish(p, 300) for p in procs]
-    for rc, out in outs:
-        assert rc == 0, out[-4000:]
-    r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
+    _, r0, r1 = _run_both(tmp_path, "stop")
     assert r0["status"] == r1["status"] == "interrupted"
     assert r0["steps"] == r1["steps"] == 1                   # both stopped after the step the signal came in
     assert r1["error"] == "interrupted (SIGTERM) after step 1", r1
