@@ -210,7 +210,8 @@ class DeepSpeedTrainer:
         out["lr"] = float(engine.get_lr()[0])
         # the optimizer step's kernels are still queued on return: wait for them here, or the next phase (the
         # weight sync, when nothing is offloaded) would start behind them and be timed with them
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.current_stream(self.device).synchronize()
         out["train_step_s"] = time.perf_counter() - t0
         return out
 
