@@ -69,7 +69,7 @@ def _prepare(cfg) -> int:
     """--prepare-only: what a run builds before its engines start, and nothing else (no GPU memory held)."""
     from colomem.errors import ConfigError
 
-    from .job import job_inputs
+    from .job import _task_label, job_inputs
 
     try:
         inputs = job_inputs(cfg)
@@ -79,7 +79,7 @@ def _prepare(cfg) -> int:
     except ColomemError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(f"[colomem] ready: model {inputs.model_path}; task {cfg.task if not cfg.dataset else cfg.dataset}")
+    print(f"[colomem] ready: model {inputs.model_path}; trains on {_task_label(cfg)}")
     return 0
 
 
