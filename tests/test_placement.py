@@ -13,9 +13,11 @@ from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 from colomem.runner.loop_memory import grow_sync_bucket
+from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
-                                      figures_from_step, kv_hint, needs_measuring)
+                                      figures_from_step, kv_hint, micro_batch_hint,
+                                      needs_measuring)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
 from fakes.deepspeed import bare_trainer, zero2_offload
@@ -100,6 +102,26 @@ def test_combinations_that_cannot_work_are_refused_early(tmp_path):
         config_from_dict({**base, "switch": "timesplit", "offload": "none"})
     with pytest.raises(ConfigError):
         config_from_dict({**base, "placement_margin": "lots"})
+
+
+def test_the_memory_left_free_is_offered_to_a_larger_micro_batch():
+    # the training peak is 8 GB over the 45 GB of state: 2 GB a row at micro-batch 4. Nothing moves needs
+    # 60 - 1 + 53 + 2 margin = 114 of 140: 26 GB free, 13 rows more, and 16 is the largest divisor of 64 <= 17
+    f = figs(peak=53)
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    assert p.label == "nothing moves"
+    hint = micro_batch_hint(p, [f], 4, 64, margin=2 * GB)
+    assert "--micro-batch up to 16 (now 4)" in hint and f"{format_bytes(26 * GB)} stays free" in hint
+    assert "up to 8 (now 4)" in micro_batch_hint(p, [f], 4, 8, margin=2 * GB)        # a rank's rows cap it
+    assert micro_batch_hint(p, [f], 4, 64, margin=2 * GB, taken=20 * GB) == ""       # 6 GB: 7 rows, no divisor
+    assert micro_batch_hint(p, [f], 8, 8, margin=2 * GB) == ""                       # already every row
+    assert micro_batch_hint(p, [figs()], 4, 64, margin=2 * GB) == ""                 # no activations measured
+    full = figs(total=140, rollout=137.5, peak=90)
+    assert micro_batch_hint(choose("auto", "auto", [full], margin=2 * GB), [full], 4, 64, margin=2 * GB) == ""
+    assert micro_batch_hint(p, [], 4, 64) == ""
+    # several GPUs: the one with the least room decides
+    tight = figs(rollout=80, peak=53)                   # 80 - 1 + 53 + 2 = 134: 6 GB, 3 rows: no divisor
+    assert micro_batch_hint(p, [f, tight], 4, 64, margin=2 * GB) == ""
 
 
 def test_the_memory_left_free_is_offered_to_the_kv_cache():

@@ -20,7 +20,7 @@ from colomem.units import parse_bytes
 
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
-from .placement import MemoryFigures, Placement, choose, figures_from_step, kv_hint, needs_measuring
+from .placement import MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring
 from .ranks import Ranks
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
@@ -210,7 +210,7 @@ class PhaseRunner:
         by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
         mine = figures_from_step(rec.memory, by_cat, total or 0)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
-        hint = ""
+        hint = micro_hint = ""
         if any(f is None for f in every):
             self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
         else:
@@ -221,12 +221,17 @@ class PhaseRunner:
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
+            rows = c.prompts_per_step // self.ranks.world_size * c.grpo.group_size // c.grpo.mini_batches
+            micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if hint:
             self.print(f"[colomem] KV cache: {hint}")
+        if micro_hint:
+            self.print(f"[colomem] training: {micro_hint}")
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
-                               "kv_hint": hint, "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
+                               "kv_hint": hint, "micro_batch_hint": micro_hint,
+                               "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
                                "figures": self.placement_figures})
 
 

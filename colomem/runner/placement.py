@@ -197,6 +197,28 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
     return "; ".join(parts)
 
 
+def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch: int, rows: int,
+                     margin: Optional[int] = None, taken: int = 0) -> str:
+    """What the memory left free with placement p would buy training: a larger --micro-batch, the largest
+    that divides `rows` (the rows of one optimizer step on a rank) and fits. Estimated from the measured step:
+    its training peak less the trainer's state is taken as activations and temporaries, linear in the
+    micro-batch. Empty when the micro-batch would not grow."""
+    if not figures or micro_batch <= 0 or rows <= micro_batch:
+        return ""
+    spare = -max(_short(p, f, margin) for f in figures) - taken
+    per_row = max((f.train_peak - sum(f.state.values())) / micro_batch for f in figures)
+    if per_row <= 0 or spare < per_row:
+        return ""
+    most = min(rows, micro_batch + int(spare // per_row))
+    best = max(d for d in range(micro_batch, most + 1) if rows % d == 0)
+    if best <= micro_batch:
+        return ""
+    return (f"{format_bytes(spare)} stays free with this placement: --micro-batch up to {best} (now {micro_batch}) "
+            "would fit, estimated from this step's training peak; fewer, larger micro-batches often train "
+            "faster, and the update stays the same up to rounding (each micro-batch is weighted by its share of "
+            "the batch). The KV cache hint above counts the same free memory")
+
+
 # The largest bucket the planner grows the weight bridge to: beyond it a sync gains nothing measurable (a 7B
 # model syncs fastest with 4 GiB buckets), while each buffer of it stays allocated for the whole job.
 MAX_SYNC_BUCKET = 4 << 30
@@ -251,4 +273,4 @@ def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[M
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
-           "kv_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
+           "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
