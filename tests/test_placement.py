@@ -309,3 +309,20 @@ def test_auto_on_the_cpu_measures_once_then_says_why_everything_moves(job_env, t
               if '"placement"' in x and '"event"' in x]
     assert len(events) == 1 and events[0]["from_step"] == 1
     assert sum("placement" in s for s in said) == 2          # the first step's, then the plan's
+
+
+def test_the_plan_prints_and_records_the_micro_batch_hint_from_gpu_figures(job_env, tmp_path, monkeypatch):
+    # the CPU loop with GPU-like figures after its first step: the planner's own path, the hint included
+    from colomem.runner import phase_runner
+
+    f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total: f)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    said = []
+    res = run_job(job(tmp_path / "hint", micro_batch=4, placement_margin="2GB"), print_fn=said.append)
+    assert res.summary["status"] == "ok" and res.summary["placement"]["label"] == "nothing moves"
+    line = [s for s in said if s.startswith("[colomem] training: ")]
+    assert len(line) == 1 and "--micro-batch up to 16 (now 4)" in line[0], said
+    event = [json.loads(x) for x in (tmp_path / "hint" / "metrics.jsonl").read_text().splitlines()
+             if '"placement"' in x and '"event"' in x][-1]
+    assert event["micro_batch_hint"] == line[0][len("[colomem] training: "):]
