@@ -132,7 +132,8 @@ def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float,
 def analyse(out_dir: Path) -> dict:
     """Figures of one run from its summary.json and metrics.jsonl."""
     summary = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else {}
-    steps = [r for r in _read_jsonl(out_dir / "metrics.jsonl") if "phase_s" in r and not r.get("failed")]
+    lines = _read_jsonl(out_dir / "metrics.jsonl")
+    steps = [r for r in lines if "phase_s" in r and not r.get("failed")]
     warm = steps[1:] if len(steps) > 1 else steps
     res = {"status": summary.get("status"), "error": summary.get("error"), "steps_done": len(steps),
            "build_s": summary.get("build_s"), "startup_s": summary.get("startup_s"),
@@ -154,7 +155,7 @@ def analyse(out_dir: Path) -> dict:
                        "phase_s": steps[0]["phase_s"]},
         "first_step_s": steps[0]["step_s"],
         # from the job's start line to its first step's (a step line's time is when the step began)
-        "first_step_after_s": next((steps[0]["time"] - r["time"] for r in _read_jsonl(out_dir / "metrics.jsonl")
+        "first_step_after_s": next((steps[0]["time"] - r["time"] for r in lines
                                     if r.get("event") == "start" and "time" in r and "time" in steps[0]), None),
         "step_s_spread": [min(r["step_s"] for r in warm), max(r["step_s"] for r in warm)],
         "placement": summary.get("placement"),
@@ -384,17 +385,17 @@ def main(argv=None) -> int:
             ap.error(f"unknown {what} {sorted(bad)}; choose from {sorted(known)}")
     # a fresh machine compiles every package's Python files at their first import (tens of seconds for vLLM):
     # done here, outside the timed runs, so the first run does not pay it for the ones after it
-    mods = [m for m in ("vllm", "deepspeed", "transformers", "peft", *(PEER_MODULES[m] for m in modes
-                                                                       if m in PEER_MODULES))
+    mods = [m for m in dict.fromkeys(("vllm", "deepspeed", "transformers", "peft",
+                                      *(PEER_MODULES[m] for m in modes if m in PEER_MODULES)))
             if importlib.util.find_spec(m) is not None]
     t0 = time.perf_counter()
-    code = "import " + ", ".join(dict.fromkeys(mods))
+    code = "import " + ", ".join(mods)
     if "deepspeed" in mods:     # and DeepSpeed's FusedAdam, built by its JIT at the first use on a machine
         code += ("\nimport torch\nif torch.cuda.is_available():\n"
                  "    from deepspeed.ops.op_builder import FusedAdamBuilder\n    FusedAdamBuilder().load()")
     warm = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=a.run_timeout_s) if mods else None
-    report["warm_imports"] = {"modules": list(dict.fromkeys(mods)), "seconds": time.perf_counter() - t0,
+    report["warm_imports"] = {"modules": mods, "seconds": time.perf_counter() - t0,
                               "rc": warm.returncode if warm is not None else None,
                               "error_tail": warm.stderr[-1500:] if warm is not None and warm.returncode else None}
     for cfg in configs:

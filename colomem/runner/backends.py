@@ -107,7 +107,11 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
     if problem:
         raise InvalidArgumentError(problem)
     parts: dict[str, float] = {}
-    t0 = time.perf_counter()
+    last = [time.perf_counter()]
+
+    def lap(part: str) -> None:            # the seconds since the previous part was built
+        now = time.perf_counter()
+        parts[part], last[0] = now - last[0], now
     try:
         if backend == "gpu":
             if cfg.tensor_parallel_size > 1 and cfg.effective_engine != "in-rank":
@@ -118,7 +122,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                     f"tensor_parallel_size={cfg.tensor_parallel_size} needs the in-rank engine (--engine in-rank "
                     "or auto): the cross-process engine cannot span the torchrun ranks")
             pool = _pool(cfg, cpu=False)
-            parts["pool"] = time.perf_counter() - t0
+            lap("pool")
             from colomem.engines.vllm import VLLMRollout
 
             vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group)
@@ -130,7 +134,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 base = engine_parameters(vllm_rollout, cfg.phase_timeout_s)
             else:
                 vllm_rollout.sleep()             # DeepSpeed initialises while vLLM sleeps
-            parts["rollout"] = time.perf_counter() - t0 - parts["pool"]
+            lap("rollout")
             from colomem.engines.deepspeed import DeepSpeedTrainer
 
             ds_trainer = DeepSpeedTrainer(model_path, config=cfg.deepspeed_config(grad_accum), lora=cfg.lora,
@@ -140,7 +144,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 shared = SharedBase(base, ds_trainer.shared)
         else:
             pool = _pool(cfg, cpu=True)
-            parts["pool"] = time.perf_counter() - t0
+            lap("pool")
             from colomem.engines.stand_ins import HFRollout, TorchTrainer
 
             hf_rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
@@ -150,7 +154,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             rollout = hf_rollout
             hf_rollout.sleep(keep_weights=cfg.shared_base)
             cpu_base = hf_rollout.base_parameters() if cfg.shared_base else None
-            parts["rollout"] = time.perf_counter() - t0 - parts["pool"]
+            lap("rollout")
             torch_trainer = TorchTrainer(
                 model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum, grpo=cfg.grpo,
                 lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
@@ -160,7 +164,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             trainer = torch_trainer
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)
-        parts["trainer"] = time.perf_counter() - t0 - parts["pool"] - parts["rollout"]
+        lap("trainer")
         return Engines(rollout, trainer, pool, backend, tokenizer, shared=shared, build_parts_s=parts)
     except BaseException:
         close_engines(Engines(rollout, trainer, pool, backend, shared=shared))

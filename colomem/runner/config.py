@@ -277,6 +277,10 @@ class RunConfig(_Strict):
         """True when the field came from the command line (not the YAML file or a default)."""
         return name in self._explicit
 
+    def rows_per_rank(self, world: int) -> int:
+        """The completions each of `world` ranks trains on per step (its prompt groups x group_size)."""
+        return self.prompts_per_step // world * self.grpo.group_size
+
     def steps_for(self, backend: str) -> int:
         if backend == "cpu" and not self.explicitly_set("steps"):
             return min(self.steps, self.cpu_steps)

@@ -57,7 +57,7 @@ def _rewards(cfg, task, reward_fns):
 
 
 def _grad_accum(cfg, world: int) -> int:
-    rows = cfg.prompts_per_step // world * cfg.grpo.group_size
+    rows = cfg.rows_per_rank(world)
     micro = min(cfg.micro_batch, rows)
     need = math.ceil(rows / micro)
     if cfg.grad_accum is not None and cfg.grad_accum * cfg.micro_batch < rows:

@@ -221,7 +221,7 @@ class PhaseRunner:
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
-            rows = c.prompts_per_step // self.ranks.world_size * c.grpo.group_size // c.grpo.mini_batches
+            rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if hint:

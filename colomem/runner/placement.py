@@ -171,6 +171,11 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
     raise AssertionError("unreachable")
 
 
+def _spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
+    """The smallest head room over the GPUs with placement p, less `taken`."""
+    return -max(_short(p, f, margin) for f in figures) - taken
+
+
 def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
             margin: Optional[int] = None, taken: int = 0) -> str:
     """What the memory left free would buy the rollout: a larger --gpu-memory-utilization (more KV cache) with
@@ -179,16 +184,14 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
     the job takes from what is free after the figures were measured (a larger weight-bridge bucket)."""
     if not figures:
         return ""
-    def spare(q: Placement) -> int:            # the smallest head room over the GPUs
-        return -max(_short(q, f, margin) for f in figures) - taken
     total = min(f.total for f in figures)
     parts = []
-    here = spare(p)
+    here = _spare(p, figures, margin, taken)
     if here >= 1 << 30:
         parts.append(f"{format_bytes(here)} stays free with this placement: --gpu-memory-utilization up to "
                      f"{min(0.99, utilization + here / total):.2f} (now {utilization:.2f}) would give vLLM that "
                      "much more KV cache")
-    moved = spare(EVERYTHING_MOVES)
+    moved = _spare(EVERYTHING_MOVES, figures, margin, taken)
     if p != EVERYTHING_MOVES and moved - max(here, 0) >= 1 << 30:
         parts.append(f"with --offload all --rollout-sleep always, up to "
                      f"{min(0.99, utilization + moved / total):.2f} (each step then moves the trainer's state)")
@@ -205,8 +208,8 @@ def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch
     micro-batch. Empty when the micro-batch would not grow."""
     if not figures or micro_batch <= 0 or rows <= micro_batch:
         return ""
-    spare = -max(_short(p, f, margin) for f in figures) - taken
-    per_row = max((f.train_peak - sum(f.state.values())) / micro_batch for f in figures)
+    spare = _spare(p, figures, margin, taken)
+    per_row = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / micro_batch for f in figures)
     if per_row <= 0 or spare < per_row:
         return ""
     most = min(rows, micro_batch + int(spare // per_row))

@@ -27,6 +27,12 @@ from colomem.errors import ColomemError, InvalidArgumentError
 from .phases import PhaseTimeoutError
 
 
+def _first_line(error: BaseException) -> str:
+    """An error's first line (torch.distributed's run on with C++ frames), or its type's name when empty."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class BarrierTimeoutError(PhaseTimeoutError):
     """The other ranks did not reach a barrier in time (one stalled or died)."""
 
@@ -151,7 +157,7 @@ class Ranks:
         try:
             dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=t), wait_all_ranks=True)
         except RuntimeError as e:   # gloo: "Rank 1 failed to pass monitoredBarrier in ... ms", or a dead peer
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            detail = _first_line(e)
             raise BarrierTimeoutError(
                 f"rank {self.rank}: the other ranks did not reach barrier '{what}' within {t:.0f} s ({detail}). "
                 "A rank is stuck or died: see its log; raise --barrier-timeout-s if a phase is just slow") from None
@@ -183,7 +189,7 @@ class Ranks:
         try:
             dist.all_reduce(t, group=self.group)
         except RuntimeError as e:
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            detail = _first_line(e)
             raise BarrierTimeoutError(f"rank {self.rank}: the other ranks did not take part in {what} ({detail}); "
                                       "another rank is stuck or died: see its log") from None
         return bool(t.item() > 0)
@@ -200,7 +206,7 @@ class Ranks:
             tb = tb.tb_next
         if f"{os.sep}torch{os.sep}distributed{os.sep}" not in tb.tb_frame.f_code.co_filename:
             return None
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        detail = _first_line(error)
         where = f" during {during}" if during else ""
         out = BarrierTimeoutError(
             f"rank {self.rank}: a collective with the other ranks failed{where} ({detail}); another rank is "
