@@ -326,3 +326,17 @@ def test_the_plan_prints_and_records_the_micro_batch_hint_from_gpu_figures(job_e
     event = [json.loads(x) for x in (tmp_path / "hint" / "metrics.jsonl").read_text().splitlines()
              if '"placement"' in x and '"event"' in x][-1]
     assert event["micro_batch_hint"] == line[0][len("[colomem] training: "):]
+
+
+def test_a_rollout_that_stays_awake_retires_its_prefix_cache_after_each_rollout(job_env, tmp_path, monkeypatch):
+    # nothing moves: new weights come after every train phase, so the loop lets vLLM drop its prefix cache
+    # while the trainer trains; a rollout that sleeps drops it in its sleep, and is not asked
+    from colomem.engines.hf_rollout import HFRollout
+
+    seen: list = []
+    monkeypatch.setattr(HFRollout, "retire_prefix_cache", lambda self: seen.append(self.phase), raising=False)
+    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never"), print_fn=lambda *_: None)
+    assert still.summary["status"] == "ok" and len(seen) == 3 and set(seen) == {"awake"}
+    seen.clear()
+    moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
+    assert moved.summary["status"] == "ok" and seen == []

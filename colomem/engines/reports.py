@@ -22,6 +22,7 @@ class SyncStats:
     bridge_seconds: float = 0.0   # bridge transport: from the first pack to the last ACK
     rpc_wait_seconds: float = 0.0  # an RPC-carried sync: after the last ACK, until the worker's RPC returned
     prefix_reset_seconds: float = 0.0  # an engine that stayed awake: dropping its prefix cache after new weights
+    prefix_reset_early: bool = False   # that drop had started before the sync (retire_prefix_cache): only collected
     replayed_tensors: int = 0     # tensors placed by replaying recorded load_weights copies (load_plan)
     adapter_tensors: int = 0      # LoRA tensors handed to vLLM's LoRA manager (adapter mode)
     adapter_seconds: float = 0.0

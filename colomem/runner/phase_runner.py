@@ -174,6 +174,10 @@ class PhaseRunner:
                     self._sleep_rollout()
                     self.rollout_awake = False
                     self._moved.add("rollout")
+                else:   # new weights come next: vLLM's prefix cache drops while the trainer trains
+                    retire = getattr(self.rollout, "retire_prefix_cache", None)   # optional in the protocol
+                    if retire is not None:
+                        retire()
         except BaseException as e:
             note = self._put_rollout_to_sleep()
             if is_oom(e):

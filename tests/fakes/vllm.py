@@ -222,6 +222,7 @@ class FakeLLM:
         self.block = threading.Event()
         self.hang = False
         self.loras: dict = {}
+        self.reset_ok = True          # False: vLLM refuses to reset its prefix cache (requests running)
         core = types.SimpleNamespace(resources=types.SimpleNamespace(
             engine_dead=False, engine_manager=FakeProcs([proc] if proc else [])), shutdown=self._shutdown)
         self.llm_engine = types.SimpleNamespace(engine_core=core, add_lora=self._add_lora,
@@ -269,7 +270,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
-        return True
+        return self.reset_ok
 
     def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.calls.append(("generate", lora_request.lora_int_id if lora_request else None))

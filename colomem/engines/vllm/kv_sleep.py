@@ -29,17 +29,9 @@ from colomem.units import format_bytes
 from . import wake_memory
 from .wake_memory import WakeOptions
 from .engine_calls import EngineCalls
+from .prefix_cache import reset_prefix_cache
 
 log = logging.getLogger(__name__)
-
-
-def reset_prefix_cache(calls: EngineCalls, timeout_s: float, after: str, stale: str) -> None:
-    """Drops vLLM's cached KV blocks (of the prefix cache), whose bytes no longer match their prompts: after the
-    cache was mapped back, or after new weights reached an engine that stayed awake. `stale` says what
-    generating would do with them if vLLM refuses."""
-    ok = calls.call(lambda llm: llm.reset_prefix_cache(), timeout_s, "reset_prefix_cache()")
-    if ok is False:
-        raise ColomemError(f"vLLM refused to reset its prefix cache {after} (requests still running?); {stale}")
 
 
 class KvSleep:
@@ -153,4 +145,4 @@ class KvSleep:
         return {"kv_released": self.released, "kv_released_bytes": self.nbytes}
 
 
-__all__ = ["KvSleep", "reset_prefix_cache"]
+__all__ = ["KvSleep"]

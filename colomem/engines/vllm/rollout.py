@@ -24,7 +24,8 @@ from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError,
 
 from .config import VLLMConfig, check_adapter_mode, check_choice, check_sync_transport
 from .engine_calls import EngineCalls, build_llm
-from .kv_sleep import KvSleep, reset_prefix_cache
+from .kv_sleep import KvSleep
+from .prefix_cache import PrefixCache
 from .lora_adapter import LoraAdapter, split_adapter
 from .sampling import completions, requests
 from .wake_memory import WAKE_MARGIN, TagWake
@@ -85,6 +86,7 @@ class VLLMRollout:
         # _make_bridge looked up when a bridge is made: subclasses and the CPU tests replace it
         self._base_sync = BaseWeightSync(self._calls, self, lambda: self._make_bridge())
         self._tag_wake = TagWake(self._calls, self)
+        self._prefix = PrefixCache(self._calls)
         t0 = time.perf_counter()
         self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN)
         self._calls.attach(self._build_llm(self.llm_kwargs))
@@ -229,6 +231,7 @@ class VLLMRollout:
         kw: dict = {"use_tqdm": False}
         if self._adapter is not None and self._adapter.request is not None:
             kw["lora_request"] = self._adapter.serving()
+        self._settle_prefix_cache()   # a reset retire_prefix_cache() started: this generate fills the cache again
         params, prompts = requests(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                    logprobs=logprobs)
@@ -249,6 +252,7 @@ class VLLMRollout:
         self._require((AWAKE, WEIGHTS_ONLY), "sleep", "vLLM is already asleep")
         if keep_weights:
             self._kv.check_available()
+        self._settle_prefix_cache()
         t0 = time.perf_counter()
         keep = self._weights_valid and (keep_weights or self._weights_backup == "pool" or self._sleep_level == 1)
         if keep and not self._weight_check.recorded:
@@ -355,7 +359,8 @@ class VLLMRollout:
             self._weight_check.record_sync(sent.sampled, sent.snapshots, version)
         if (stats.ntensors or stats.adapter_inplace) and self._phase == AWAKE:  # an in-place adapter keeps its id
             tr = time.perf_counter()
-            self._drop_prefix_cache()
+            stats.prefix_reset_early = self._prefix.drop(
+                self.wake_timeout_s, "after a weight sync", "generating now would reuse KV blocks of the old weights")
             stats.prefix_reset_seconds = time.perf_counter() - tr
         self.weight_version = version
         self._expected_version = max(self._expected_version, version)
@@ -363,11 +368,17 @@ class VLLMRollout:
         self.last_sync = stats
         return stats
 
-    def _drop_prefix_cache(self) -> None:
-        """New base weights into an engine that stayed awake: the cached KV blocks of earlier prompts were
-        computed with the old ones (a sleep drops them; without one they must go here)."""
-        reset_prefix_cache(self._calls, self.wake_timeout_s, "after a weight sync",
-                           "generating now would reuse KV blocks of the old weights")
+    def retire_prefix_cache(self) -> None:
+        """Says that new weights come next while vLLM stays awake: the prefix cache, which a sync into an awake
+        engine must drop (its KV blocks were computed with the old weights), starts dropping now, in the
+        background, so the next load_weights does not wait for it. A generate before that sync still works;
+        the sync then drops the cache it filled. Without a sleep in between, vLLM's reset walks every KV
+        block: tens of milliseconds on a large cache."""
+        self._require((AWAKE,), "retire_prefix_cache", "only an awake engine holds a prefix cache to drop")
+        self._prefix.retire()
+
+    def _settle_prefix_cache(self) -> None:
+        self._prefix.settle(self.wake_timeout_s)
 
     @property
     def _bridge(self) -> Any:
@@ -423,6 +434,7 @@ class VLLMRollout:
                 except ColomemError as exc:
                     log.warning("colomem_close in vLLM's worker failed: %s", exc)
             self._base_sync.forget()  # colomem_close detached the worker already
+            self._prefix.forget()
         finally:
             self._phase = CLOSED
             self._calls.shutdown(timeout)
