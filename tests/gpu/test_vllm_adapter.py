@@ -359,3 +359,18 @@ def test_listener_transport_syncs_the_same_weights(r, tiny):
         assert stats.replayed_tensors == stats.ntensors
     finally:
         r.set_bucket_bytes(256 << 10)            # the listener stops with the old bridge
+
+
+def test_a_sync_into_an_awake_engine_after_retiring_its_prefix_cache_reuses_no_old_block(r, tiny):
+    """No sleep between rollouts (the planner's nothing-moves placement): the prefix cache drops in the
+    background after the rollout, the sync collects it, and the same prompts then generate with the new
+    weights only (a KV block of the old ones would make greedy differ from transformers)."""
+    _, cfg, prompts = tiny
+    greedy(r, prompts)                           # fills the prefix cache with these prompts' blocks
+    for seed in (5, 6):
+        r.retire_prefix_cache()
+        model = new_model(cfg, seed=seed)
+        stats = r.load_weights(named(model), version=r.weight_version + 1)
+        r.check()
+        assert stats.prefix_reset_early and stats.complete is True
+        assert_greedy_matches(model, prompts, greedy(r, prompts))
