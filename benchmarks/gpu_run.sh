@@ -40,8 +40,16 @@ stamp "build"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import colomem; print(colomem.build_info())" || exit 1
+# CALL_S: the device call's own limit. A stage is cut before it (its bound shrinks to what the call has
+# left, minus time to pack), so a stage that runs long loses itself, never the call's earlier results.
+CALL_S=${CALL_S:-600}
 run() {  # run NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
+  local left=$((CALL_S - (SECONDS - t0) - 15))
+  if [ "$left" -lt "$limit" ]; then
+    echo "[gpu_run] $name: bound $limit s cut to $left s (the call has $CALL_S s in all)"; limit=$left
+  fi
+  if [ "$limit" -le 0 ]; then stamp "$name skipped: no time left in the call"; return; fi
   stamp "$name"
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?

@@ -115,6 +115,8 @@ def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]
             v = getattr(sync, k, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[f"sync/{k}"] = v
+        if isinstance(getattr(sync, "prefix_reset_early", None), bool):   # the reset had run while training
+            out["sync/prefix_reset_early"] = sync.prefix_reset_early
     for side, rep in (("offload", trainer.last_offload), ("reload", trainer.last_reload)):
         if rep is None or side not in moved:
             continue
