@@ -78,3 +78,26 @@ def test_close_with_a_retired_cache_does_not_wait_for_it():
     r.retire_prefix_cache()
     r.close()
     assert r.phase == "closed" and llm.shutdown_called and llm.calls.count("reset_prefix_cache") == 2
+
+
+def test_a_sync_accounts_for_its_time_by_part_in_the_step_metrics():
+    # where a sync's milliseconds go: the bridge's packs and the worker's ACKs, the prefix cache's reset, and
+    # the rest (the trainer's side), each in the step's metrics
+    from types import SimpleNamespace
+
+    from colomem.runner.timeline import switch_metrics
+
+    r = make(sync_transport="listener")
+    r.load_weights(trainer_weights(1).items(), version=1)
+    r.generate([[1, 2]], n=1, max_new_tokens=2)
+    r.retire_prefix_cache()
+    stats = r.load_weights(trainer_weights(2).items(), version=2)
+    assert 0 < stats.ack_seconds <= stats.bridge_seconds <= stats.seconds
+    assert stats.apply_seconds <= stats.ack_seconds       # the worker applies inside the wait for its ACK
+    quiet = SimpleNamespace(last_offload=None, last_reload=None)
+    m = switch_metrics(stats, quiet, SimpleNamespace(timings={}), moved=())
+    for k in ("bridge_seconds", "pack_issue_seconds", "pack_copy_seconds", "pack_checksum_seconds",
+              "pack_wait_seconds", "ack_seconds", "prefix_reset_seconds"):
+        assert m[f"sync/{k}"] == getattr(stats, k)
+    assert m["sync/prefix_reset_early"] is True
+    r.close()

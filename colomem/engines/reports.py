@@ -20,6 +20,13 @@ class SyncStats:
     seconds: float = 0.0          # wall time from the first byte packed to the last ACK
     apply_seconds: float = 0.0    # time vLLM's worker spent applying buckets (sum over buckets)
     bridge_seconds: float = 0.0   # bridge transport: from the first pack to the last ACK
+    # ... of which (the bridge's own account): host time launching the packs' copies, their device time and
+    # that of their checksums, host time blocked on a pack, and the worker's share (a bucket out -> its ACK)
+    pack_issue_seconds: float = 0.0
+    pack_copy_seconds: float = 0.0
+    pack_checksum_seconds: float = 0.0
+    pack_wait_seconds: float = 0.0
+    ack_seconds: float = 0.0
     rpc_wait_seconds: float = 0.0  # an RPC-carried sync: after the last ACK, until the worker's RPC returned
     prefix_reset_seconds: float = 0.0  # an engine that stayed awake: dropping its prefix cache after new weights
     prefix_reset_early: bool = False   # that drop had started before the sync (retire_prefix_cache): only collected

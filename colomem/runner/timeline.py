@@ -110,7 +110,8 @@ def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]
                     "sync/seconds": sync.seconds})
         # where the sync's time went (the worker's apply, the bridge's round trips, the RPC's return), when the
         # engine reports it
-        for k in ("apply_seconds", "bridge_seconds", "rpc_wait_seconds", "prefix_reset_seconds", "replayed_tensors",
+        for k in ("apply_seconds", "bridge_seconds", "pack_issue_seconds", "pack_copy_seconds", "pack_checksum_seconds",
+                  "pack_wait_seconds", "ack_seconds", "rpc_wait_seconds", "prefix_reset_seconds", "replayed_tensors",
                   "adapter_seconds"):
             v = getattr(sync, k, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

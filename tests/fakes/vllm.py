@@ -13,6 +13,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,6 +26,7 @@ from colomem._torch import copy_ranges
 from colomem.engines.vllm.rollout import VLLMRollout
 from colomem.engines.vllm.worker import ColomemWorkerExtension
 from colomem.bridge import wire
+from colomem.bridge.producer import BridgeStats
 from colomem.errors import PeerAbortedError, PeerClosedError, PeerError, TransferTimeoutError, error_payload
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,14 +120,16 @@ class FakeBridge:
     def sync(self, items, version, send=None, timeout=None, tag=None):
         assert send is None
         outbox, inbox = CHANNELS[self.address]
-        n = 0
+        n, acked = 0, 0.0
         self.last_reports = []
         try:
             for msg in self.publish(items, version):
                 outbox.put(("bucket", {**msg.to_dict(), "tag": tag}))
                 n += 1
+                t1 = time.perf_counter()
                 try:
                     ack = inbox.get(timeout=timeout)
+                    acked += time.perf_counter() - t1
                 except queue.Empty:
                     raise TransferTimeoutError("no ack in time") from None
                 if ack.get("hung_up"):
@@ -137,7 +141,7 @@ class FakeBridge:
         except BaseException as exc:
             outbox.put(("abort", {"version": version, "tag": tag, "error": repr(exc)}))
             raise
-        self.last_stats = types.SimpleNamespace(messages=n)
+        self.last_stats = BridgeStats(version=version, messages=n, ack_seconds=acked)
         return self.last_stats
 
     def close(self):

@@ -73,7 +73,11 @@ class ListenerTransport:
             self._raise_if_listener_stopped(exc)
             raise
         stats.bridge_seconds = time.perf_counter() - t0
-        stats.nbuckets = bridge.last_stats.messages if bridge.last_stats else 0
+        bs = bridge.last_stats
+        stats.nbuckets = bs.messages if bs else 0
+        for k in ("pack_issue_seconds", "pack_copy_seconds", "pack_checksum_seconds", "pack_wait_seconds",
+                  "ack_seconds"):
+            setattr(stats, k, float(getattr(bs, k, 0.0) or 0.0))
         reports = bridge.last_reports
         if not reports or not all(isinstance(r, dict) and "total_tensors" in r for r in reports):
             raise PeerError("the worker's bridge listener acknowledged the last bucket without its report; "
