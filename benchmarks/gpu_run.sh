@@ -100,7 +100,7 @@ stage() {  # the stages run in the order given on the command line
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;
     realjoblora) run real_job_lora 420 python3 benchmarks/real_job.py --out "$OUT/realjob-lora" --work /tmp/realjob-lora \
       --lora ;;
-    syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes 7b --reps 6 \
+    syncbench) run bench_sync 380 python3 benchmarks/bench_sync.py --out "$OUT/sync" --sizes "${SYNC_SIZES:-7b}" --reps 6 \
       --buckets "${SYNC_BUCKETS:-512MiB,1GiB,2GiB}" --slow-reps 3 --reload-reps 1 --sw-reps 2 ;;
     syncinloop) run bench_sync_inloop 300 python3 benchmarks/bench_sync_inloop.py --out "$OUT/syncinloop" --sets 1.5b,7b --buckets "${SYNCINLOOP_BUCKETS:-loop,512MiB,1GiB}" --reps 7 ;;
     dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;
