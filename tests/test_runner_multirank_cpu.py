@@ -28,6 +28,21 @@ WORKER = textwrap.dedent(r'''
         dump({"world": r.world_size, "gen": r.generate_groups(6), "train": r.train_groups(6),
               "sum": r.sum([rank, 1.0]), "main": r.is_main})
         r.close()
+    elif mode == "leave":
+        # rank 1 is slow to tear its group down: rank 0, which hosts the store, must not leave before it
+        import torch.distributed as dist
+        r = Ranks.from_env(barrier_timeout_s=60)
+        real = dist.destroy_process_group
+
+        def slow_destroy(*a, **kw):
+            if rank == 1:
+                time.sleep(1.5)
+            real(*a, **kw)
+            dump({"destroyed": time.time()})
+        dist.destroy_process_group = slow_destroy
+        r.close()
+        with open(os.path.join(out, f"rank{rank}.left"), "w") as f:
+            f.write(repr(time.time()))
     elif mode == "bridges":
         # tensor parallel 2 over both ranks: each rank's bridge (a fake GPU UUID and socket path) must reach
         # the engine's worker on that GPU
@@ -143,6 +158,15 @@ def test_barriers_and_work_split(tmp_path):
     assert r0["sum"] == r1["sum"] == [1.0, 2.0]
     # tensor parallel 1: each rank generates exactly the groups it trains on; together they cover all
     assert r0["gen"] == r0["train"] == [0, 2, 4] and r1["gen"] == r1["train"] == [1, 3, 5]
+
+
+def test_rank_0_leaves_only_after_every_rank_tore_its_group_down(tmp_path):
+    procs = _launch(tmp_path, "leave")
+    for p in procs:
+        rc, out = _finish(p, 120)
+        assert rc == 0, out[-3000:]
+    left0 = float((tmp_path / "rank0.left").read_text())
+    assert left0 >= _result(tmp_path, 1)["destroyed"]
 
 
 def test_tensor_parallel_group_collects_one_bridge_per_gpu(tmp_path):

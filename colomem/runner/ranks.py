@@ -19,12 +19,25 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from colomem.errors import ColomemError, InvalidArgumentError
 
 from .phases import PhaseTimeoutError
+
+
+LEFT_KEY = "colomem/ranks-left"   # in the default group's store: how many ranks have torn their group down
+LEAVE_WAIT_S = 10.0               # how long rank 0 waits at exit for the others to have done so
+
+
+def _default_store(dist) -> Any:
+    """The store the default group was built on (None where torch does not say)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  (a private helper of torch's; without it, no ordering at exit)
+        return None
 
 
 def _first_line(error: BaseException) -> str:
@@ -250,11 +263,13 @@ class Ranks:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Leaves torch.distributed: a last bounded barrier (no rank tears down the group while another
-        still talks to it), then destroy_process_group. Errors here are ignored: this runs at exit."""
+        still talks to it), then destroy_process_group, rank 0 last. Errors here are ignored: this runs at
+        exit."""
         if self.world_size > 1 and self.owns_process_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                store = _default_store(dist)
                 try:
                     self.barrier("exit", timeout_s)
                 except Exception:  # noqa: BLE001  (a peer already gone)
@@ -263,3 +278,19 @@ class Ranks:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001  (best effort at exit)
                     pass
+                if store is not None:
+                    self._leave_in_order(store, min(float(timeout_s), LEAVE_WAIT_S))
+
+    def _leave_in_order(self, store, wait_s: float) -> None:
+        """Rank 0 exits only once every rank has torn its group down. Rank 0 hosts the store the groups were
+        built on (unless torchrun's agent does): a rank still inside destroy_process_group when the store's host is gone can abort
+        in gloo's teardown ("terminate called without an active exception"). Bounded: a dead peer costs at
+        most wait_s."""
+        try:
+            left = int(store.add(LEFT_KEY, 1))
+            deadline = time.monotonic() + wait_s
+            while self.rank == 0 and left < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.01)
+                left = int(store.add(LEFT_KEY, 0))
+        except Exception:  # noqa: BLE001  (the store's host already gone: nothing left to wait for)
+            pass
