@@ -41,26 +41,29 @@ def test_a_generate_after_retiring_fills_the_cache_again_so_the_sync_resets_it_i
     r.close()
 
 
-def test_a_refused_early_reset_fails_the_sync_instead_of_leaving_stale_blocks():
+@pytest.fixture
+def refusing():
+    """An awake engine with weights version 1 whose vLLM refuses to reset, a reset already retired."""
     r = make(sync_transport="listener")
     r.load_weights(trainer_weights(1).items(), version=1)
     r.llm.reset_ok = False
     r.retire_prefix_cache()
-    with pytest.raises(ColomemError, match="refused to reset its prefix cache after a weight sync"):
-        r.load_weights(trainer_weights(2).items(), version=2)
+    yield r
     r.close()
 
 
-def test_a_refused_early_reset_before_a_sleep_or_generate_is_harmless():
-    r = make(sync_transport="listener")
-    r.load_weights(trainer_weights(1).items(), version=1)
-    r.llm.reset_ok = False
-    r.retire_prefix_cache()
+def test_a_refused_early_reset_fails_the_sync_instead_of_leaving_stale_blocks(refusing):
+    r = refusing
+    with pytest.raises(ColomemError, match="refused to reset its prefix cache after a weight sync"):
+        r.load_weights(trainer_weights(2).items(), version=2)
+
+
+def test_a_refused_early_reset_before_a_sleep_or_generate_is_harmless(refusing):
+    r = refusing
     assert len(r.generate([[1, 2]], n=1, max_new_tokens=2)) == 1    # the generate fills the cache anyway
     r.retire_prefix_cache()
     r.sleep()                                                     # vLLM's sleep drops the cache itself
     assert str(r.llm.calls[-1]).startswith("sleep") and r.llm.calls[-2] == "reset_prefix_cache"
-    r.close()
 
 
 def test_only_an_awake_engine_retires_its_cache():
