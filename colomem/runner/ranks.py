@@ -283,9 +283,9 @@ class Ranks:
 
     def _leave_in_order(self, store, wait_s: float) -> None:
         """Rank 0 exits only once every rank has torn its group down. Rank 0 hosts the store the groups were
-        built on (unless torchrun's agent does): a rank still inside destroy_process_group when the store's host is gone can abort
-        in gloo's teardown ("terminate called without an active exception"). Bounded: a dead peer costs at
-        most wait_s."""
+        built on (unless torchrun's agent does), and a rank still inside destroy_process_group when the
+        store's host is gone can abort in gloo's teardown ("terminate called without an active exception").
+        Bounded: a dead peer costs at most wait_s."""
         try:
             left = int(store.add(LEFT_KEY, 1))
             deadline = time.monotonic() + wait_s

@@ -37,11 +37,6 @@ class PrefixCache:
         self._calls = calls
         self._pending: Optional[concurrent.futures.Future] = None
 
-    @property
-    def retiring(self) -> bool:
-        """A reset was started and nothing generated since."""
-        return self._pending is not None
-
     def retire(self) -> None:
         """Starts the reset now, without waiting for it (the engine is idle: nothing is generating)."""
         if self._pending is None:
