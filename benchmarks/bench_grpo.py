@@ -23,6 +23,8 @@ importable):
   trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
 Their vLLM runs eager exactly when the runner's does in this call (the config's enforce_eager and --extra).
 --rounds 2 runs the modes A B C A B C (interleaved); each mode's figures are then the medians over its rounds.
+Rounds that do not fit one device call go over several: --continue-from an earlier call's grpo_bench.json
+carries its runs into this call's report, and this call's rounds are numbered after the last one there.
 
 Reported per run (medians over the steps after the first, which pays one-time pinning): step time, switch time
 (offload, barriers, wake, sync, check, sleep, reload) and its share of the step, each phase, GPU memory in use
@@ -104,6 +106,36 @@ def _env() -> dict:
         except Exception:  # noqa: BLE001  (a missing package is just not reported)
             pass
     return env
+
+
+def round_of(name: str) -> int:
+    """A run's round, from its name (<config>_<mode>[_r<round>])."""
+    head, _, tail = name.rpartition("_r")
+    return int(tail) if head and tail.isdigit() else 1
+
+
+def run_name(cfg: str, mode: str, rnd: int) -> str:
+    return f"{cfg}_{mode}" + (f"_r{rnd}" if rnd > 1 else "")
+
+
+def continued(path: Path, configs: list, modes: list, rounds: int, first_round: int | None) -> tuple[dict, int]:
+    """The runs of an earlier call's report and the first round of this call (after the last round there,
+    unless given). Refuses, before anything runs, a round that would replace a run of that report."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--continue-from {path}: not a readable grpo_bench.json ({e})") from None
+    runs = earlier.get("runs") if isinstance(earlier, dict) else None
+    if not isinstance(runs, dict):
+        raise SystemExit(f"--continue-from {path}: no 'runs' in it: not a grpo_bench.json")
+    last = max((round_of(n) for n in runs), default=0)
+    first = first_round if first_round is not None else last + 1
+    clash = sorted({run_name(c, m, r) for c in configs for m in modes for r in range(first, first + rounds)}
+                   & set(runs))
+    if clash:
+        raise SystemExit(f"--continue-from {path} holds {', '.join(clash)} already: start at round {last + 1} "
+                         "(--first-round, or leave it out)")
+    return earlier, first
 
 
 def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float,
@@ -345,6 +377,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="full,lora", help="comma list of: " + ", ".join(CONFIGS))
     ap.add_argument("--modes", default="colomem,timesplit", help="comma list of: " + ", ".join(MODES))
     ap.add_argument("--rounds", type=int, default=1, help="runs of each mode, interleaved (A B A B)")
+    ap.add_argument("--continue-from", help="an earlier call's grpo_bench.json: its runs join this report")
+    ap.add_argument("--first-round", type=int, help="number of this call's first round (default: 1, or after "
+                                                      "the last round of --continue-from)")
     ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")
     ap.add_argument("--extra", default="", help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64'")
     ap.add_argument("--run-timeout-s", type=float, default=480.0)
@@ -352,13 +387,31 @@ def main(argv=None) -> int:
     ap.add_argument("--run-default", action="store_true", help="also run the default tiny job (40 steps)")
     ap.add_argument("--default-run", help="an existing default run (directory or metrics.jsonl) to report")
     a = ap.parse_args(argv)
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for bad, known, what in ((set(configs) - set(CONFIGS), CONFIGS, "config"), (set(modes) - set(MODES), MODES, "mode")):
+        if bad:
+            ap.error(f"unknown {what} {sorted(bad)}; choose from {sorted(known)}")
+    if a.first_round is not None and a.first_round < 1:
+        ap.error(f"--first-round must be 1 or more, got {a.first_round}")
+    earlier, first_round = ({}, a.first_round or 1) if not a.continue_from else \
+        continued(Path(a.continue_from), configs, modes, a.rounds, a.first_round)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / "grpo_bench.json"
     report = json.loads(jpath.read_text()) if jpath.is_file() else {}
     report.setdefault("runs", {})
+    if earlier:
+        report["runs"] = {**earlier["runs"], **report["runs"]}
+        report["calls"] = [*earlier.get("calls", [{"environment": earlier.get("environment"),
+                                                    "first_run": earlier.get("first_run"),
+                                                    "runs": sorted(earlier["runs"])}]), *report.get("calls", [])]
+        report["continued_from"] = str(a.continue_from)
     report["environment"] = _env()
+    this_call: list = []
+    report.setdefault("calls", []).append({"environment": report["environment"], "first_run": None,
+                                           "runs": this_call})
 
     def save():
         top_level(report)
@@ -378,11 +431,6 @@ def main(argv=None) -> int:
         report.update(read_default(Path(a.default_run)))
         save()
 
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    for bad, known, what in ((set(configs) - set(CONFIGS), CONFIGS, "config"), (set(modes) - set(MODES), MODES, "mode")):
-        if bad:
-            ap.error(f"unknown {what} {sorted(bad)}; choose from {sorted(known)}")
     # a fresh machine compiles every package's Python files at their first import (tens of seconds for vLLM):
     # done here, outside the timed runs, so the first run does not pay it for the ones after it
     mods = [m for m in dict.fromkeys(("vllm", "deepspeed", "transformers", "peft",
@@ -404,9 +452,9 @@ def main(argv=None) -> int:
         prep = run_one(f"{cfg}_prepare", ["--config", str(ROOT / CONFIGS[cfg]), *a.extra.split(), "--prepare-only"],
                        out / f"{cfg}_prepare", a.run_timeout_s)
         report.setdefault("prepare", {})[cfg] = {"rc": prep["rc"], "wall_s": prep["wall_s"]}
-        for rnd in range(1, a.rounds + 1):
+        for rnd in range(first_round, first_round + a.rounds):
             for mode in modes:
-                name = f"{cfg}_{mode}" + (f"_r{rnd}" if rnd > 1 else "")
+                name = run_name(cfg, mode, rnd)
                 args = ["--config", str(ROOT / CONFIGS[cfg]), *MODES[mode], "--steps", str(a.steps)]
                 args += a.extra.split()
                 d = out / name
@@ -418,6 +466,8 @@ def main(argv=None) -> int:
                     info["result"]["run_wall_s"] = info["wall_s"]
                 report["runs"][name] = info
                 report.setdefault("first_run", name)
+                this_call.append(name)
+                report["calls"][-1]["first_run"] = report["calls"][-1]["first_run"] or name
                 save()                  # on disk after every run: a later timeout keeps what finished
 
     save()

@@ -140,3 +140,29 @@ def test_the_jobs_that_must_move_report_their_switch_share_by_mode():
     assert report["offload_needed_switch_fraction"] == 0.03            # the default's, not the best mode's
     assert report["bigkv_switch_fraction_by_mode"] == {"colomem": 0.03, "overlap": 0.018}
     assert report["bigkv_placement"].startswith("trainer keeps") and report["full7b_step_s"] == 30.0
+
+
+def test_rounds_over_two_calls_make_one_interleaved_report(tmp_path, monkeypatch):
+    # a device call fits one round of the 1.5B job against TRL: the second call continues the first's report
+    bench = _load("bench_grpo")
+    steps = {"colomem": iter([7.0, 8.0]), "trl": iter([11.0, 10.0])}
+    monkeypatch.setattr(bench, "run_one", lambda name, args, d, t: {"rc": 0, "wall_s": 1.0})
+    monkeypatch.setattr(bench, "analyse", lambda d: {"status": "ok", "step_s": next(steps["colomem"]),
+                                                     "switch_overhead_fraction": 0.004})
+    monkeypatch.setattr(bench, "run_peer", lambda mode, name, args, d, t: {
+        "rc": 0, "result": {"status": "ok", "step_s": next(steps["trl"])}})
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda m: None)   # no warm-up imports
+    common = ["--configs", "full", "--modes", "colomem,trl", "--rounds", "1"]
+    assert bench.main(["--out", str(tmp_path / "call1"), *common]) == 0
+    first = tmp_path / "call1" / "grpo_bench.json"
+    assert bench.main(["--out", str(tmp_path / "call2"), *common, "--continue-from", str(first)]) == 0
+    report = json.loads((tmp_path / "call2" / "grpo_bench.json").read_text())
+    assert sorted(report["runs"]) == ["full_colomem", "full_colomem_r2", "full_trl", "full_trl_r2"]
+    assert report["step_s_by_mode"] == {"colomem": 7.5, "trl": 10.5}          # medians over both calls
+    assert report["speedup_vs_trl"] == pytest.approx(10.5 / 7.5)
+    assert [c["runs"] for c in report["calls"]] == [["full_colomem", "full_trl"], ["full_colomem_r2", "full_trl_r2"]]
+    assert [c["first_run"] for c in report["calls"]] == ["full_colomem", "full_colomem_r2"]
+    # a round that would replace a run of the earlier report is refused before anything runs
+    with pytest.raises(SystemExit, match="holds full_colomem, full_trl already: start at round 2"):
+        bench.main(["--out", str(tmp_path / "call3"), *common, "--continue-from", str(first), "--first-round", "1"])
+    assert not (tmp_path / "call3").exists()
