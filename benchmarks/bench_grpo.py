@@ -467,7 +467,7 @@ def main(argv=None) -> int:
                 report["runs"][name] = info
                 report.setdefault("first_run", name)
                 this_call.append(name)
-                report["calls"][-1]["first_run"] = report["calls"][-1]["first_run"] or name
+                report["calls"][-1]["first_run"] = this_call[0]
                 save()                  # on disk after every run: a later timeout keeps what finished
 
     save()
