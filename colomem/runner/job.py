@@ -27,7 +27,7 @@ from .reporters import make_reporters
 from .reporters import resolve as resolve_reporters
 from .ranks import Ranks
 from .status import StatusFile
-from .timeline import MetricsWriter, memory_table, phase_table
+from .timeline import MetricsWriter
 
 
 def default_out_dir() -> Path:
@@ -168,7 +168,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             summary["shared_base"] = {**engines.shared.summary(), "full_check_s": engines.shared.check_full()}
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"
         if runner.stop_requested is not None:
-            summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + len(runner.records)}" + (
+            summary["error"] = f"interrupted ({runner.stop_requested}) after step {start + runner.history.count}" + (
                 f": {runner.stop_failure}" if runner.stop_failure else "")
     except BaseException as e:  # recorded, then raised again after cleanup
         # a peer that died inside a collective of the trainer: say so, naming this rank and the phase
@@ -208,7 +208,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         ranks.close(timeout_s=5.0 if error is not None else 60.0)
     if error is not None:
         raise error
-    return RunResult(out, summary, runner.records if runner else [])
+    mine = writer if ranks.is_main else rank_writer     # this rank's step lines
+    if mine is None:
+        return RunResult(out, summary)
+    return RunResult(out, summary, Path(mine.path), mine.start)
 
 
 @dataclass
@@ -368,13 +371,13 @@ def _finish_outputs(cfg, out: Path, runner: Optional[ColocatedRunner], summary: 
     import json
 
     files = {"metrics": str(out / "metrics.jsonl"), "summary": str(out / "summary.json")}
-    if runner is not None and runner.records:
-        say("\nphase times (median over steps after the first):\n" + phase_table(runner.records))
-        say("\nmemory after each phase (median over steps):\n" + memory_table(runner.records))
+    if runner is not None and runner.history.count:
+        say("\nphase times (median over steps after the first):\n" + runner.history.phase_table())
+        say("\nmemory after each phase (median over steps):\n" + runner.history.memory_table())
         if cfg.plots:
             try:
                 from .plots import plot_rewards, plot_timeline
-                recs = [r.to_json() for r in runner.records]
+                recs = list(runner.history.plot_rows())
                 title = f"{cfg.model_shape if not cfg.model else Path(cfg.model).name}, switch={cfg.switch}"
                 if plot_timeline(recs, out / "timeline.png", title=f"phase timeline ({title})"):
                     files["timeline_png"] = str(out / "timeline.png")

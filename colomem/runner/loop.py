@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,6 +30,7 @@ from colomem.errors import StaleWeightsError, is_oom
 
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
+from .history import StepHistory, read_step_records
 from .inrank import check_group_agrees, rollout_digest
 from .loop_memory import oom_error
 from .phase_runner import PhaseRunner
@@ -36,12 +38,7 @@ from .phases import CYCLE
 from .ranks import Ranks
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import MetricsWriter, StepRecord, host_usage, median, peak_reserved, reset_peak, settle, switch_metrics
-
-
-def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
-    vals = [x for x in xs if x is not None]
-    return sum(vals) / len(vals) if vals else None
+from .timeline import MetricsWriter, StepRecord, host_usage, peak_reserved, reset_peak, settle, switch_metrics
 
 
 def rollout_seed(seed: int, step: int, rollout_group: int, seeding: str) -> Optional[int]:
@@ -57,9 +54,17 @@ def rollout_seed(seed: int, step: int, rollout_group: int, seeding: str) -> Opti
 
 @dataclass
 class RunResult:
+    """A finished run: its output directory, its summary, and where its step records are: this rank's
+    metrics file from the byte the run began writing at (the runner keeps numbers only, see history)."""
     out_dir: Path
     summary: dict
-    records: list = field(default_factory=list)
+    metrics_path: Optional[Path] = None
+    metrics_offset: int = 0
+
+    @cached_property
+    def records(self) -> list[StepRecord]:
+        """This run's finished steps, read back from its metrics file (empty when it wrote none)."""
+        return read_step_records(self.metrics_path, self.metrics_offset) if self.metrics_path else []
 
 
 class ColocatedRunner(PhaseRunner):
@@ -78,7 +83,7 @@ class ColocatedRunner(PhaseRunner):
         self.stop_requested: Optional[str] = None  # a signal's name: finish this step, then stop
         self.stop_failure: Optional[str] = None    # the step a stop signal kept from finishing, and why
         self.grad_accum = grad_accum
-        self.records: list[StepRecord] = []
+        self.history = StepHistory()      # numbers only: each step's whole record goes to the metrics files
         self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
         self.checkpointer: Optional[Checkpointer] = None
@@ -181,7 +186,7 @@ class ColocatedRunner(PhaseRunner):
             rec.metrics["memory_alarm"] = alarm
         if shown:
             rec.metrics["samples"] = shown
-        self.records.append(rec)
+        self.history.add(rec)
         line = rec.to_json()
         if self.writer is not None:
             self.writer.write(line)
@@ -315,29 +320,8 @@ class ColocatedRunner(PhaseRunner):
         return True
 
     def summary(self) -> dict:
-        recs = self.records
-        warm = recs[1:] if len(recs) > 1 else recs
-        rewards = [r.metrics.get("reward_mean") for r in recs]
-        acc = [r.metrics.get("accuracy") for r in recs]
-        after_sleep = [r.memory.get("sleep", {}).get("driver_used") for r in recs]
-        offl = [r.memory.get("offload", {}).get("reserved") for r in recs]
-        phases = sorted({p for r in warm for p in r.phase_s})
         return {
-            "steps_done": len(recs),
-            "reward_first5_mean": _mean(rewards[:5]),
-            "reward_last5_mean": _mean(rewards[-5:]),
-            "accuracy_first5_mean": _mean(acc[:5]),
-            "accuracy_last5_mean": _mean(acc[-5:]),
-            "step_s_median": median([r.step_s for r in warm]),
-            "switch_s_median": median([r.switch_s for r in warm]),
-            "switch_overhead_fraction": median([r.switch_s / r.step_s for r in warm if r.step_s]),
-            "phase_s_median": {p: median([r.phase_s.get(p) for r in warm]) for p in phases},
-            "gpu_used_after_sleep_max": max([x for x in after_sleep if x is not None], default=None),
-            "gpu_used_max": max([v.get("driver_used") or 0 for r in recs for v in r.memory.values()
-                                 if isinstance(v, dict)], default=None) or None,
-            "trainer_reserved_after_offload_max": max([x for x in offl if x is not None], default=None),
-            "pinned_host_max": max([v.get("pinned_host") or 0 for r in recs for v in r.memory.values()
-                                    if isinstance(v, dict)], default=None) or None,
+            **self.history.summary(),
             "memory_alarms": self.alarm.alarms,
             "checkpoint_s": list(self.checkpointer.seconds) if self.checkpointer else [],
             "final_checkpoint": self.final_checkpoint or None,

@@ -1,4 +1,5 @@
-"""PNG plots of a run from its metrics.jsonl records: the phase timeline and the reward curve."""
+"""PNG plots of a run from its per-step figures (metrics.jsonl records, or the runner's history rows): the
+phase timeline and the reward curve."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,22 @@ COLORS = {"offload": "#d62728", "barrier_wake": "#7f7f7f", "wake_weights": "#ff7
           "train": "#2ca02c"}
 
 
+# The timeline draws one bar per step: a long run shows every k-th step, so the image stays readable (and
+# a 1,000-step run does not make a picture hundreds of inches tall)
+MAX_BARS = 80
+
+
+def every_kth(rows: list, most: int = MAX_BARS) -> tuple[list, int]:
+    """Every k-th of `rows` (about `most` of them) and k; the last row always in."""
+    k = -(-len(rows) // most) if rows else 1
+    if k <= 1:
+        return rows, 1
+    picked = rows[::k]
+    if picked[-1] is not rows[-1]:
+        picked.append(rows[-1])
+    return picked, k
+
+
 def _plt():
     import matplotlib
     matplotlib.use("Agg")
@@ -25,6 +42,9 @@ def plot_timeline(records: list[dict], path: os.PathLike, title: Optional[str] =
     steps = [r for r in records if "phase_s" in r and not r.get("failed")]
     if not steps:
         return None
+    steps, k = every_kth(steps)
+    if k > 1:
+        title = f"{title or 'phase timeline (hatched: switch phases)'}; one step in {k}"
     plt = _plt()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, max(3.5, 0.22 * len(steps) + 1.5)),
                                   gridspec_kw={"width_ratios": [3, 1], "wspace": 0.35})

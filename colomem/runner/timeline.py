@@ -1,4 +1,5 @@
-"""What a run records: per-step phase times, a memory snapshot after every phase, JSONL metrics, alarms.
+"""What a run records: per-step phase times, a memory snapshot after every phase, JSONL metrics, alarms (what
+the run keeps of its steps in memory for the summary, tables and plots: colomem.runner.history).
 
 Memory columns (bytes): `allocated` / `reserved` are this process's torch caching allocator (the trainer;
 vLLM's model runs in its own engine process), `driver_used` is total - free from cudaMemGetInfo (every process
@@ -17,7 +18,7 @@ from typing import Any, Collection, Optional, Sequence, TextIO
 from colomem._torch import driver_memory
 from colomem.units import format_bytes
 
-from .phases import ORDER, REPORT_ORDER, SWITCH_PHASES, WORK_PHASES
+from .phases import SWITCH_PHASES, WORK_PHASES
 
 MEMORY_KEYS = ("allocated", "reserved", "driver_used", "pinned_host")
 
@@ -184,6 +185,8 @@ class MetricsWriter:
                 r.seek(-1, os.SEEK_END)
                 if r.read(1) != b"\n":
                     f.write("\n")
+                    f.flush()
+        self.start = f.tell()       # where this writer's lines begin (a resumed run appends to the old ones)
         self._f: Optional[TextIO] = f
 
     def write(self, record: dict) -> None:
@@ -260,50 +263,3 @@ def median(xs: Sequence[Optional[float]]) -> Optional[float]:
     tables and summary.json use this one, so the same screen never shows two figures for one median."""
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
-
-
-def _fmt(n: Optional[float]) -> str:
-    return "-" if n is None else format_bytes(n)
-
-
-def memory_table(records: list[StepRecord]) -> str:
-    """Markdown table: per phase, the median over steps of each memory column after that phase (columns
-    that were never measured, e.g. the GPU ones on CPU, are left out)."""
-    if not records:
-        return ""
-    names = {"allocated": "GPU allocated", "reserved": "GPU reserved", "driver_used": "GPU driver-used",
-             "pinned_host": "pool host memory"}
-    keys = [k for k in MEMORY_KEYS if any((r.memory.get(p) or {}).get(k) is not None
-                                          for r in records for p in r.memory)]
-    if not keys:
-        return "(no memory measured)"
-    lines = ["| after phase | " + " | ".join(names[k] for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
-    for phase in ORDER:
-        rows = [r.memory[phase] for r in records if phase in r.memory]
-        if not rows:
-            continue
-        cols = []
-        for k in keys:
-            cols.append(_fmt(median([v.get(k) for v in rows])))
-        lines.append(f"| {phase} | " + " | ".join(cols) + " |")
-    return "\n".join(lines)
-
-
-def phase_table(records: list[StepRecord], skip_first: bool = True) -> str:
-    """Markdown table: median seconds of each phase (first step left out as warm-up when there are more)."""
-    recs = records[1:] if skip_first and len(records) > 1 else records
-    if not recs:
-        return ""
-    def med(xs: list[float]) -> float:
-        return median(xs) or 0.0
-
-    step = med([r.step_s for r in recs])
-    lines = ["| phase | median s | share of step |", "| --- | --- | --- |"]
-    for phase in REPORT_ORDER:
-        xs = [r.phase_s[phase] for r in recs if phase in r.phase_s]
-        if xs:
-            lines.append(f"| {phase} | {med(xs):.4f} | {100 * med(xs) / step if step else 0:.2f} % |")
-    sw = med([r.switch_s for r in recs])
-    lines.append(f"| **switch total** | {sw:.4f} | {100 * sw / step if step else 0:.2f} % |")
-    lines.append(f"| **step** | {step:.4f} | 100 % |")
-    return "\n".join(lines)
