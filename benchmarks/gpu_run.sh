@@ -2,6 +2,7 @@
 # One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
+# smallbench (its small-tensor part alone), slab (GPU tests of small storages packed onto shared slabs),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
 # (offload(keep=...) tests), syncbench,
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
@@ -76,6 +77,9 @@ stage() {  # the stages run in the order given on the command line
     soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" \
       ${SOAK_ARGS:-} ;;  # SOAK_ARGS="-- --offload all --rollout-sleep always": the moving path
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
+    # the small-tensor set alone (per tensor, coalesced, on slabs) with the raw peaks it is measured against
+    smallbench) run bench_small 150 python3 -m colomem.bench --out "$OUT/small" --only small ;;
+    slab) run swap_slab_tests 120 python3 -m pytest -q -rs tests/gpu/test_swap_slab_gpu.py ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \
       tests/gpu/test_seeded_noise_gpu.py ;;

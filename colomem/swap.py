@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union, cast
 
 import torch
 
-from colomem import _torch, swap_coalesce
+from colomem import _torch, swap_coalesce, swap_slab
 from colomem.errors import (
     CudaOutOfMemoryError,
     DeviceMismatchError,
@@ -73,12 +73,17 @@ class SwapSet:
     coalesce_below: storages smaller than this many bytes move in staging chunks of up to `staging_bytes`,
         one copy per chunk (colomem/swap_coalesce.py; swap_coalesce.COALESCE_BELOW_ON = 1 MiB is the measured
         choice); 0 (the default for now) copies every storage on its own.
+    pack_small: storages smaller than this many bytes are re-homed, once, onto shared slab storages, so each
+        cycle resizes and copies a few slabs instead of every storage (colomem/swap_slab.py: which storages
+        qualify, and what sharing a storage changes for callers); swap_slab.PACK_SMALL_ON = 1 MiB is the
+        intended choice; 0 (the default for now) leaves every storage where it is. Independent of
+        coalesce_below, which still applies to the storages that stay off the slabs.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
                  device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
                  coalesce_below: Optional[int] = None,
-                 staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT):
+                 staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT, pack_small: Optional[int] = None):
         self.name = name
         self._source = source
         self._pool = pool if pool is not None else default_pool()
@@ -95,6 +100,11 @@ class SwapSet:
             raise InvalidArgumentError(f"coalesce_below must be bytes >= 0 and staging_bytes bytes > 0, got "
                                        f"{coalesce_below!r} and {staging_bytes!r}")
         self.coalesce_below, self.staging_bytes = coalesce_below, staging_bytes
+        if pack_small is None:
+            pack_small = swap_slab.PACK_SMALL_DEFAULT
+        if not (isinstance(pack_small, int) and pack_small >= 0):
+            raise InvalidArgumentError(f"pack_small must be bytes >= 0, got {pack_small!r}")
+        self._packer = swap_slab.Packer(pack_small) if pack_small else None
         self._layout: Optional[swap_coalesce.Layout] = None  # how the last offload grouped the storages
         self.state = RESIDENT
         self._entries: list[_Entry] = []
@@ -202,9 +212,11 @@ class SwapSet:
                                       f"{self._device}; make one set per device")
         return True
 
-    def _plan(self) -> list[_Entry]:
+    def _plan(self, source=None, groups: Optional[dict] = None) -> list[_Entry]:
+        """One entry per storage to move. source: the source already read (default: read it now); groups:
+        filled with the set's tensors by storage data pointer (for swap_slab)."""
         entries: dict[int, _Entry] = {}
-        for name, t in _iter_named(self._source):
+        for name, t in _iter_named(self._source if source is None else source):
             if not self._check_tensor(name, t):
                 continue
             st = t.untyped_storage()
@@ -212,6 +224,8 @@ class SwapSet:
             if n == 0:
                 continue  # nothing to move (e.g. ZeRO-3's released full params)
             ptr = st.data_ptr()
+            if groups is not None:
+                groups.setdefault(ptr, []).append(t)
             if ptr in entries:
                 continue  # shared storage: moved once, every view follows
             if not st.resizable():
@@ -327,7 +341,7 @@ class SwapSet:
         with self._lock:  # the state check, the plan and the submission as one step for other threads
             self._check_offloadable()
             self._pool.check_open()
-            entries = self._plan()
+            entries = self._plan() if self._packer is None else self._packer.plan(self)
             layout = swap_coalesce.layout_for(self._layout, entries, self.coalesce_below, self.staging_bytes)
             self._take_blocks(layout.units())
             self._entries, self._layout = entries, layout
@@ -465,7 +479,8 @@ class SwapSet:
 
     def host_storage(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The pool copy of `t`'s whole storage as CPU uint8 (checkpoints save storages byte for byte),
-        valid while offloaded; None when `t` has no offloaded copy here."""
+        valid while offloaded; None when `t` has no offloaded copy here. A tensor on a slab (pack_small) has
+        the slab as its storage: this is the whole slab, `t` at its storage offset in it."""
         if self.state != OFFLOADED:
             return None
         if self._pool.closed:  # the pool copy was unmapped with it: a view would read freed memory
