@@ -75,7 +75,8 @@ stage() {  # the stages run in the order given on the command line
       --faults "${FAULTS_LIST:-engine_sync,trainer_sync}" --time-budget-s "${FAULTS_BUDGET_S:-560}" \
       --min-job-s "${FAULTS_MIN_JOB_S:-100}" ;;
     soak) run soak $((${SOAK_S:-240} + 90)) python3 benchmarks/soak.py --out "$OUT/soak" --steps 1000 --time-limit-s "${SOAK_S:-240}" \
-      ${SOAK_ARGS:-} ;;  # SOAK_ARGS="-- --offload all --rollout-sleep always": the moving path
+      ${SOAK_HEAP:+--heap-every "$SOAK_HEAP"} ${SOAK_ARGS:-} ;;  # SOAK_ARGS="-- --offload all --rollout-sleep always": the
+      # moving path; SOAK_HEAP=N: where the runner's Python heap grew, every N steps
     transfer) run bench_transfer 240 python3 -m colomem.bench --out "$OUT/transfer" ;;
     # the small-tensor set alone (per tensor, coalesced, on slabs) with the raw peaks it is measured against
     smallbench) run bench_small 150 python3 -m colomem.bench --out "$OUT/small" --only small ;;

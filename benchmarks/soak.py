@@ -1,6 +1,7 @@
 """The default job run long, watching for what grows step after step (GPU host, or --backend cpu).
 
-    python3 benchmarks/soak.py --out DIR --steps 1000 --time-limit-s 240 [--backend cpu] [-- runner args]
+    python3 benchmarks/soak.py --out DIR --steps 1000 --time-limit-s 240 [--backend cpu] [--heap-every N]
+        [-- runner args]
 
 Runs `python3 runners/grpo_colocated.py --steps N` as a subprocess in a session of its own and stops it (SIGTERM: the
 step under way finishes) once --time-limit-s has passed since the job started, whichever comes first. Per
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import statistics
@@ -27,6 +29,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from job_procs import Job, engine_pid, read_lines, rss_and_fds, step_lines  # noqa: E402
+
+from colomem.runner.heap_profile import ENV as HEAP_ENV  # noqa: E402
 
 MIB = float(1 << 20)
 GROWTH = ("median of the last 10 % of the steps minus the median of the first 10 % (at least one step each), "
@@ -97,6 +101,20 @@ def summarize(s: dict, engine: dict, warmup: int, seconds: Optional[float]) -> d
     }
 
 
+def last_heap_profile(path: Path) -> Optional[dict]:
+    """The job's last heap profile line (the Python allocation sites that grew most since the first), if any."""
+    last = None
+    try:
+        for raw in path.read_text().splitlines():
+            try:
+                last = json.loads(raw)
+            except ValueError:
+                pass
+    except OSError:
+        return None
+    return last
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path)
@@ -106,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--stop-timeout-s", type=float, default=60.0, help="longest a stopped job may take to exit")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=("auto", "gpu", "cpu"))
+    p.add_argument("--heap-every", type=int, default=0,
+                   help="trace the job's Python heap and write where it grew every N steps (slower steps; "
+                        "soak.json then carries the last profile's sites)")
     p.add_argument("runner_args", nargs="*", help="after --: more arguments for the job")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +136,8 @@ def main(argv=None) -> int:
             "--report-to", "none", *a.runner_args]
     engine: dict[str, list] = {"step": [], "rss_bytes": [], "open_fds": []}
     stopped_by_time = False
-    with Job(args, a.out / "soak.log") as job:
+    env = {**os.environ, HEAP_ENV: str(a.heap_every)} if a.heap_every > 0 else None
+    with Job(args, a.out / "soak.log", env=env) as job:
         tail, epid = Tail(metrics), None
         deadline = job.t0 + a.time_limit_s
         while job.proc.poll() is None and time.monotonic() < deadline:
@@ -147,6 +169,7 @@ def main(argv=None) -> int:
         "memory_alarms": [d.get("memory_alarm") for d in step_lines(lines) if d.get("memory_alarm")],
         "command": shlex.join(["python3", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
         "job_command": shlex.join(["python3", "runners/grpo_colocated.py", *args]),
+        "heap_profile": last_heap_profile(job_out / "heap_profile.jsonl"),
         "series": s,
         "engine_series": engine,
     }

@@ -20,7 +20,7 @@ from colomem.engines.protocols import Checkpointable
 from colomem.errors import ConfigError, InvalidArgumentError, NotAvailableError
 from colomem.grpo.dataset_task import DatasetTask, template_characters
 
-from . import checkpoints, evaluation
+from . import checkpoints, evaluation, heap_profile
 from .checkpoints import Checkpointer
 from .loop import ColocatedRunner, RunResult
 from .reporters import make_reporters
@@ -94,6 +94,7 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         raise ConfigError(f"cannot create the output directory {str(out)!r}: {e.strerror}; choose another --out") \
             from None
     writer = rank_writer = None
+    heap: Optional[heap_profile.HeapProfile] = None
     status: Optional[StatusFile] = None
     reporters: list = []
     engines: Optional[Engines] = None
@@ -101,6 +102,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
     summary: dict[str, Any] = {"status": "error", "out_dir": str(out)}
     error: Optional[BaseException] = None
     try:
+        try:                                          # a bad value is refused before anything is built
+            every = heap_profile.every_from_env()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         backend, why = resolve_backend(cfg.backend)
         say(f"[colomem] {why}")
         steps = cfg.steps_for(backend)
@@ -162,6 +167,10 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         runner.version = resumed
         runner.evaluator = evaluator
         runner.status = status
+        if every:
+            name = "heap_profile.jsonl" if ranks.world_size == 1 else f"heap_profile.rank{ranks.rank}.jsonl"
+            heap = runner.heap = heap_profile.HeapProfile(out / name, every)
+            say(f"[colomem] tracing the Python heap every {every} steps into {out / name} (slower steps)")
         with _stop_on_signals(runner, say):
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
         if engines.shared is not None:         # every byte of the shared base, once, as it was when shared
@@ -198,6 +207,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             rank_writer.close()
         if status is not None:
             status.finish(summary["status"], summary.get("error"))
+        if heap is not None:
+            heap.close()
         for r in reporters:
             try:
                 r.close()

@@ -30,6 +30,7 @@ from colomem.errors import StaleWeightsError, is_oom
 
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
+from .heap_profile import HeapProfile
 from .history import StepHistory, read_step_records
 from .inrank import check_group_agrees, rollout_digest
 from .loop_memory import oom_error
@@ -84,6 +85,7 @@ class ColocatedRunner(PhaseRunner):
         self.stop_failure: Optional[str] = None    # the step a stop signal kept from finishing, and why
         self.grad_accum = grad_accum
         self.history = StepHistory()      # numbers only: each step's whole record goes to the metrics files
+        self.heap: Optional[HeapProfile] = None     # COLOMEM_HEAP_PROFILE_EVERY: where the Python heap grows
         self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
         self.checkpointer: Optional[Checkpointer] = None
@@ -196,6 +198,8 @@ class ColocatedRunner(PhaseRunner):
             r.log(k, line)
         if self._plan_after_step:
             self._plan(rec)
+        if self.heap is not None:
+            self.heap.after_step(k)
         return rec
 
     def _encode(self, text: str) -> list[int]:
