@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import colomem
-from colomem import _torch, swap_coalesce
+from colomem import swap_coalesce
 from colomem.errors import InvalidArgumentError
 from random_bytes import random_tensor
+from swap_faults import failing_engine  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -159,34 +160,6 @@ def test_no_room_for_the_staging_buffer_copies_each_storage(pool, monkeypatch):
     monkeypatch.setattr(swap_coalesce.Layout, "grow_staging", full)
     cycle_and_check(s, tensors, cycles=2)
     assert s._layout.chunks and s._layout.fallback
-
-
-class FailingEngine:
-    """The process's host engine, with its n-th submission (counted from 1) refused."""
-
-    def __init__(self, real, fail_at):
-        self.real, self.fail_at, self.calls = real, fail_at, 0
-
-    def submit(self, direction, copies, **kw):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise InvalidArgumentError("injected: this submission is refused")
-        return self.real.submit(direction, copies, **kw)
-
-    def stream(self, direction):
-        return self.real.stream(direction)
-
-
-@pytest.fixture
-def failing_engine(monkeypatch):
-    real = _torch.engine_for(torch.device("cpu"))
-    box = {}
-
-    def engine_for(device):
-        return box.get("engine") or real
-
-    monkeypatch.setattr(_torch, "engine_for", engine_for)
-    return lambda fail_at: box.__setitem__("engine", FailingEngine(real, fail_at)), lambda: box.pop("engine")
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 4])

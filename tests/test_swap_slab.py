@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import colomem
-from colomem import _torch, swap_coalesce, swap_slab
+from colomem import swap_coalesce, swap_slab
 from colomem.errors import InvalidArgumentError, PhaseOrderError, TransferTimeoutError
 from random_bytes import random_tensor
+from swap_faults import failing_engine  # noqa: F401  (fixture)
 
 KiB = 1 << 10
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,
@@ -317,30 +318,6 @@ def test_no_room_for_a_slab_leaves_the_storages_where_they_are(pool, monkeypatch
     monkeypatch.undo()
     cycle_and_check(s, tensors, cycles=1)  # room again: the next offload packs them
     assert s._packer.slab_keys
-
-
-class FailingEngine:
-    """The process's host engine, with its n-th submission (counted from 1) refused."""
-
-    def __init__(self, real, fail_at):
-        self.real, self.fail_at, self.calls = real, fail_at, 0
-
-    def submit(self, direction, copies, **kw):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise InvalidArgumentError("injected: this submission is refused")
-        return self.real.submit(direction, copies, **kw)
-
-    def stream(self, direction):
-        return self.real.stream(direction)
-
-
-@pytest.fixture
-def failing_engine(monkeypatch):
-    real = _torch.engine_for(torch.device("cpu"))
-    box = {}
-    monkeypatch.setattr(_torch, "engine_for", lambda device: box.get("engine") or real)
-    return lambda fail_at: box.__setitem__("engine", FailingEngine(real, fail_at)), lambda: box.pop("engine")
 
 
 def test_a_failed_first_offload_leaves_the_rehomed_tensors_resident_and_intact(pool, failing_engine):

@@ -8,6 +8,7 @@ import torch
 import colomem
 from colomem import swap_coalesce
 from colomem.bench.transfer import make_small_set
+from _swap_gpu import as_bytes, driver_free, pool  # noqa: F401  (pool: a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -16,23 +17,9 @@ pytestmark = pytest.mark.gpu
 def coalescing_on(monkeypatch):
     """These tests are about coalescing: every set they build coalesces unless it says otherwise."""
     monkeypatch.setattr(swap_coalesce, "COALESCE_BELOW_DEFAULT", swap_coalesce.COALESCE_BELOW_ON)
+
+
 MiB = 1 << 20
-
-
-def as_bytes(t):
-    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()  # on the host: no GPU memory held
-
-
-def driver_free():
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = colomem.PinnedPool("3GiB")
-    yield p
-    p.close(force=True)
 
 
 def test_twenty_thousand_small_tensors_round_trip_and_free_their_memory(pool):

@@ -11,30 +11,15 @@ import torch
 import colomem
 from colomem import swap_slab
 from colomem.bench.transfer import make_small_set
+from _swap_gpu import as_bytes, driver_free, pool  # noqa: F401  (pool: a fixture)
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 PACK = swap_slab.PACK_SMALL_ON
 
 
-def as_bytes(t):
-    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()  # on the host: no GPU memory held
-
-
 def key(t):
     return t.untyped_storage()._cdata
-
-
-def driver_free():
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = colomem.PinnedPool("3GiB")
-    yield p
-    p.close(force=True)
 
 
 def test_twenty_thousand_small_tensors_on_slabs_round_trip_and_free_their_memory(pool):
