@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from job_procs import Job, engine_pid, read_lines, rss_and_fds, step_lines  # noqa: E402
 
 from colomem.runner.heap_profile import ENV as HEAP_ENV  # noqa: E402
+from colomem.runner.timeline import read_jsonl  # noqa: E402
 
 MIB = float(1 << 20)
 GROWTH = ("median of the last 10 % of the steps minus the median of the first 10 % (at least one step each), "
@@ -103,16 +104,11 @@ def summarize(s: dict, engine: dict, warmup: int, seconds: Optional[float]) -> d
 
 def last_heap_profile(path: Path) -> Optional[dict]:
     """The job's last heap profile line (the Python allocation sites that grew most since the first), if any."""
-    last = None
     try:
-        for raw in path.read_text().splitlines():
-            try:
-                last = json.loads(raw)
-            except ValueError:
-                pass
+        lines = read_jsonl(path)
     except OSError:
         return None
-    return last
+    return lines[-1] if lines else None
 
 
 def main(argv=None) -> int:

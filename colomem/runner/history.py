@@ -10,7 +10,6 @@ these columns; whoever wants the whole records reads them back from the file (`r
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from array import array
@@ -19,7 +18,7 @@ from typing import Iterator, Optional
 from .phases import ORDER, REPORT_ORDER, SWITCH_PHASES
 from colomem.units import format_bytes
 
-from .timeline import MEMORY_KEYS, StepRecord, median
+from .timeline import MEMORY_KEYS, StepRecord, median, read_jsonl
 
 NAN = float("nan")
 # the metrics the summary and the reward plot read, per step
@@ -183,22 +182,13 @@ def step_record(line: dict) -> StepRecord:
 def read_step_records(path: os.PathLike, offset: int = 0) -> list[StepRecord]:
     """The finished steps' records in a metrics file, from byte `offset` on (where one run began writing):
     step lines only, not the events (start, placement, eval, end) nor failed steps; a torn line is skipped."""
-    out: list[StepRecord] = []
     try:
-        f = open(path, "rb")
+        lines = read_jsonl(path, offset)
     except FileNotFoundError:
-        return out
-    with f:
-        f.seek(offset)
-        for raw in f:
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(line, dict) and "phase_s" in line and "step" in line and "event" not in line \
-                    and not line.get("failed"):
-                out.append(step_record(line))
-    return out
+        return []
+    return [step_record(line) for line in lines
+            if isinstance(line, dict) and "phase_s" in line and "step" in line and "event" not in line
+            and not line.get("failed")]
 
 
 __all__ = ["StepHistory", "read_step_records", "step_record"]

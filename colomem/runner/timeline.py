@@ -204,17 +204,19 @@ class MetricsWriter:
             self._f = None
 
 
-def read_jsonl(path: os.PathLike) -> list[dict]:
-    """Every complete JSON line of a metrics file (a torn last line is skipped)."""
+def read_jsonl(path: os.PathLike, offset: int = 0) -> list[dict]:
+    """Every complete JSON line of a metrics file from byte `offset` on (MetricsWriter.start: where one run
+    began writing); a torn line is skipped."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
+        f.seek(offset)
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
                 out.append(json.loads(line))
-            except json.JSONDecodeError:
+            except ValueError:
                 continue
     return out
 
