@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union, cast
 
 import torch
 
-from colomem import _torch, swap_coalesce, swap_slab
+from colomem import _torch, swap_coalesce, swap_pipeline, swap_slab
 from colomem.errors import (
     CudaOutOfMemoryError,
     DeviceMismatchError,
@@ -78,12 +78,15 @@ class SwapSet:
         qualify, and what sharing a storage changes for callers); swap_slab.PACK_SMALL_ON = 1 MiB is the
         intended choice; 0 (the default for now) leaves every storage where it is. Independent of
         coalesce_below, which still applies to the storages that stay off the slabs.
+    pipeline: a reload grows the storages piece by piece behind the copies of the pieces before, instead of
+        all of them before the first copy (colomem/swap_pipeline.py); only for sets without staging chunks.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
                  device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
                  coalesce_below: Optional[int] = None,
-                 staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT, pack_small: Optional[int] = None):
+                 staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT, pack_small: Optional[int] = None,
+                 pipeline: bool = True):
         self.name = name
         self._source = source
         self._pool = pool if pool is not None else default_pool()
@@ -91,6 +94,7 @@ class SwapSet:
         if self._device is not None and self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.release = release
+        self.pipeline = bool(pipeline)
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
         if coalesce_below is None:          # read here, so the module's default can change under a test
@@ -405,13 +409,16 @@ class SwapSet:
         except torch.OutOfMemoryError as exc:
             for e in grown:
                 e.storage.resize_(0)  # roll back: the set stays fully offloaded, bytes safe in the pool
-            need = sum(e.nbytes for e in self._entries)
-            free, total = _torch.mem_get_info(cast(torch.device, self._device))
-            raise CudaOutOfMemoryError(
-                f"{self.name}: reload needs {format_bytes(need)} on {self._device} but only {format_bytes(free)} "
-                f"of {format_bytes(total)} is free. Free GPU memory first (put the rollout engine to sleep, "
-                f"lower gpu_memory_utilization or the micro-batch) and call reload() again; the data is still "
-                f"in the pinned pool. ({exc})") from exc
+            raise self._reload_oom(exc) from exc
+
+    def _reload_oom(self, exc: BaseException) -> CudaOutOfMemoryError:
+        need = sum(e.nbytes for e in self._entries)
+        free, total = _torch.mem_get_info(cast(torch.device, self._device))
+        return CudaOutOfMemoryError(
+            f"{self.name}: reload needs {format_bytes(need)} on {self._device} but only {format_bytes(free)} "
+            f"of {format_bytes(total)} is free. Free GPU memory first (put the rollout engine to sleep, "
+            f"lower gpu_memory_utilization or the micro-batch) and call reload() again; the data is still "
+            f"in the pinned pool. ({exc})")
 
     def _check_reloadable(self) -> None:
         if self.state != OFFLOADED:
@@ -436,17 +443,22 @@ class SwapSet:
         ordered=False: later work does not wait (a prefetch behind other kernels): nothing may read the set
         before the handle's wait() returned (see PendingReloads)."""
         with self._lock:  # the state check, the re-grow and the submission as one step for other threads
+            layout = cast(swap_coalesce.Layout, self._layout)
             if _grown_ms is None:  # (swap() grows them itself, before either direction starts)
                 self._check_reloadable()
-                alloc_ms = self._timed_regrow()
+            if _grown_ms is None and self.pipeline and swap_pipeline.applies(self, layout):
+                # the storages grow piece by piece behind the copies of the pieces before (swap_pipeline.py)
+                t0 = time.perf_counter()
+                transfer, token, alloc_ms = swap_pipeline.submit_reload(
+                    self, layout, ordered=ordered, timing=timing, oom_error=self._reload_oom)
             else:
-                alloc_ms = _grown_ms
-            t0 = time.perf_counter()
-            # Wait for the current stream first (the allocator may hand out memory it still reads), and make it
-            # wait for the copies, so kernels queued after reload() see the restored bytes. A failure shrinks
-            # the storages back (the set stays offloaded), once no copy writes into them any more.
-            transfer, token = swap_coalesce.submit(self, "h2d", cast(swap_coalesce.Layout, self._layout),
-                                                   self._shrink, ordered=ordered, timing=timing)
+                alloc_ms = self._timed_regrow() if _grown_ms is None else _grown_ms
+                t0 = time.perf_counter()
+                # Wait for the current stream first (the allocator may hand out memory it still reads), and
+                # make it wait for the copies, so kernels queued after reload() see the restored bytes. A
+                # failure shrinks the storages back (the set stays offloaded), once no copy writes into them.
+                transfer, token = swap_coalesce.submit(self, "h2d", layout, self._shrink, ordered=ordered,
+                                                       timing=timing)
             self.state = RELOADING
 
             def finish() -> SwapStats:  # called once, under the set's lock, after the copies completed

@@ -1,0 +1,73 @@
+"""The pipelined reload on a GPU: a set of several pieces comes back byte for byte and its memory goes back
+to the driver while offloaded; a kernel queued on the current stream right after reload() (without waiting
+for the handle) reads every piece's bytes, the last piece's included; a reload that finds memory for only
+part of the set raises the typed error, leaves the set offloaded with no memory held, and a later reload
+restores every byte."""
+
+import pytest
+import torch
+
+import colomem
+from colomem import swap_pipeline
+from colomem.errors import CudaOutOfMemoryError
+from colomem.swap import OFFLOADED
+from _swap_gpu import as_bytes, driver_free, pool  # noqa: F401  (pool: a fixture)
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+def make(seed, count=48, mib=12):
+    """~600 MB: 48 storages of 7-17 MiB (several pieces), random bytes."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return {f"t{i}": torch.randint(-2**15, 2**15, ((mib + (i % 11) - 5) * MiB // 2,), dtype=torch.int16,
+                                   device="cuda", generator=gen) for i in range(count)}
+
+
+def sums(ts):
+    # one int64 sum per tensor, queued on the current stream: what a kernel after reload() sees
+    return torch.stack([t.to(torch.int64).sum() for t in ts.values()])
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_set_of_several_pieces_round_trips_and_frees_its_memory(pool, pipeline):
+    ts = make(1)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    want_sums = sums(ts).cpu()
+    nbytes = sum(v.nbytes for v in ts.values())
+    s = colomem.SwapSet.from_tensors(ts, pool, name="piped", pipeline=pipeline)
+    for _ in range(3):
+        before = driver_free()
+        s.offload()
+        assert driver_free() - before >= nbytes - 64 * MiB  # back with the driver
+        assert swap_pipeline.applies(s, s._layout) and len(swap_pipeline.pieces(s._layout.direct)) >= 3
+        h = s.reload_async()
+        got = sums(ts)  # queued right behind the reload: the current stream waits for the last piece
+        h.wait(60)
+        assert torch.equal(got.cpu(), want_sums)
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    s.close()
+
+
+def test_memory_for_part_of_the_set_is_a_typed_error_and_a_later_reload_restores_it(pool):
+    ts = make(2)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    nbytes = sum(v.nbytes for v in ts.values())
+    s = colomem.SwapSet.from_tensors(ts, pool, name="half")
+    s.offload()
+    torch.cuda.empty_cache()
+    # leave room for about a third of the set: the first piece (64 MiB) and part of the second fit
+    room = nbytes // 3
+    blocker = torch.empty(max(0, driver_free() - room), dtype=torch.uint8, device="cuda")
+    free_before = driver_free()
+    with pytest.raises(CudaOutOfMemoryError, match="data is still in the pinned pool"):
+        s.reload()
+    assert s.state == OFFLOADED
+    assert all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+    torch.cuda.empty_cache()
+    assert driver_free() >= free_before - 64 * MiB  # what the failed pieces grew went back
+    del blocker
+    torch.cuda.empty_cache()
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    s.close()

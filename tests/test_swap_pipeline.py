@@ -1,0 +1,129 @@
+"""The pipelined reload on the host path: the pieces cover the set in order with growing sizes; a set reloaded
+piece by piece gets every byte back, in every dtype, views and Parameters included, as the
+grow-everything-first reload does; a piece that finds no memory or whose submission is refused leaves the set
+offloaded with its bytes in the pool and no storage grown, and a later reload restores it."""
+
+import pytest
+import torch
+
+import colomem
+from colomem import swap_pipeline
+from colomem.errors import CudaOutOfMemoryError, InvalidArgumentError
+from colomem.swap import OFFLOADED, RESIDENT
+from random_bytes import random_tensor
+from swap_faults import failing_engine  # noqa: F401  (fixture)
+
+KiB = 1 << 10
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
+
+
+class _E:  # what pieces() reads of an entry
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+def tensors(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = {f"t{i}": random_tensor((3 * KiB + 97 * i,), DTYPES[i % len(DTYPES)], gen) for i in range(40)}
+    base = random_tensor((64, 33), torch.float32, gen)
+    out["base"], out["view"] = base, base[2:7, 1::3]
+    out["param"] = torch.nn.Parameter(random_tensor((50, 7), torch.float32, gen))
+    return out
+
+
+def as_bytes(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8).clone()
+
+
+@pytest.fixture
+def pool():
+    p = colomem.PinnedPool("16MiB", pin=False)
+    yield p
+    p.close(force=True)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 16 KiB, x2 each: the test sets (~1 MB) make several."""
+    monkeypatch.setattr(swap_pipeline, "FIRST_PIECE_BYTES", 16 * KiB)
+    monkeypatch.setattr(swap_pipeline, "PIECE_GROWTH", 2)
+
+
+def test_pieces_cover_the_entries_in_order_with_growing_targets():
+    entries = [_E(n) for n in [10, 10, 10, 500, 10, 10, 10, 10, 30, 30, 30, 30, 30, 5]]
+    cut = swap_pipeline.pieces(entries, first=20, growth=3)
+    assert [e for p in cut for e in p] == entries
+    assert [sum(e.nbytes for e in p) for p in cut] == [20, 510, 190, 5]  # >= 20, >= 60, >= 180, the rest
+    assert swap_pipeline.pieces([], first=20) == []
+    assert [len(p) for p in swap_pipeline.pieces([_E(5)], first=20)] == [1]
+
+
+def test_reload_piece_by_piece_restores_every_byte_and_object(pool, small_pieces):
+    ts = tensors()
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    ids = {k: id(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    for _ in range(3):
+        s.offload()
+        assert all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+        layout = s._layout
+        assert swap_pipeline.applies(s, layout) and len(swap_pipeline.pieces(layout.direct)) > 3
+        st = s.reload()
+        assert s.state == RESIDENT and st.alloc_ms >= 0
+        for k, v in ts.items():
+            assert id(v) == ids[k] and torch.equal(as_bytes(v), want[k]), k
+    assert ts["view"].untyped_storage()._cdata == ts["base"].untyped_storage()._cdata
+    assert isinstance(ts["param"], torch.nn.Parameter)
+
+
+def test_pipelined_and_grow_first_reloads_agree(pool, small_pieces):
+    a, b = tensors(1), tensors(1)
+    sa = colomem.SwapSet(a, pool, device="cpu", name="piped")
+    sb = colomem.SwapSet(b, pool, device="cpu", name="first", pipeline=False)
+    for s in (sa, sb):
+        s.offload()
+        s.reload()
+    for k in a:
+        assert torch.equal(as_bytes(a[k]), as_bytes(b[k])), k
+
+
+def test_a_refused_piece_leaves_the_set_offloaded_then_it_reloads(pool, small_pieces, failing_engine):
+    arm, disarm = failing_engine
+    ts = tensors(2)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    s.offload()
+    arm(3)  # the third piece's submission is refused, two pieces were queued before it
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        s.reload()
+    disarm()
+    s.wait_pending()  # nothing parked: the queued pieces had finished; a no-op then
+    assert s.state == OFFLOADED
+    assert all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
+def test_no_memory_for_a_piece_is_a_typed_error_and_loses_nothing(pool, small_pieces, monkeypatch):
+    ts = tensors(3)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    s.offload()
+    real = torch.UntypedStorage.resize_
+    calls = {"n": 0}
+
+    def resize_(self, n):
+        if n:
+            calls["n"] += 1
+            if calls["n"] == 12:  # part way through the pieces
+                raise torch.OutOfMemoryError("injected: no memory for this storage")
+        return real(self, n)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", resize_)
+    with pytest.raises(CudaOutOfMemoryError, match="data is still in the pinned pool"):
+        s.reload()
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", real)
+    assert s.state == OFFLOADED
+    assert all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
