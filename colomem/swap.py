@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, Union, cast
+from typing import Callable, Optional, cast
 
 import torch
 
-from colomem import _torch, swap_coalesce, swap_pipeline, swap_slab
+from colomem import _torch, swap_coalesce, swap_pipeline, swap_slab, swap_sources
 from colomem.errors import (
     CudaOutOfMemoryError,
     DeviceMismatchError,
@@ -28,12 +28,12 @@ from colomem.errors import (
 from colomem.pool import Block, PinnedPool, default_pool
 from colomem.swap_handles import DEFAULT_TIMEOUT_S, PendingReloads, SwapHandle, SwapStats, wait_seconds
 from colomem.swap_pairs import offloaded, swap
+from colomem.swap_sources import TensorSource
 from colomem.units import format_bytes
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PendingReloads", "SwapHandle", "SwapSet", "SwapStats", "offloaded", "swap",
            "wait_seconds"]
 
-TensorSource = Union[Iterable, Callable[[], Iterable]]
 
 RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
 DISCARDED = "discarded"  # offloaded, then its pool copy dropped on purpose: the tensors hold no bytes
@@ -46,17 +46,6 @@ class _Entry:
     nbytes: int
     block: Optional[Block] = None
     offset: int = 0  # where its bytes start in `block` (shared by the storages of one staging chunk)
-
-
-def _iter_named(source) -> Iterator[tuple[str, torch.Tensor]]:
-    items = source() if callable(source) else source
-    if isinstance(items, dict):
-        items = items.items()
-    for i, item in enumerate(items):
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            yield item
-        else:
-            yield f"tensor[{i}]", item
 
 
 class SwapSet:
@@ -79,7 +68,8 @@ class SwapSet:
         intended choice; 0 (the default for now) leaves every storage where it is. Independent of
         coalesce_below, which still applies to the storages that stay off the slabs.
     pipeline: a reload grows the storages piece by piece behind the copies of the pieces before, instead of
-        all of them before the first copy (colomem/swap_pipeline.py); only for sets without staging chunks.
+        all of them before the first copy, and an offload frees each piece's memory as its copy ends while
+        later pieces copy (colomem/swap_pipeline.py); only for sets without staging chunks.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
@@ -125,23 +115,8 @@ class SwapSet:
     def from_module(cls, module: torch.nn.Module, pool: Optional[PinnedPool] = None, *, params: bool = True,
                     buffers: bool = True, grads: bool = False, **kw) -> "SwapSet":
         """A module's parameters and buffers (and their gradients with grads=True, found at each offload)."""
-
-        def collect():
-            if params:
-                for n, p in module.named_parameters():
-                    yield n, p
-                    if grads and p.grad is not None:
-                        yield n + ".grad", p.grad
-            elif grads:
-                for n, p in module.named_parameters():
-                    if p.grad is not None:
-                        yield n + ".grad", p.grad
-            if buffers:
-                for n, b in module.named_buffers():
-                    yield n, b
-
         kw.setdefault("name", type(module).__name__)
-        return cls(collect, pool, **kw)
+        return cls(swap_sources.module_tensors(module, params, buffers, grads), pool, **kw)
 
     @classmethod
     def from_grads(cls, module: torch.nn.Module, pool: Optional[PinnedPool] = None, **kw) -> "SwapSet":
@@ -153,18 +128,9 @@ class SwapSet:
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, pool: Optional[PinnedPool] = None,
                        **kw) -> "SwapSet":
         """The tensors of an optimizer's state (exp_avg, exp_avg_sq, ...), found at each offload."""
-
-        def collect():
-            index = {id(p): f"{gi}.{pi}" for gi, g in enumerate(optimizer.param_groups)
-                     for pi, p in enumerate(g["params"])}
-            for p, st in optimizer.state.items():
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        yield f"state[{index.get(id(p), '?')}].{k}", v
-
         kw.setdefault("name", type(optimizer).__name__ + ".state")
         kw.setdefault("skip_other_devices", True)
-        return cls(collect, pool, **kw)
+        return cls(swap_sources.optimizer_tensors(optimizer), pool, **kw)
 
     @classmethod
     def from_tensors(cls, source: TensorSource, pool: Optional[PinnedPool] = None, **kw) -> "SwapSet":
@@ -220,7 +186,7 @@ class SwapSet:
         """One entry per storage to move. source: the source already read (default: read it now); groups:
         filled with the set's tensors by storage data pointer (for swap_slab)."""
         entries: dict[int, _Entry] = {}
-        for name, t in _iter_named(self._source if source is None else source):
+        for name, t in swap_sources.iter_named(self._source if source is None else source):
             if not self._check_tensor(name, t):
                 continue
             st = t.untyped_storage()
@@ -357,13 +323,29 @@ class SwapSet:
                 self._drop_kept()
                 self._entries, self._layout = [], None
 
-            transfer, token = swap_coalesce.submit(self, "d2h", layout, undo, timing=timing)
+            release: Optional[swap_pipeline.Release] = None
+            if self.pipeline and swap_pipeline.offload_applies(self, layout):
+                # each piece's memory is freed as its copy ends, while later pieces copy (swap_pipeline.py)
+                transfer, token, cut = swap_pipeline.submit_offload(self, layout, undo, timing=timing)
+                release = swap_pipeline.Release(self, transfer, cut)
+            else:
+                transfer, token = swap_coalesce.submit(self, "d2h", layout, undo, timing=timing)
             self.state = OFFLOADING
             free_before = _torch.mem_get_info(device)[0]
 
             def finish() -> SwapStats:  # called once, under the set's lock, after the copies completed
                 self._pool._copies.end(token)
                 self._pending = None
+                if self._pool.closed and release is not None and release.freed:
+                    # closed while this offload was being waited on, after pieces were freed: those pieces'
+                    # only copy went with the pool
+                    for e in self._entries:
+                        e.storage.resize_(0)
+                    self._entries, self._kept, self._layout = [], [], None
+                    self.state = DISCARDED
+                    raise PoolClosedError(f"{self.name}: the pool was closed while this offload was being "
+                                          "waited on; the set's bytes went with it (the set is discarded). "
+                                          "Close a pool only once no set waits on it")
                 if self._pool.closed:
                     # closed after the copy finished (close() waits for copies in flight): the pool copy is
                     # gone but the storages were never shrunk, so the set is simply still resident
@@ -383,7 +365,7 @@ class SwapSet:
                 self.last_stats = stats
                 return stats
 
-            handle = SwapHandle(self, transfer, finish, t0)
+            handle = SwapHandle(self, transfer, finish, t0, advance=None if release is None else release.advance)
             self._pending = handle
             return handle
 

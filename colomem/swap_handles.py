@@ -54,10 +54,12 @@ class SwapHandle:
     Several threads may wait on one handle: the copy is finished (storages shrunk or the set marked
     resident) exactly once, under the set's lock."""
 
-    def __init__(self, swapset: "SwapSet", transfer, finish: Callable[[], SwapStats], t0: float):
+    def __init__(self, swapset: "SwapSet", transfer, finish: Callable[[], SwapStats], t0: float, *,
+                 advance: Optional[Callable[[float], None]] = None):
         self._set = swapset
         self._transfer = transfer
         self._finish = finish
+        self._advance = advance  # an offload in pieces: waits piece by piece, freeing each (swap_pipeline.Release)
         self._t0 = t0
         self._stats: Optional[SwapStats] = None
         self._error: Optional[BaseException] = None  # finish() failed: every later wait raises it again
@@ -71,6 +73,10 @@ class SwapHandle:
         seconds = wait_seconds(timeout)
         if self._stats is None and self._error is None:
             try:
+                if self._advance is not None:
+                    end = time.monotonic() + (0.0 if math.isinf(seconds) else seconds)
+                    self._advance(seconds)
+                    seconds = seconds if math.isinf(seconds) else max(0.0, end - time.monotonic())
                 self._transfer.wait(seconds)
             except TransferTimeoutError as exc:
                 setattr(exc, "handle", self)  # so the caller of a synchronous offload/reload can wait again

@@ -121,7 +121,7 @@ class _Seen:
 
 
 def _tensors_of(items) -> list:
-    """The tensors of a materialised source, in SwapSet._iter_named's order."""
+    """The tensors of a materialised source, in swap_sources.iter_named's order."""
     if isinstance(items, dict):
         return list(items.values())
     return [it[1] if isinstance(it, tuple) and len(it) == 2 and isinstance(it[0], str) else it for it in items]

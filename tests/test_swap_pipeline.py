@@ -1,14 +1,16 @@
-"""The pipelined reload on the host path: the pieces cover the set in order with growing sizes; a set reloaded
-piece by piece gets every byte back, in every dtype, views and Parameters included, as the
+"""The pipelined reload and offload on the host path: the pieces cover the set in order with growing sizes; a
+set reloaded piece by piece gets every byte back, in every dtype, views and Parameters included, as the
 grow-everything-first reload does; a piece that finds no memory or whose submission is refused leaves the set
-offloaded with its bytes in the pool and no storage grown, and a later reload restores it."""
+offloaded with its bytes in the pool and no storage grown, and a later reload restores it. An offload frees
+each piece once its copy ended and the last with the set; a piece whose copy fails puts the freed ones back
+from the pool; a refused piece leaves the set resident."""
 
 import pytest
 import torch
 
 import colomem
-from colomem import swap_pipeline
-from colomem.errors import CudaOutOfMemoryError, InvalidArgumentError
+from colomem import _torch, swap_pipeline
+from colomem.errors import CudaError, CudaOutOfMemoryError, InvalidArgumentError
 from colomem.swap import OFFLOADED, RESIDENT
 from random_bytes import random_tensor
 from swap_faults import failing_engine  # noqa: F401  (fixture)
@@ -125,5 +127,89 @@ def test_no_memory_for_a_piece_is_a_typed_error_and_loses_nothing(pool, small_pi
     monkeypatch.setattr(torch.UntypedStorage, "resize_", real)
     assert s.state == OFFLOADED
     assert all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
+class _FailedWait:
+    """A finished transfer whose wait reports a failed copy (as a CUDA error would)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def done(self):
+        return True
+
+    def wait(self, timeout_s):
+        self.real.wait(timeout_s)
+        raise CudaError("injected: this copy failed")
+
+    def elapsed_ms(self):
+        return 0.0
+
+
+class _EngineFailingAWait:
+    def __init__(self, real, fail_at):
+        self.real, self.fail_at, self.calls = real, fail_at, 0
+
+    def submit(self, direction, copies, **kw):
+        self.calls += 1
+        t = self.real.submit(direction, copies, **kw)
+        return _FailedWait(t) if self.calls == self.fail_at else t
+
+    def stream(self, direction):
+        return self.real.stream(direction)
+
+
+def test_offload_pieces_end_with_the_small_one(small_pieces):
+    entries = [_E(n * KiB) for n in [5, 30, 30, 30, 30, 30, 10, 10, 10, 10, 500, 10, 10, 10]]
+    cut = swap_pipeline.offload_pieces(entries)
+    assert [e for p in cut for e in p] == entries
+    # cut from the end: >= 16 KiB, >= 32, >= 64, then the rest
+    assert [sum(e.nbytes for e in p) // KiB for p in cut] == [125, 70, 510, 20]
+
+
+def test_an_offload_frees_each_piece_as_its_copy_ends_and_the_last_with_the_set(pool, small_pieces):
+    ts = tensors(4)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    h = s.offload_async()
+    cut = swap_pipeline.offload_pieces(s._layout.direct)
+    assert len(cut) >= 3
+    h._advance(60.0)  # what wait() runs first: every piece but the last is freed once its copy ended
+    assert all(e.storage.nbytes() == 0 for p in cut[:-1] for e in p)
+    assert all(e.storage.nbytes() == e.nbytes for e in cut[-1])
+    assert s.state == "offloading"
+    h.wait(60)
+    assert s.state == OFFLOADED and all(v.untyped_storage().nbytes() == 0 for v in ts.values())
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
+def test_a_failed_piece_copy_puts_the_freed_pieces_back_from_the_pool(pool, small_pieces, monkeypatch):
+    ts = tensors(5)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    real = _torch.engine_for(torch.device("cpu"))
+    monkeypatch.setattr(_torch, "engine_for", lambda device: _EngineFailingAWait(real, 3))
+    h = s.offload_async()
+    with pytest.raises(CudaError, match="injected"):
+        h.wait(60)
+    # the two pieces freed before the failed one are back, bytes from the pool: the whole set is on its device
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
+def test_a_refused_offload_piece_leaves_the_set_resident_then_it_offloads(pool, small_pieces, failing_engine):
+    arm, disarm = failing_engine
+    ts = tensors(6)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    arm(2)
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        s.offload()
+    disarm()
+    assert s.state == RESIDENT and pool.stats()["in_use_bytes"] == 0
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    s.offload()
     s.reload()
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
