@@ -125,9 +125,11 @@ def _fail(s: "SwapSet", exc: BaseException, err: BaseException, parts: list, gro
 
 
 # -- offload: each piece's memory freed as soon as its copy ended ----------------------------------------------
-# Freeing a segment (cudaFree) does not wait for copies running on another stream (measured on the GPU host:
-# a 12 MiB free returns in 0.13 ms while a 4 GiB copy runs, the copy not slowed), so an offload in pieces
-# frees each piece while the next ones copy, and what is left after the last copy is the last piece's.
+# With torch's expandable segments, freeing memory (cuMemUnmap) does not wait for copies running on another
+# stream (benchmarks/diag_release.py: a 12 MiB free returns in 0.13 ms while a 4 GiB copy runs, the copy not
+# slowed), so an offload in pieces frees each piece while the next ones copy, and what is left after the last
+# copy is the last piece's release. A cudaMalloc'd segment's cudaFree waits for the device's copies: there the
+# first piece's release waits for every copy and the pieces cost what one release of the set would.
 
 
 def offload_pieces(entries: list["_Entry"]) -> list[list]:
