@@ -11,7 +11,8 @@ after `sleep`: the floor of the step), the pinned pool's bytes, the runner's RSS
 (RSS and descriptors) as each step line arrives. Growth = median of the last 10 % of the steps minus the
 median of the first 10 %, after a warm-up of --warmup-steps. Output: DIR/soak.json (soak_steps,
 soak_seconds, soak_driver_used_growth_mib, soak_rss_growth_mib, soak_fd_growth, soak_pool_growth_mib, the
-engine's growth, the per-step series) and DIR/soak.log. Every wait has a deadline; the job's process group
+engine's growth, the RSS slopes over the second half of the steps (soak_rss_kib_per_step_second_half and the
+engine's: a leak keeps its rate, a warm-up flattens), the per-step series) and DIR/soak.log. Every wait has a deadline; the job's process group
 is killed at the end whatever happened.
 """
 from __future__ import annotations
@@ -71,6 +72,17 @@ def growth(values: list, warmup: int) -> Optional[float]:
     return statistics.median(xs[-k:]) - statistics.median(xs[:k])
 
 
+def rate_per_step(steps: list, values: list, warmup: int) -> Optional[float]:
+    """Least-squares slope (units a step) over the second half of the steps after `warmup`: a leak keeps its
+    rate to the end, a warm-up (allocator arenas, caches filling) flattens; None with fewer than 4 points."""
+    pts = [(x, v) for x, v in zip(steps[warmup:], values[warmup:]) if v is not None]
+    pts = pts[len(pts) // 2:]
+    if len(pts) < 4:
+        return None
+    xs, ys = [float(x) for x, _ in pts], [float(v) for _, v in pts]
+    return statistics.linear_regression(xs, ys).slope
+
+
 def series(lines: list[dict]) -> dict[str, list]:
     """Per step: GPU memory used and pool bytes after sleep, the runner's RSS and descriptors."""
     steps = [d for d in step_lines(lines) if not d.get("failed")]
@@ -88,6 +100,9 @@ def summarize(s: dict, engine: dict, warmup: int, seconds: Optional[float]) -> d
     def mib(x: Optional[float]) -> Optional[float]:
         return None if x is None else x / MIB
 
+    def kib(x: Optional[float]) -> Optional[float]:
+        return None if x is None else x / 1024
+
     return {
         "soak_steps": len(s["step"]),
         "soak_seconds": seconds,
@@ -97,6 +112,9 @@ def summarize(s: dict, engine: dict, warmup: int, seconds: Optional[float]) -> d
         "soak_pool_growth_mib": mib(growth(s["pool_bytes"], warmup)),
         "engine_rss_growth_mib": mib(growth(engine.get("rss_bytes", []), warmup)),
         "engine_fd_growth": growth(engine.get("open_fds", []), warmup),
+        "soak_rss_kib_per_step_second_half": kib(rate_per_step(s["step"], s["rss_bytes"], warmup)),
+        "engine_rss_kib_per_step_second_half": kib(rate_per_step(engine.get("step", []),
+                                                                 engine.get("rss_bytes", []), warmup)),
         "step_s_median": statistics.median([x for x in s["step_s"] if x]) if any(s["step_s"]) else None,
         "growth": GROWTH.format(w=warmup),
     }
