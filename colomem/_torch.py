@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -22,6 +23,46 @@ def chunk_bytes_default() -> int:
 
 def small_copy_bytes_default() -> int:
     return parse_bytes(os.environ.get("COLOMEM_SMALL_COPY_BYTES", "1MiB"))
+
+
+_EXPANDABLE_ON = "expandable_segments:True"
+
+
+def _allocator_settings() -> str:
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    seen = get() if get is not None else ""
+    return ",".join([seen or "", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                     os.environ.get("PYTORCH_ALLOC_CONF", "")])
+
+
+def _set_allocator_settings(conf: str) -> None:
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if put is not None:
+        put(conf)
+    else:
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
+@contextlib.contextmanager
+def expandable_segments(device: Optional[torch.device]) -> Iterator[None]:
+    """CUDA memory allocated inside comes from torch's expandable segments (physical chunks mapped into one
+    reserved range), then the process's setting is back. Such memory goes back to the driver (an unmap)
+    without waiting for copies running on other streams, where a cudaMalloc'd segment's cudaFree waits for
+    them, and copies into it right after a release run at the link's rate (benchmarks/diag_release.py,
+    diag_reload.py). Nothing changes where the process already uses expandable segments, on the host, or
+    where the allocator refuses the setting."""
+    if device is None or device.type != "cuda" or _EXPANDABLE_ON in _allocator_settings():
+        yield
+        return
+    try:
+        _set_allocator_settings(_EXPANDABLE_ON)
+    except RuntimeError:  # an allocator backend without expandable segments (cudaMallocAsync)
+        yield
+        return
+    try:
+        yield
+    finally:
+        _set_allocator_settings("expandable_segments:False")
 
 
 def device_index(device: torch.device) -> int:

@@ -70,13 +70,16 @@ class SwapSet:
     pipeline: a reload grows the storages piece by piece behind the copies of the pieces before, instead of
         all of them before the first copy, and an offload frees each piece's memory as its copy ends while
         later pieces copy (colomem/swap_pipeline.py); only for sets without staging chunks.
+    expandable: a reload re-grows the storages in torch's expandable segments (the process's allocator
+        setting is switched for the re-growth only): their release then does not wait for copies in flight,
+        so an offload's pieces are freed behind the later pieces' copies (_torch.expandable_segments).
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
                  device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
                  coalesce_below: Optional[int] = None,
                  staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT, pack_small: Optional[int] = None,
-                 pipeline: bool = True):
+                 pipeline: bool = True, expandable: bool = True):
         self.name = name
         self._source = source
         self._pool = pool if pool is not None else default_pool()
@@ -85,6 +88,7 @@ class SwapSet:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.release = release
         self.pipeline = bool(pipeline)
+        self.expandable = bool(expandable)
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
         if coalesce_below is None:          # read here, so the module's default can change under a test
@@ -385,9 +389,10 @@ class SwapSet:
     def _regrow(self) -> None:
         grown = []
         try:
-            for e in self._entries:
-                e.storage.resize_(e.nbytes)
-                grown.append(e)
+            with _torch.expandable_segments(self._device if self.expandable else None):
+                for e in self._entries:
+                    e.storage.resize_(e.nbytes)
+                    grown.append(e)
         except torch.OutOfMemoryError as exc:
             for e in grown:
                 e.storage.resize_(0)  # roll back: the set stays fully offloaded, bytes safe in the pool

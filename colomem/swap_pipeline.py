@@ -86,9 +86,10 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
     try:
         for i, piece in enumerate(cut):
             t0 = time.perf_counter()
-            for e in piece:
-                e.storage.resize_(e.nbytes)
-                grown.append(e)
+            with _torch.expandable_segments(device if s.expandable else None):
+                for e in piece:
+                    e.storage.resize_(e.nbytes)
+                    grown.append(e)
             grow_s += time.perf_counter() - t0
             last = i == len(cut) - 1
             # Each piece waits for the current stream (the allocator may hand out memory that stream still

@@ -213,3 +213,20 @@ def test_a_refused_offload_piece_leaves_the_set_resident_then_it_offloads(pool, 
     s.offload()
     s.reload()
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
+@pytest.mark.skipif(not hasattr(torch._C, "_accelerator_getAllocatorSettings"), reason="torch without it")
+def test_the_expandable_window_switches_the_setting_and_puts_it_back(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with _torch.expandable_segments(torch.device("cuda")):
+        assert "expandable_segments:True" in torch._C._accelerator_getAllocatorSettings()
+    assert "expandable_segments:True" not in _torch._allocator_settings()
+    with _torch.expandable_segments(torch.device("cpu")):  # the host path: nothing to switch
+        assert "expandable_segments:True" not in _torch._allocator_settings()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the process's own choice stays
+    calls = []
+    monkeypatch.setattr(_torch, "_set_allocator_settings", calls.append)
+    with _torch.expandable_segments(torch.device("cuda")):
+        pass
+    assert calls == []

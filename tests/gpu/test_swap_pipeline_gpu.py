@@ -2,13 +2,14 @@
 to the driver while offloaded; a kernel queued on the current stream right after reload() (without waiting
 for the handle) reads every piece's bytes, the last piece's included; a reload that finds memory for only
 part of the set raises the typed error, leaves the set offloaded with no memory held, and a later reload
-restores every byte."""
+restores every byte; a reload re-grows the set in expandable segments, the process's allocator setting back
+after it, and that memory goes back to the driver at the next offload."""
 
 import pytest
 import torch
 
 import colomem
-from colomem import swap_pipeline
+from colomem import _torch, swap_pipeline
 from colomem.errors import CudaOutOfMemoryError
 from colomem.swap import OFFLOADED
 from _swap_gpu import as_bytes, driver_free, pool  # noqa: F401  (pool: a fixture)
@@ -70,4 +71,20 @@ def test_memory_for_part_of_the_set_is_a_typed_error_and_a_later_reload_restores
     torch.cuda.empty_cache()
     s.reload()
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    s.close()
+
+
+def test_a_reload_regrows_in_expandable_segments_and_puts_the_setting_back(pool):
+    ts = make(3, count=8)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet.from_tensors(ts, pool, name="expandable")
+    s.offload()
+    s.reload()
+    expandable = [(g["address"], g["total_size"]) for g in torch.cuda.memory_snapshot() if g.get("is_expandable")]
+    assert all(any(a <= v.data_ptr() < a + n for a, n in expandable) for v in ts.values())
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    assert "expandable_segments:True" not in _torch._allocator_settings()  # the process's own setting is back
+    before = driver_free()
+    s.offload()  # expandable memory goes back to the driver too
+    assert driver_free() - before >= sum(v.nbytes for v in ts.values()) - 64 * MiB
     s.close()
