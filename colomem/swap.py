@@ -36,6 +36,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "PendingReloads", "SwapHandle", "SwapSet", "Swap
 
 
 RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
+EXPANDABLE_DEFAULT = False  # SwapSet(expandable=None): see the class docstring
 DISCARDED = "discarded"  # offloaded, then its pool copy dropped on purpose: the tensors hold no bytes
 
 
@@ -72,14 +73,16 @@ class SwapSet:
         later pieces copy (colomem/swap_pipeline.py); only for sets without staging chunks.
     expandable: a reload re-grows the storages in torch's expandable segments (the process's allocator
         setting is switched for the re-growth only): their release then does not wait for copies in flight,
-        so an offload's pieces are freed behind the later pieces' copies (_torch.expandable_segments).
+        so an offload's pieces are freed behind the later pieces' copies (_torch.expandable_segments). Off
+        by default (EXPANDABLE_DEFAULT) until this switching has run on a GPU; a process started with
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True has the same effect for all of its memory.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",
                  device=None, release: bool = True, keep_blocks: bool = True, skip_other_devices: bool = False,
                  coalesce_below: Optional[int] = None,
                  staging_bytes: int = swap_coalesce.STAGING_BYTES_DEFAULT, pack_small: Optional[int] = None,
-                 pipeline: bool = True, expandable: bool = True):
+                 pipeline: bool = True, expandable: Optional[bool] = None):
         self.name = name
         self._source = source
         self._pool = pool if pool is not None else default_pool()
@@ -88,7 +91,7 @@ class SwapSet:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.release = release
         self.pipeline = bool(pipeline)
-        self.expandable = bool(expandable)
+        self.expandable = EXPANDABLE_DEFAULT if expandable is None else bool(expandable)
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
         if coalesce_below is None:          # read here, so the module's default can change under a test

@@ -30,13 +30,13 @@ def sums(ts):
     return torch.stack([t.to(torch.int64).sum() for t in ts.values()])
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_a_set_of_several_pieces_round_trips_and_frees_its_memory(pool, pipeline):
+@pytest.mark.parametrize("pipeline,expandable", [(True, False), (False, False), (True, True)])
+def test_a_set_of_several_pieces_round_trips_and_frees_its_memory(pool, pipeline, expandable):
     ts = make(1)
     want = {k: as_bytes(v) for k, v in ts.items()}
     want_sums = sums(ts).cpu()
     nbytes = sum(v.nbytes for v in ts.values())
-    s = colomem.SwapSet.from_tensors(ts, pool, name="piped", pipeline=pipeline)
+    s = colomem.SwapSet.from_tensors(ts, pool, name="piped", pipeline=pipeline, expandable=expandable)
     for _ in range(3):
         before = driver_free()
         s.offload()
@@ -77,7 +77,7 @@ def test_memory_for_part_of_the_set_is_a_typed_error_and_a_later_reload_restores
 def test_a_reload_regrows_in_expandable_segments_and_puts_the_setting_back(pool):
     ts = make(3, count=8)
     want = {k: as_bytes(v) for k, v in ts.items()}
-    s = colomem.SwapSet.from_tensors(ts, pool, name="expandable")
+    s = colomem.SwapSet.from_tensors(ts, pool, name="expandable", expandable=True)
     s.offload()
     s.reload()
     expandable = [(g["address"], g["total_size"]) for g in torch.cuda.memory_snapshot() if g.get("is_expandable")]
