@@ -36,7 +36,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "PendingReloads", "SwapHandle", "SwapSet", "Swap
 
 
 RESIDENT, OFFLOADING, OFFLOADED, RELOADING = "resident", "offloading", "offloaded", "reloading"
-EXPANDABLE_DEFAULT = False  # SwapSet(expandable=None): see the class docstring
 DISCARDED = "discarded"  # offloaded, then its pool copy dropped on purpose: the tensors hold no bytes
 
 
@@ -74,7 +73,7 @@ class SwapSet:
     expandable: a reload re-grows the storages in torch's expandable segments (the process's allocator
         setting is switched for the re-growth only): their release then does not wait for copies in flight,
         so an offload's pieces are freed behind the later pieces' copies (_torch.expandable_segments). Off
-        by default (EXPANDABLE_DEFAULT) until this switching has run on a GPU; a process started with
+        by default (COLOMEM_SWAP_EXPANDABLE=1 turns it on) until this switching has run on a GPU; a process started with
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True has the same effect for all of its memory.
     """
 
@@ -91,7 +90,7 @@ class SwapSet:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.release = release
         self.pipeline = bool(pipeline)
-        self.expandable = EXPANDABLE_DEFAULT if expandable is None else bool(expandable)
+        self.expandable = _torch.swap_expandable_default() if expandable is None else bool(expandable)
         self.keep_blocks = keep_blocks
         self.skip_other_devices = skip_other_devices
         if coalesce_below is None:          # read here, so the module's default can change under a test

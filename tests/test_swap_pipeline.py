@@ -230,3 +230,14 @@ def test_the_expandable_window_switches_the_setting_and_puts_it_back(monkeypatch
     with _torch.expandable_segments(torch.device("cuda")):
         pass
     assert calls == []
+
+
+def test_the_expandable_default_comes_from_the_environment(pool, monkeypatch):
+    monkeypatch.delenv("COLOMEM_SWAP_EXPANDABLE", raising=False)
+    assert not colomem.SwapSet([torch.zeros(3)], pool, device="cpu").expandable
+    monkeypatch.setenv("COLOMEM_SWAP_EXPANDABLE", "1")
+    assert colomem.SwapSet([torch.zeros(3)], pool, device="cpu").expandable
+    assert not colomem.SwapSet([torch.zeros(3)], pool, device="cpu", expandable=False).expandable
+    monkeypatch.setenv("COLOMEM_SWAP_EXPANDABLE", "yes")
+    with pytest.raises(InvalidArgumentError, match="COLOMEM_SWAP_EXPANDABLE"):
+        colomem.SwapSet([torch.zeros(3)], pool, device="cpu")
