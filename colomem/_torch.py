@@ -66,12 +66,12 @@ def expandable_segments(device: Optional[torch.device]) -> Iterator[None]:
 
 
 def swap_expandable_default() -> bool:
-    """SwapSet(expandable=None): COLOMEM_SWAP_EXPANDABLE=1 turns the re-growth in expandable segments on for
-    every set of the process (a trainer's too) without a code change; off unless set."""
-    v = os.environ.get("COLOMEM_SWAP_EXPANDABLE", "0").strip().lower()
+    """SwapSet(expandable=None): the re-growth in expandable segments, on unless COLOMEM_SWAP_EXPANDABLE=0
+    turns it off for every set of the process (a trainer's too) without a code change."""
+    v = os.environ.get("COLOMEM_SWAP_EXPANDABLE", "1").strip().lower()
     if v not in ("0", "1", "true", "false", ""):
         raise _C.InvalidArgumentError(f"COLOMEM_SWAP_EXPANDABLE must be 1 or 0, got {v!r}")
-    return v in ("1", "true")
+    return v not in ("0", "false")
 
 
 def device_index(device: torch.device) -> int:

@@ -72,9 +72,10 @@ class SwapSet:
         later pieces copy (colomem/swap_pipeline.py); only for sets without staging chunks.
     expandable: a reload re-grows the storages in torch's expandable segments (the process's allocator
         setting is switched for the re-growth only): their release then does not wait for copies in flight,
-        so an offload's pieces are freed behind the later pieces' copies (_torch.expandable_segments). Off
-        by default (COLOMEM_SWAP_EXPANDABLE=1 turns it on) until this switching has run on a GPU; a process started with
-        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True has the same effect for all of its memory.
+        so an offload's pieces are freed behind the later pieces' copies, and copies into memory mapped
+        back right after a release run at the link's rate (_torch.expandable_segments). On by default
+        (COLOMEM_SWAP_EXPANDABLE=0 turns it off for every set made without expandable=); a process started
+        with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True has the same effect for all of its memory.
     """
 
     def __init__(self, source: TensorSource, pool: Optional[PinnedPool] = None, *, name: str = "swapset",

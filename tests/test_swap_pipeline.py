@@ -234,6 +234,8 @@ def test_the_expandable_window_switches_the_setting_and_puts_it_back(monkeypatch
 
 def test_the_expandable_default_comes_from_the_environment(pool, monkeypatch):
     monkeypatch.delenv("COLOMEM_SWAP_EXPANDABLE", raising=False)
+    assert colomem.SwapSet([torch.zeros(3)], pool, device="cpu").expandable
+    monkeypatch.setenv("COLOMEM_SWAP_EXPANDABLE", "0")
     assert not colomem.SwapSet([torch.zeros(3)], pool, device="cpu").expandable
     monkeypatch.setenv("COLOMEM_SWAP_EXPANDABLE", "1")
     assert colomem.SwapSet([torch.zeros(3)], pool, device="cpu").expandable

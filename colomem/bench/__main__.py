@@ -12,6 +12,7 @@ Without a GPU it runs the host path on a small set and says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ import time
 import torch
 
 import colomem
-from colomem import swap_coalesce, swap_slab
+from colomem import swap_coalesce, swap_pipeline, swap_slab
 from colomem.bench import transfer
 from colomem.bench.shapes import SHAPES
 
@@ -115,21 +116,44 @@ def run_gpu(a) -> dict:
     return res
 
 
+# the wall bench's variants, in the order run: name -> (SwapSet keywords, (first piece bytes, piece growth) or
+# None for the pipeline's own). The default (pipelined, re-grown in expandable segments) runs first and last
+# (A ... A: drift over the run shows as A against A); the others: every storage grown before the first copy,
+# pipelined in torch's default segments, and smaller first and last pieces (less re-growth in front of the
+# first copy and less release after the last).
+WALL_VARIANTS = {"pipelined": ({}, None), "grow_first": ({"pipeline": False, "expandable": False}, None),
+                 "pipelined_plain": ({"expandable": False}, None), "first16": ({}, (16 * MiB, 4)),
+                 "first16_growth2": ({}, (16 * MiB, 2)), "pipelined_again": ({}, None)}
+
+
+@contextlib.contextmanager
+def piece_sizes(sizes):
+    """The pipeline's first piece and growth for the duration (None: unchanged)."""
+    if sizes is None:
+        yield
+        return
+    saved = swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH
+    swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH = sizes
+    try:
+        yield
+    finally:
+        swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH = saved
+
+
 def wall_clock(key: str, shape, reps: int) -> dict:
-    """One set's cycles by the wall clock: pipelined and re-grown in expandable segments, every storage grown
-    before the first copy (the earlier way), pipelined without expandable segments (the default while
-    SwapSet's expandable switching has not run on a GPU), then the first again (A B C A: drift over the run
-    shows as A against A). In a process started with expandable segments all of them use them."""
+    """One set's cycles by the wall clock, each of WALL_VARIANTS in turn. In a process started with
+    expandable segments all of them use them."""
     tensors = transfer.make_set(shape, "cuda")
     log(f"set {key}: {len(shape.tensors())} tensors, {shape.nbytes() / GB:.2f} GB, by the wall clock")
     out = {}
-    for name, kw in (("pipelined", {"expandable": True}), ("grow_first", {"pipeline": False, "expandable": False}),
-                     ("pipelined_plain", {"expandable": False}), ("pipelined_again", {"expandable": True})):
-        run = transfer.colomem_swaps(tensors, reps, **kw)
+    for name, (kw, sizes) in WALL_VARIANTS.items():
+        with piece_sizes(sizes):
+            run = transfer.colomem_swaps(tensors, reps, **kw)
         if not (run["correct_after_first_cycle"] and run["correct_after_all_cycles"]):
             raise SystemExit(f"set {key} ({name}): bytes changed across offload/reload; refusing to report")
         log(f"  {name}: offload {run['offload_wall_gbps']:.1f} GB/s wall, reload {run['reload_wall_gbps']:.1f} "
-            f"GB/s wall (copies {run['offload_gbps']:.1f} / {run['reload_gbps']:.1f})")
+            f"GB/s wall (copies {run['offload_gbps']:.1f} / {run['reload_gbps']:.1f}; re-growth "
+            f"{run['reload_alloc_ms_median']:.2f} ms)")
         out[name] = run
     del tensors
     torch.cuda.empty_cache()
