@@ -17,7 +17,7 @@ from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
                                       figures_from_step, kv_hint, micro_batch_hint,
-                                      needs_measuring)
+                                      needs_measuring, state_to_plan)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
 from fakes.deepspeed import bare_trainer, zero2_offload
@@ -61,6 +61,36 @@ def test_the_trainer_keeps_the_largest_prefix_that_fits_beside_the_awake_rollout
     assert p.keep == () and p.rollout_sleeps and "does not fit" not in p.why
     p = choose("auto", "auto", [figs(rollout=139, peak=90)], margin=2 * GB)
     assert p.keep == () and "does not fit" in p.why
+
+
+def test_the_plan_counts_the_state_the_first_optimizer_step_created():
+    # the measuring step offloads before its first optimizer step: Adam's moments (and the gradients) do
+    # not exist yet. vLLM at 85 % of a 140 GB GPU: 120 GB awake. From the offload alone (params 3 + masters
+    # 6) the whole trainer would seem to fit beside it, and the next step's wake would run out of memory.
+    offloaded = {"params": 3 * GB, "other": 0, "grads": 0, "master": 6 * GB, "optim": 0}
+    after_training = {"params": 3 * GB, "other": 0, "grads": 0, "master": 6 * GB, "optim": 12 * GB, "scratch": 1}
+    state = state_to_plan(offloaded, after_training)
+    assert state == {**after_training, "grads": 0}
+    assert state_to_plan({"grads": 5}, {"grads": 0}) == {"grads": 5}      # what was moved once counts too
+    fig = lambda st: MemoryFigures(total=140 * GB, rollout_used=120 * GB, trainer_left=0,  # noqa: E731
+                                   train_peak=50 * GB, state=st)
+    assert choose("auto", "auto", [fig(offloaded)], margin=4 * GB).label == "trainer resident, rollout sleeps"
+    p = choose("auto", "auto", [fig(state)], margin=4 * GB)
+    assert p.keep == ("params", "other", "grads", "master") and f"moves {format_bytes(12 * GB)}" in p.why
+
+
+def test_the_runner_plans_with_the_state_its_first_training_step_left(job_env, tmp_path, monkeypatch):
+    # the CPU loop: its first offload moves no AdamW state (none exists yet); the plan still sees it
+    from colomem.runner import phase_runner
+
+    seen = []
+    monkeypatch.setattr(phase_runner, "figures_from_step",
+                        lambda memory, by_cat, total: seen.append(dict(by_cat)))
+    res = run_job(job(tmp_path / "plan", offload="auto"), print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok" and len(seen) == 1
+    lines = [json.loads(x) for x in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
+    first = [x for x in lines if "reward_mean" in x][0]
+    assert first["trainer_offload/moved_bytes"] > 0 and seen[0]["optim"] > 0 and seen[0]["params"] > 0
 
 
 def test_every_gpu_must_fit_and_the_default_margin_scales_with_the_gpu():

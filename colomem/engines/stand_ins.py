@@ -328,6 +328,14 @@ class TorchTrainer:
             return iter(list(self._sync_source))
         return merged_named_weights(self.model)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters with their gradients and of the optimizer state, as the offload counts them."""
+        def nbytes(ts) -> int:
+            return sum(t.untyped_storage().nbytes() for t in ts if isinstance(t, torch.Tensor))
+        params = [p for p in self.model.parameters()]
+        return {"params": nbytes(params) + nbytes(p.grad for p in params if p.grad is not None),
+                "optim": nbytes(v for st in self.optimizer.state.values() for v in st.values())}
+
     def memory(self) -> dict:
         out = {}
         if self.shared is not None:

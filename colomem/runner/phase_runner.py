@@ -20,7 +20,8 @@ from colomem.units import parse_bytes
 
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
-from .placement import MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring
+from .placement import (MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
+                        state_to_plan)
 from .ranks import Ranks
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
@@ -212,6 +213,8 @@ class PhaseRunner:
         c = self.cfg
         total = gpu_total(self.device)
         by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
+        held = getattr(self.trainer, "state_bytes", None)        # after training: Adam's moments exist now
+        by_cat = state_to_plan(by_cat, held() if held is not None and not self.trainer.offloaded else {})
         mine = figures_from_step(rec.memory, by_cat, total or 0)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
         hint = micro_hint = ""

@@ -261,6 +261,14 @@ def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int,
     return None
 
 
+def state_to_plan(offloaded: dict, now: dict) -> dict:
+    """The trainer's state bytes by category for the plan: the larger of what the measuring step's offload
+    moved and what the trainer holds after that step's training. The offload runs before the first
+    optimizer step, which is what creates Adam's moments (and may grow other buffers): planning from the
+    offload alone would keep on the GPU a trainer whose state turns out several GiB larger."""
+    return {c: max(int(offloaded.get(c, 0) or 0), int(now.get(c, 0) or 0)) for c in {*offloaded, *now}}
+
+
 def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
     step lacks what they need (no GPU, or a phase missing)."""
@@ -276,4 +284,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[M
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "state_to_plan",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

@@ -87,4 +87,6 @@ def test_a_reload_regrows_in_expandable_segments_and_puts_the_setting_back(pool)
     before = driver_free()
     s.offload()  # expandable memory goes back to the driver too
     assert driver_free() - before >= sum(v.nbytes for v in ts.values()) - 64 * MiB
+    s.reload()  # and comes back whole from the pool
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
     s.close()

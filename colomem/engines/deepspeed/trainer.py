@@ -151,6 +151,10 @@ class DeepSpeedTrainer:
         is the rollout engine's memory, not the trainer's, and is left out."""
         return collect_engine_state(self.engine, self.device, exclude=self._shared_storages)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of each state category the engine holds on this GPU now (the planner's figures)."""
+        return self.state().by_category()
+
     def memory(self) -> dict[str, int]:
         free, total = mem_get_info(self.device)
         out = {"allocated": torch.cuda.memory_allocated(self.device),
