@@ -16,6 +16,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
   enginerng    the default with --rollout-seeding engine: vLLM's own generator, seeded once, as TRL samples
   batchednoise the default with --seeded-noise batched: the seeded requests' noise of a step in one launch
+  overlap      the default with --overlap-offload: the optimizer state copies out behind the weights' wake
+  expandable   the default with --trainer-expandable: all of the trainer's memory in expandable segments
 All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
@@ -59,6 +61,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
          "timesplit": ["--switch", "timesplit"],
          "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
+         # the planner's with all of the trainer's memory in expandable segments (releases never wait for copies)
+         "expandable": ["--switch", "colomem", "--trainer-expandable"],
          # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
          "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
          # the planner's with the seeded requests' noise drawn in one launch
@@ -281,7 +285,7 @@ def top_level(report: dict) -> None:
     lora_top_level(report, over_rounds)
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
-        fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction") for m in ("colomem", "overlap")}
+        fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction") for m in ("colomem", "overlap", "expandable")}
         fracs = {m: f for m, f in fracs.items() if f is not None}
         if fracs:
             report[f"{cfg}_switch_fraction_by_mode"] = fracs

@@ -65,6 +65,19 @@ def expandable_segments(device: Optional[torch.device]) -> Iterator[None]:
         _set_allocator_settings("expandable_segments:False")
 
 
+def use_expandable_segments() -> bool:
+    """The process's CUDA memory allocated from now on comes from torch's expandable segments (what
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True gives a process from its start, without changing the
+    environment its child processes inherit). False where it already did or the allocator refuses it."""
+    if _EXPANDABLE_ON in _allocator_settings():
+        return False
+    try:
+        _set_allocator_settings(_EXPANDABLE_ON)
+    except RuntimeError:  # an allocator backend without expandable segments (cudaMallocAsync)
+        return False
+    return True
+
+
 def swap_expandable_default() -> bool:
     """SwapSet(expandable=None): the re-growth in expandable segments, on unless COLOMEM_SWAP_EXPANDABLE=0
     turns it off for every set of the process (a trainer's too) without a code change."""

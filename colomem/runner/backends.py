@@ -134,6 +134,11 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 base = engine_parameters(vllm_rollout, cfg.phase_timeout_s)
             else:
                 vllm_rollout.sleep()             # DeepSpeed initialises while vLLM sleeps
+            if cfg.trainer_expandable:           # vLLM's engine process has started with the environment as it was
+                from colomem import _torch
+
+                if _torch.use_expandable_segments():
+                    log_fn("[colomem] trainer memory: torch's expandable segments from here on")
             lap("rollout")
             from colomem.engines.deepspeed import DeepSpeedTrainer
 

@@ -121,6 +121,12 @@ class RunConfig(_Strict):
                                                     "are checked; the KV cache wakes once it finished")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
+    trainer_expandable: bool = Field(False, description="the trainer's process takes all of its CUDA memory "
+                                                        "from torch's expandable segments, switched on once "
+                                                        "vLLM's engine process has started (vLLM refuses them in "
+                                                        "its own process), so releasing the trainer's memory "
+                                                        "never waits for copies in flight; cross-process engine "
+                                                        "only")
     phase_timeout_s: float = Field(900.0, gt=0, description="longest any one phase may take")
     barrier_timeout_s: float = Field(300.0, gt=0, description="longest a rank waits for the others")
     # output
@@ -196,6 +202,10 @@ class RunConfig(_Strict):
         if self.switch == "timesplit" and self.overlap_offload:
             raise ValueError("--overlap-offload overlaps colomem's offload with vLLM's wake; the timesplit baseline "
                              "offloads with DeepSpeed's offload_states")
+        if self.trainer_expandable and (self.shared_base or self.effective_engine == "in-rank"):
+            raise ValueError("--trainer-expandable needs the cross-process engine: vLLM in the trainer's process "
+                             "(--engine in-rank, --shared-base) allocates its sleepable memory with the CUDA "
+                             "allocator of that process and refuses expandable segments")
         if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
             raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
                              "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")
