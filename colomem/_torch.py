@@ -43,6 +43,12 @@ def _set_allocator_settings(conf: str) -> None:
         torch.cuda.memory._set_allocator_settings(conf)
 
 
+def process_expandable() -> bool:
+    """Whether the process's CUDA memory comes from torch's expandable segments (its environment or a
+    switch at run time)."""
+    return _EXPANDABLE_ON in _allocator_settings()
+
+
 @contextlib.contextmanager
 def expandable_segments(device: Optional[torch.device]) -> Iterator[None]:
     """CUDA memory allocated inside comes from torch's expandable segments (physical chunks mapped into one
@@ -51,7 +57,7 @@ def expandable_segments(device: Optional[torch.device]) -> Iterator[None]:
     them, and copies into it right after a release run at the link's rate (benchmarks/diag_release.py,
     diag_reload.py). Nothing changes where the process already uses expandable segments, on the host, or
     where the allocator refuses the setting."""
-    if device is None or device.type != "cuda" or _EXPANDABLE_ON in _allocator_settings():
+    if device is None or device.type != "cuda" or process_expandable():
         yield
         return
     try:
@@ -69,7 +75,7 @@ def use_expandable_segments() -> bool:
     """The process's CUDA memory allocated from now on comes from torch's expandable segments (what
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True gives a process from its start, without changing the
     environment its child processes inherit). False where it already did or the allocator refuses it."""
-    if _EXPANDABLE_ON in _allocator_settings():
+    if process_expandable():
         return False
     try:
         _set_allocator_settings(_EXPANDABLE_ON)
@@ -85,6 +91,12 @@ def swap_expandable_default() -> bool:
     if v not in ("0", "1", "true", "false", ""):
         raise _C.InvalidArgumentError(f"COLOMEM_SWAP_EXPANDABLE must be 1 or 0, got {v!r}")
     return v not in ("0", "false")
+
+
+def release_cached(device: torch.device) -> None:
+    """The caching allocator's unused memory back to the driver (a CUDA device only)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def device_index(device: torch.device) -> int:

@@ -160,6 +160,12 @@ def submit_offload(s: "SwapSet", layout, undo: Callable[[], None], *, timing: bo
     except BaseException:
         undo()
         raise
+    # What the process holds cached goes back to the driver before any piece is queued: freeing torch's
+    # default segments (a trainer's cached activations, a caller's temporaries) is a cudaFree, which waits
+    # for every copy in flight, so left to the first piece's release it would wait for the whole transfer.
+    # A process whose memory is all in expandable segments frees it later, behind the copies, without waiting.
+    if not _torch.process_expandable():
+        _torch.release_cached(device)
     parts: list = []
     try:
         for piece in cut:  # each after the current stream's work: the copies read what it wrote

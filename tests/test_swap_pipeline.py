@@ -186,6 +186,41 @@ def test_an_offload_frees_each_piece_as_its_copy_ends_and_the_last_with_the_set(
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
 
 
+class _EngineRecording:
+    """The engine, with each submission written into `order`."""
+    def __init__(self, real, order):
+        self.real, self.order = real, order
+
+    def submit(self, *a, **k):
+        self.order.append("submit")
+        return self.real.submit(*a, **k)
+
+
+def test_an_offload_in_pieces_releases_the_cached_memory_before_its_first_copy(pool, small_pieces, monkeypatch):
+    # a cudaFree of memory torch had cached waits for copies in flight: it goes before any piece is queued
+    ts = tensors(6)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    order: list = []
+    real = _torch.engine_for(torch.device("cpu"))
+    monkeypatch.setattr(_torch, "engine_for", lambda device: _EngineRecording(real, order))
+    monkeypatch.setattr(_torch, "release_cached", lambda device: order.append(f"release {device.type}"))
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    s.offload()
+    assert order[0] == "release cpu" and order.count("submit") == len(swap_pipeline.offload_pieces(s._layout.direct))
+    assert order.count("release cpu") == 1
+    order.clear()
+    s.reload()
+    assert "release cpu" not in order
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    # all of the process's memory in expandable segments: released behind the copies, where it does not wait
+    monkeypatch.setattr(_torch, "process_expandable", lambda: True)
+    order.clear()
+    s.offload()
+    assert "release cpu" not in order and "submit" in order
+    s.reload()
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
 def test_a_failed_piece_copy_puts_the_freed_pieces_back_from_the_pool(pool, small_pieces, monkeypatch):
     ts = tensors(5)
     want = {k: as_bytes(v) for k, v in ts.items()}
