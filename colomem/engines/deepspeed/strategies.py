@@ -114,9 +114,10 @@ class ColomemOffload:
         # release=True: the memory goes back to the driver inside the timed move, as with the baselines
         self.swapset = SwapSet.from_tensors(items(early), pool, name="deepspeed-trainer", device=device,
                                             release=device.type == "cuda")
+        # offloaded first; with release, its pieces' memory goes back while the later pieces copy (where the
+        # allocator's unmaps do not wait for copies in flight: expandable segments), not after all of them
         self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
-                                         device=device, release=False)   # offloaded first; the early set's
-        #                                                                     offload returns the memory
+                                         device=device, release=device.type == "cuda")
         self._late_pending: Any = None                                # its SwapHandle while a deferred offload runs
 
     @property
