@@ -18,6 +18,7 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   batchednoise the default with --seeded-noise batched: the seeded requests' noise of a step in one launch
   overlap      the default with --overlap-offload: the optimizer state copies out behind the weights' wake
   expandable   the default with --trainer-expandable: all of the trainer's memory in expandable segments
+  hidden       the default with --trainer-expandable and --overlap-offload
 All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
@@ -63,6 +64,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
          # the planner's with all of the trainer's memory in expandable segments (releases never wait for copies)
          "expandable": ["--switch", "colomem", "--trainer-expandable"],
+         # both: the optimizer state's offload overlaps the weights' wake only where its release cannot wait
+         # for the copies (a cudaFree of default segments waits for every copy in flight)
+         "hidden": ["--switch", "colomem", "--trainer-expandable", "--overlap-offload"],
          # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
          "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
          # the planner's with the seeded requests' noise drawn in one launch
@@ -285,7 +289,8 @@ def top_level(report: dict) -> None:
     lora_top_level(report, over_rounds)
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
-        fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction") for m in ("colomem", "overlap", "expandable")}
+        fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction")
+                 for m in ("colomem", "overlap", "expandable", "hidden")}
         fracs = {m: f for m, f in fracs.items() if f is not None}
         if fracs:
             report[f"{cfg}_switch_fraction_by_mode"] = fracs
