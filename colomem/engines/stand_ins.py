@@ -329,11 +329,14 @@ class TorchTrainer:
         return merged_named_weights(self.model)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of the parameters with their gradients and of the optimizer state, as the offload counts them."""
+        """Bytes of the parameters with their gradients and of the optimizer state, each storage once (tied
+        weights share one), as the offload moves them."""
         def nbytes(ts) -> int:
-            return sum(t.untyped_storage().nbytes() for t in ts if isinstance(t, torch.Tensor))
-        params = [p for p in self.model.parameters()]
-        return {"params": nbytes(params) + nbytes(p.grad for p in params if p.grad is not None),
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in ts if isinstance(t, torch.Tensor)}
+            return sum(storages.values())
+        params = list(self.model.parameters())
+        return {"params": nbytes(params + [p.grad for p in params if p.grad is not None]),
                 "optim": nbytes(v for st in self.optimizer.state.values() for v in st.values())}
 
     def memory(self) -> dict:
