@@ -79,6 +79,8 @@ class Budget:
     offload: list = field(default_factory=list)       # minimal set to offload for the rollout to fit
     suggested_gpu_memory_utilization: Optional[float] = None
     placement: Optional[dict] = None                 # what the runner's planner would pick (--offload auto)
+    optimizer_reload: str = "overlap"                # "step": the moments come back inside the optimizer step
+    first_step_peak: float = 0.0                     # the trainer's peak on a step whose moments are born late
 
     @staticmethod
     def total(items) -> float:
@@ -106,7 +108,7 @@ class Budget:
                 "rollout_fits": self.rollout_fits, "train_fits": self.train_fits, "fits": self.fits,
                 "offload_at_least": self.offload,
                 "suggested_gpu_memory_utilization": self.suggested_gpu_memory_utilization,
-                "placement": self.placement, "advice": self.advice}
+                "placement": self.placement, "optimizer_reload": self.optimizer_reload, "advice": self.advice}
 
 
 def lora_params(shape: Shape, r: int) -> float:
@@ -169,14 +171,23 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     logits = micro_batch * seq_len * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
     gathered = 2 * P / N * (N - 1) / max(shape.layers, 1) * 2 if zero == 3 and N > 1 else 0.0
 
-    b.train = list(b.trainer_state) + [grads, buckets, Item("activations", act), Item("logits", logits)]
-    if gathered:
-        b.train.append(Item("ZeRO-3 gathered layers", gathered))
     bridge = Item("weight bridge buffers", bridge_gib * GiB, False)
-    b.train += [Item("trainer CUDA context", context_gib * GiB, False), bridge,
-                Item("vLLM asleep (context + leftovers)", vllm_asleep_gib * GiB, False)]
+    beside = [Item("trainer CUDA context", context_gib * GiB, False), bridge,
+              Item("vLLM asleep (context + leftovers)", vllm_asleep_gib * GiB, False)]
     if shared_base:                          # vLLM's weights stay mapped: they are the trainer's base
-        b.train.append(Item(SHARED_BASE_ITEM, 2 * P, False))
+        beside.append(Item(SHARED_BASE_ITEM, 2 * P, False))
+    fwd = [grads, buckets, Item("activations", act), Item("logits", logits)]
+    if gathered:
+        fwd.append(Item("ZeRO-3 gathered layers", gathered))
+    # The optimizer step has a peak of its own (activations are gone by then): ZeRO-1/2 flatten the gradient
+    # partition in the model dtype and cast it to fp32 beside the gradients, then free them; ZeRO-3 holds one
+    # sub-group's fp32 gradients at a time (DeepSpeed's sub_group_size, 1e9 elements).
+    if zero <= 2:
+        cast = [Item("optimizer step: grads flattened (bf16)", 2 * trainable / shard(2)),
+                Item("optimizer step: grads cast to fp32", 4 * trainable / shard(2))]
+    else:
+        cast = [Item("optimizer step: a sub-group's grads in fp32", 4 * min(trainable / N, 1e9))]
+    b.train, b.optimizer_reload = train_phase(b.trainer_state, fwd, cast, grads, beside, b.gpu_bytes)
 
     # ---- rollout
     if kv_gib is None:
@@ -220,6 +231,10 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     if b.placement is not None:
         b.advice.append(f"the runner's planner (--offload auto) would pick: {b.placement['label']} "
                         f"({b.placement['why']}); it measures the real figures on the first step")
+    if b.optimizer_reload == "step":
+        b.advice.append("the optimizer step fits only with Adam's moments brought back inside it, once the "
+                        "gradients are cast to fp32 and freed (resident through the step they would not fit): "
+                        "the runner's --optimizer-reload auto does so; that copy is then not hidden")
     if not b.train_fits:
         over = Budget.total(b.train) - b.gpu_bytes
         tips = []
@@ -247,6 +262,25 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     return b
 
 
+MOMENTS = ("Adam m+v (fp32)", "adapter Adam m+v")
+
+
+def train_phase(state: list, fwd: list, cast: list, grads: "Item", beside: list, gpu: float) -> tuple[list, str]:
+    """The train phase's items at its peak, and when the optimizer state comes back ("overlap": with the rest,
+    before the optimizer step; "step": inside it, after the gradients are cast and freed, as the runner's
+    --optimizer-reload auto does when only that fits). The peak is the forward/backward's or the step's."""
+    total = Budget.total
+    resident = max([state + fwd + beside, state + [grads] + cast + beside], key=total)
+    if total(resident) <= gpu or not any(i.name in MOMENTS for i in state) or len(cast) < 2:
+        return resident, "overlap"
+    rest = [i for i in state if i.name not in MOMENTS]
+    back = [Item(f"{i.name}, back inside the optimizer step", i.bytes) for i in state if i.name in MOMENTS]
+    at_step = max([rest + fwd + beside, rest + [grads] + cast + beside, rest + back + cast[1:] + beside], key=total)
+    if total(at_step) >= total(resident):
+        return resident, "overlap"
+    return at_step, "step"
+
+
 SHARED_BASE_ITEM = "vLLM weights = the shared base (bf16)"
 # the estimate's state items -> the trainer's state categories the planner keeps or moves
 _CATEGORY = {"params (bf16)": "params", "frozen base (bf16)": "params", "adapter (bf16)": "params",
@@ -265,9 +299,11 @@ def predicted_placement(b: Budget, rollout_base: list, vllm_asleep: float) -> Op
     shared = sum(i.bytes for i in rollout_base if i.name in ("trainer CUDA context", "weight bridge buffers"))
     # a shared base is vLLM's weights, already in the rollout's figure: the trainer's peak is the rest
     base = sum(i.bytes for i in b.train if i.name == SHARED_BASE_ITEM)
+    # as the runner measures it: a first step, whose optimizer creates the moments once the gradients are gone
+    created = state.get("optim", 0) if b.optimizer_reload == "step" else 0
     fig = MemoryFigures(total=int(b.gpu_bytes), rollout_used=int(Budget.total(rollout_base)),
                         trainer_left=int(shared), train_peak=int(Budget.total(b.train) - vllm_asleep - base),
-                        state=state)
+                        state=state, train_other=int(vllm_asleep + base), optim_created=int(created))
     return choose("auto", "auto", [fig]).to_dict()
 
 

@@ -42,16 +42,20 @@ def train(tiny, mode: str, steps: int = 4):
 
     pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB") if mode != "resident" else None
     t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, grpo=GRPOConfig(group_size=4), pool=pool,
-                     overlap_reload=(mode == "overlap"))
+                     overlap_reload=(mode == "overlap"), optimizer_reload="step" if mode == "step" else "overlap")
     try:
         for k in range(steps):
             if k and pool is not None:
                 t.offload()
                 t.reload()
                 deferred = t.last_reload.deferred_bytes
-                assert (deferred > 0) == (mode == "overlap"), t.last_reload
+                assert (deferred > 0) == (mode in ("overlap", "step")), t.last_reload
             out = t.train_step(batch_for(k))
             assert out["reload_wait_s"] >= 0.0
+            # at the step: the AdamW state came back inside the optimizer step, and is on the device after it
+            assert ("optimizer_reload_s" in out) == (mode == "step" and k > 0), out
+            assert all(v.untyped_storage().nbytes() > 0 for st in t.optimizer.state.values() for v in st.values()
+                       if torch.is_tensor(v))
         return snapshot(t)
     finally:
         t.close()
@@ -62,7 +66,7 @@ def train(tiny, mode: str, steps: int = 4):
 
 def test_overlapped_reload_trains_bit_identically(tiny):
     ref_p, ref_s = train(tiny, "resident")
-    for mode in ("full", "overlap"):
+    for mode in ("full", "overlap", "step"):
         p, s = train(tiny, mode)
         assert p.keys() == ref_p.keys() and s.keys() == ref_s.keys() and s
         assert all(torch.equal(p[n], ref_p[n]) for n in p), mode
@@ -130,4 +134,33 @@ def test_stand_ins_implement_the_protocols(tiny):
     finally:
         r.close()
         t.close()
+        pool.close()
+
+
+def test_the_optimizer_state_waits_in_the_pool_for_the_step_and_an_offload_before_it_keeps_it(tiny):
+    """optimizer_reload "step": reload() brings back the parameters only; an offload with no step between
+    (an evaluation window) moves the state out again intact, and the next step reads it bit for bit."""
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="optimizer_reload"):
+        TorchTrainer(tiny, lr=1e-2, micro_batch=4, optimizer_reload="later")
+    pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, optimizer_reload="step")
+    try:
+        t.train_step(batch_for(0))
+        before = snapshot(t)[1]
+        t.offload()
+        t.reload()
+        sizes = [v.untyped_storage().nbytes() for st in t.optimizer.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim()]
+        assert sizes and all(n == 0 for n in sizes)          # still in the pool: no memory of its own yet
+        t.offload()
+        t.reload()
+        assert t.wait_reload() >= 0.0                        # a reader of the state brings it back
+        after = snapshot(t)[1]
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+    finally:
+        t.close()
+        assert pool.stats()["in_use_bytes"] == 0
         pool.close()

@@ -17,7 +17,7 @@ from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
                                       figures_from_step, kv_hint, micro_batch_hint,
-                                      needs_measuring, state_to_plan)
+                                      needs_measuring, reload_at_step, state_to_plan, train_need)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
 from fakes.deepspeed import bare_trainer, zero2_offload
@@ -85,7 +85,7 @@ def test_the_runner_plans_with_the_state_its_first_training_step_left(job_env, t
 
     seen = []
     monkeypatch.setattr(phase_runner, "figures_from_step",
-                        lambda memory, by_cat, total: seen.append(dict(by_cat)))
+                        lambda memory, by_cat, total, **_: seen.append(dict(by_cat)))
     res = run_job(job(tmp_path / "plan", offload="auto"), print_fn=lambda *_: None)
     assert res.summary["status"] == "ok" and len(seen) == 1
     lines = [json.loads(x) for x in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
@@ -146,8 +146,13 @@ def test_the_memory_left_free_is_offered_to_a_larger_micro_batch():
     assert micro_batch_hint(p, [f], 4, 64, margin=2 * GB, taken=20 * GB) == ""       # 6 GB: 7 rows, no divisor
     assert micro_batch_hint(p, [f], 8, 8, margin=2 * GB) == ""                       # already every row
     assert micro_batch_hint(p, [figs()], 4, 64, margin=2 * GB) == ""                 # no activations measured
+    # while vLLM sleeps, training has the GPU but for what stays beside the trainer (train_other)
     full = figs(total=140, rollout=137.5, peak=90)
+    full.train_other = 47 * GB                                                          # 90 + 47 + 2 > 138
     assert micro_batch_hint(choose("auto", "auto", [full], margin=2 * GB), [full], 4, 64, margin=2 * GB) == ""
+    full.train_other = 1 * GB                                  # 47 GB free while training: 8 (of 64 rows) fits
+    assert "up to 8 (now 4)" in micro_batch_hint(choose("auto", "auto", [full], margin=2 * GB), [full], 4, 64,
+                                                 margin=2 * GB)
     assert micro_batch_hint(p, [], 4, 64) == ""
     # several GPUs: the one with the least room decides
     tight = figs(rollout=80, peak=53)                   # 80 - 1 + 53 + 2 = 134: 6 GB, 3 rows: no divisor
@@ -346,7 +351,7 @@ def test_the_plan_prints_and_records_the_micro_batch_hint_from_gpu_figures(job_e
     from colomem.runner import phase_runner
 
     f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total: f)
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
     monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
     said = []
     res = run_job(job(tmp_path / "hint", micro_batch=4, placement_margin="2GB"), print_fn=said.append)
@@ -370,3 +375,80 @@ def test_a_rollout_that_stays_awake_retires_its_prefix_cache_after_each_rollout(
     seen.clear()
     moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
     assert moved.summary["status"] == "ok" and seen == []
+
+
+# ------------------------------------------------------------------------ the optimizer step's own peak
+def seven_b(**kw):
+    """A 7.6B full fine-tune's figures in GiB, as measured on a 139.8 GiB GPU: the first step's training
+    peaked at 128 with Adam's moments (57) created only after the gradients were freed; vLLM asleep, CUDA
+    contexts and the bridge's buffers take 4 beside the trainer."""
+    gib = 1 << 30
+    f = dict(total=int(139.8 * gib), rollout_used=43 * gib, trainer_left=0, train_peak=128 * gib,
+             state={"params": 14 * gib, "other": 0, "grads": 14 * gib, "master": 28 * gib, "optim": 57 * gib},
+             train_other=4 * gib, optim_created=57 * gib)
+    f.update(kw)
+    return MemoryFigures(**f)
+
+
+def test_a_step_that_fits_only_as_the_first_one_brings_the_optimizer_state_back_inside_it():
+    f = seven_b()
+    # the first step's peak did not hold the moments: with them on the GPU from the start, 128 + 57 + 4
+    assert train_need(f, at_step=False) == 189 * (1 << 30) and train_need(f, at_step=True) == 132 * (1 << 30)
+    p = choose("auto", "auto", [f])
+    # resident would need the moments through training: they go; the rest fits beside the awake rollout
+    assert p.keep == ("params", "other", "grads", "master") and p.rollout_sleeps
+    at, why = reload_at_step(p, [f])
+    assert at and "inside the step" in why and "57" in why
+    # no room either: the same, and a job whose moments existed through the measured step never does
+    assert not reload_at_step(p, [seven_b(optim_created=0)])[0]
+    assert not reload_at_step(Placement(ALL_CATEGORIES, True), [f])[0]
+    # a small job: reloading behind forward and backward fits, so that stays
+    small = figs()
+    small.optim_created, small.train_other = small.state["optim"], 2 * GB
+    assert not reload_at_step(Placement(("params", "other"), True), [small], margin=2 * GB)[0]
+
+
+def test_keeping_the_optimizer_state_must_fit_training_too_not_only_the_rollout():
+    # vLLM's awake footprint is small, so the whole trainer fits beside it while it generates; but with the
+    # moments resident the step needs 4 + 128 + 57 > 139.8: the trainer may not keep them
+    f = seven_b(rollout_used=20 * (1 << 30))
+    p = choose("auto", "auto", [f])
+    assert "optim" not in p.keep and "trainer resident, rollout sleeps" in p.why
+    # and nothing-moves counts the moments the first step created on top of its training peak
+    g = figs(peak=70)
+    assert choose("auto", "auto", [g], margin=2 * GB).label == "nothing moves"       # 60 - 1 + 70 + 2
+    g.optim_created = 24 * GB                                                          # + 24 > 140
+    assert choose("auto", "auto", [g], margin=2 * GB).label != "nothing moves"
+
+
+def test_hints_and_bucket_growth_count_the_memory_training_takes():
+    f = seven_b()
+    p = choose("auto", "auto", [f])
+    # 50 GiB are free while vLLM generates, none while training: no larger micro-batch, no larger buckets
+    assert micro_batch_hint(p, [f], micro_batch=2, rows=256) == ""
+    assert sync_bucket(p, [seven_b(train_other=8 << 30)], sync_bytes=15 << 30, current=512 << 20, buffers=2) is None
+    assert "gpu-memory-utilization up to" in kv_hint(p, [f], utilization=0.25)
+
+
+def test_the_runner_reloads_at_the_step_when_the_plan_says_so_and_trains_the_same(job_env, tmp_path, monkeypatch):
+    from colomem.runner import phase_runner
+
+    ref = run_job(job(tmp_path / "overlap", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: seven_b())
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
+    said = []
+    res = run_job(job(tmp_path / "auto"), print_fn=said.append)
+    assert ref.summary["status"] == res.summary["status"] == "ok"
+    assert any(s.startswith("[colomem] optimizer state: comes back inside the optimizer step") for s in said), said
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    event = [x for x in lines(tmp_path / "auto") if x.get("event") == "placement"][-1]
+    assert event["optimizer_reload"] == "step" and "inside the step" in event["optimizer_reload_why"]
+    steps = [x for x in lines(tmp_path / "auto") if "reward_mean" in x]
+    # the first step measures (no state in the pool yet); the later ones reload the AdamW state at the step,
+    # a switch phase of its own
+    assert "reload_step" not in steps[0]["phase_s"] and all(x["phase_s"]["reload_step"] > 0 for x in steps[1:])
+    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    assert rewards(tmp_path / "auto") == rewards(tmp_path / "overlap")
+    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+            for k in ("overlap", "auto"))
+    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])

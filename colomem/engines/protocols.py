@@ -110,8 +110,9 @@ class Trainer(Protocol):
 
     def train_step(self, batch: "GRPOBatch") -> dict[str, float]:
         """The optimizer steps of one batch (one, or grpo.num_iterations x grpo.mini_batches);
-        `reload_wait_s` in the result is time spent waiting for state still reloading (a switch cost the
-        runner takes out of the train phase)."""
+        `reload_wait_s` in the result is time spent waiting for state still reloading, `optimizer_reload_s`
+        the time the optimizer state took to come back inside the optimizer step (optimizer_reload "step");
+        both are switch costs the runner takes out of the train phase."""
         ...
 
     def offload(self, *, keep: Collection[str] = (), defer: bool = False) -> None:

@@ -49,7 +49,7 @@ class TorchTrainer:
                  seed: int = 0, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
                  world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
-                 shared_base: Optional[Mapping[str, Tensor]] = None):
+                 shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap"):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -63,6 +63,11 @@ class TorchTrainer:
         self.process_group = process_group
         self.swap_timeout_s = float(swap_timeout_s)
         self.overlap_reload = bool(overlap_reload)
+        if optimizer_reload not in ("overlap", "step"):
+            raise InvalidArgumentError(f"optimizer_reload={optimizer_reload!r}: choose overlap or step")
+        # "step": the AdamW state stays in the pool until the optimizer step (as DeepSpeedTrainer's option)
+        self.optimizer_reload = optimizer_reload
+        self._at_step = None                   # the AdamW state's set while it waits for the optimizer step
         self.steps = 0
         torch.manual_seed(seed)
         self.shared = None                     # SharedBaseReport: the base parameters are the rollout's tensors
@@ -149,7 +154,11 @@ class TorchTrainer:
             if self.max_grad_norm:
                 norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
                 out["grad_norm"] = float(norm)
-            out["reload_wait_s"] = self.wait_reload()     # the step reads the optimizer state
+            at_step = self._at_step is not None
+            # the step reads the optimizer state: what reloads behind the forward / backward, or all of it now
+            out["reload_wait_s"] = self._pending.wait(self.swap_timeout_s)
+            if at_step:
+                out["optimizer_reload_s"] = self._reload_at_step(self.swap_timeout_s)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
@@ -237,7 +246,10 @@ class TorchTrainer:
         nbytes = deferred = 0
         moved, self._moved = self._moved, []
         for s in moved:
-            if s.name == OPTIM_SET and self.overlap_reload:   # read only by optimizer.step()
+            if s.name == OPTIM_SET and self.optimizer_reload == "step":
+                self._at_step = s
+                deferred += s.nbytes
+            elif s.name == OPTIM_SET and self.overlap_reload:   # read only by optimizer.step()
                 self._pending.add(s.reload_async(ordered=False))
                 deferred += s.nbytes
             else:
@@ -248,9 +260,18 @@ class TorchTrainer:
                                             move_seconds=seconds, deferred_bytes=deferred)
 
     def wait_reload(self, timeout: Optional[float] = None) -> float:
-        """Waits for optimizer state that overlap_reload left in flight (train_step does before the step);
-        returns the seconds it blocked."""
-        return self._pending.wait(self.swap_timeout_s if timeout is None else timeout)
+        """Waits for optimizer state that overlap_reload left in flight, or brings back what waits for the
+        optimizer step (train_step does just before the step); returns the seconds it blocked."""
+        timeout = self.swap_timeout_s if timeout is None else timeout
+        return self._pending.wait(timeout) + self._reload_at_step(timeout)
+
+    def _reload_at_step(self, timeout: float) -> float:
+        if self._at_step is None:
+            return 0.0
+        t0 = time.perf_counter()
+        s, self._at_step = self._at_step, None
+        s.reload(timeout=timeout)
+        return time.perf_counter() - t0
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_state(self, path: Path, *, merged: bool = False) -> None:

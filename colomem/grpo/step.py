@@ -246,7 +246,7 @@ def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch
     return replace(batch, first_logprobs=first)
 
 
-_UPDATE_SUMS = ("reload_wait_s", "micro_batches")
+_UPDATE_SUMS = ("reload_wait_s", "optimizer_reload_s", "micro_batches")
 
 
 def combine_updates(per_update: list[dict[str, float]]) -> dict[str, float]:

@@ -121,6 +121,11 @@ class RunConfig(_Strict):
                                                     "are checked; the KV cache wakes once it finished")
     overlap_reload: bool = Field(True, description="colomem switch: the trainer's optimizer state (fp32 "
                                                    "masters, Adam moments) reloads behind forward/backward")
+    optimizer_reload: Literal["auto", "overlap", "step"] = Field(
+        "auto", description="colomem switch, when the offloaded optimizer state (fp32 masters, Adam moments) "
+                            "comes back: overlap (behind forward/backward), step (inside the optimizer step, "
+                            "after the gradients are cast to fp32 and freed: not hidden, but the step's peak "
+                            "stays the first step's), auto (step only when the step would not fit otherwise)")
     trainer_expandable: bool = Field(False, description="the trainer's process takes all of its CUDA memory "
                                                         "from torch's expandable segments, switched on once "
                                                         "vLLM's engine process has started (vLLM refuses them in "
@@ -227,7 +232,8 @@ class RunConfig(_Strict):
                                gradient_checkpointing=self.gradient_checkpointing,
                                trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
-                               timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload)
+                               timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,
+                               optimizer_reload="step" if self.optimizer_reload == "step" else "overlap")
 
     def rollout_engine_seed(self, rollout_group: int = 0) -> int:
         """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank

@@ -169,6 +169,10 @@ class ColocatedRunner(PhaseRunner):
             if wait > 0:    # train waited for state still reloading: a switch cost, not training
                 rec.phase_s["train"] -= wait
                 rec.phase_s["reload_wait"] = wait
+            at_step = float(train.get("optimizer_reload_s") or 0.0)
+            if at_step > 0:  # the optimizer state brought back inside the optimizer step: a switch cost too
+                rec.phase_s["train"] -= at_step
+                rec.phase_s["reload_step"] = at_step
         except BaseException as e:
             if is_oom(e):
                 raise oom_error(self.cfg, self.placement, self.machine.failed or "train", k, e, None) from e

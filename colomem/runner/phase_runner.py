@@ -21,7 +21,7 @@ from colomem.units import parse_bytes
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import (MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
-                        state_to_plan)
+                        reload_at_step, state_to_plan)
 from .ranks import Ranks
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
@@ -53,6 +53,7 @@ class PhaseRunner:
         self.placement: Placement = first_placement(cfg)
         self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
         self.placement_figures: list[dict] = []
+        self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
@@ -212,10 +213,12 @@ class PhaseRunner:
         self.alarm.restart(rec.step + 1)     # the floor after sleep is the new placement's from the next step
         c = self.cfg
         total = gpu_total(self.device)
-        by_cat = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
+        moved = dict(self.trainer.last_offload.by_category) if self.trainer.last_offload is not None else {}
         held = getattr(self.trainer, "state_bytes", None)        # after training: Adam's moments exist now
-        by_cat = state_to_plan(by_cat, held() if held is not None and not self.trainer.offloaded else {})
-        mine = figures_from_step(rec.memory, by_cat, total or 0)
+        now = held() if held is not None and not self.trainer.offloaded else {}
+        by_cat = state_to_plan(moved, now)
+        created = max(0, int(now.get("optim", 0) or 0) - int(moved.get("optim", 0) or 0))
+        mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
         hint = micro_hint = ""
         if any(f is None for f in every):
@@ -225,12 +228,15 @@ class PhaseRunner:
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
             self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
             self.placement_figures = every
+            self._choose_optimizer_reload(figs, margin)
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
+        if self.reload_why:
+            self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
         if hint:
             self.print(f"[colomem] KV cache: {hint}")
         if micro_hint:
@@ -238,8 +244,19 @@ class PhaseRunner:
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
                                "kv_hint": hint, "micro_batch_hint": micro_hint,
+                               "optimizer_reload": getattr(self.trainer, "optimizer_reload", None),
+                               "optimizer_reload_why": self.reload_why,
                                "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
                                "figures": self.placement_figures})
+
+    def _choose_optimizer_reload(self, figs: list, margin) -> None:
+        """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer
+        state reloaded before it (the trainers' optimizer_reload option)."""
+        if self.cfg.optimizer_reload != "auto" or not hasattr(self.trainer, "optimizer_reload"):
+            return
+        at_step, why = reload_at_step(self.placement, figs, margin)
+        self.trainer.optimizer_reload = "step" if at_step else "overlap"
+        self.reload_why = why
 
 
 __all__ = ["PhaseRunner"]

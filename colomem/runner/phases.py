@@ -30,15 +30,16 @@ CYCLE = ("offload", "barrier_wake", "wake_weights", "sync", "check", "wake_kv", 
 # reload_wait: the part of train that waited for trainer state still reloading behind the forward and
 # backward (overlap_reload); a switch cost, so it is taken out of train and counted here. offload_wait: the
 # wait for the optimizer state an overlapped offload (--overlap-offload) left copying, before the KV cache
-# wakes (or before the weights, when they do not fit beside it).
+# wakes (or before the weights, when they do not fit beside it). reload_step: the optimizer state brought
+# back inside the optimizer step (optimizer_reload step), also taken out of train.
 SWITCH_PHASES = ("offload", "barrier_wake", "wake_weights", "sync", "check", "offload_wait", "wake_kv", "sleep",
-                 "barrier_train", "reload", "reload_wait")
+                 "barrier_train", "reload", "reload_wait", "reload_step")
 # eval is neither switch nor training work: the step's time leaves it out, the tables show it on its own row
 OPTIONAL = ("eval",)
 ORDER = CYCLE[:7] + OPTIONAL + CYCLE[7:]                        # every phase a step may have, in order
 # checkpoint: a save due after the previous step, written from the pool right after this step's offload
 REPORT_ORDER = (ORDER[:1] + ("checkpoint",) + ORDER[1:5] + ("offload_wait",) + ORDER[5:8] + ("score",)
-                + ORDER[8:11] + ("reload_wait",) + ORDER[11:])   # tables and plots
+                + ORDER[8:11] + ("reload_wait", "reload_step") + ORDER[11:])   # tables and plots
 WORK_PHASES = ("rollout", "score", "train")
 
 # phase -> the phases that may follow it: the cycle's next one, plus eval after rollout (an evaluation in a

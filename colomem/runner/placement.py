@@ -80,12 +80,18 @@ class MemoryFigures:
     trainer_left     the trainer's allocator reserved bytes after that offload (already in rollout_used)
     train_peak       the trainer's allocator peak reserved bytes while training
     state            bytes of each trainer state category (params, other, grads, master, optim)
+    train_other      the driver's used bytes at the end of training beyond the trainer's allocator (the
+                     sleeping rollout, CUDA contexts, the weight bridge's buffers)
+    optim_created    bytes of optimizer state that step's optimizer step created (Adam's moments on a first
+                     step): absent through most of its training, so not in train_peak
     """
     total: int
     rollout_used: int
     trainer_left: int
     train_peak: int
     state: dict[str, int] = field(default_factory=dict)
+    train_other: int = 0
+    optim_created: int = 0
 
     def kept_bytes(self, keep: Sequence[str]) -> int:
         return sum(int(self.state.get(c, 0)) for c in keep)
@@ -131,9 +137,43 @@ def needs_measuring(offload: str, rollout_sleep: str) -> bool:
 
 
 def _need(p: Placement, fig: MemoryFigures) -> int:
+    """The rollout phase's need (with nothing moving, the rollout stays awake through training: that too)."""
     if not p.rollout_sleeps:
-        return fig.rollout_used - fig.trainer_left + fig.train_peak
+        return fig.rollout_used - fig.trainer_left + fig.train_peak + fig.optim_created
     return fig.rollout_used + fig.kept_bytes(p.keep)
+
+
+def train_need(fig: MemoryFigures, at_step: bool) -> int:
+    """What training needs while the rollout sleeps. The measured step's optimizer created Adam's moments
+    after it had freed the gradients; on later steps they are on the GPU from the start (kept, or reloaded
+    behind the forward and backward), so they add to the measured peak, unless they come back inside the
+    optimizer step (at_step), which repeats the measured step."""
+    return fig.train_other + fig.train_peak + (0 if at_step else fig.optim_created)
+
+
+def _train_short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int:
+    """Bytes missing while training with placement p (<= 0: fits). The measured step ran, so its own need
+    fits by construction; the margin covers only what is estimated on top of it."""
+    if not p.rollout_sleeps:
+        return -1                       # counted in _need: the rollout stays awake through training
+    if "optim" in p.keep:
+        return train_need(fig, False) + _margin(fig, margin) - fig.total
+    return train_need(fig, True) - fig.total     # the optimizer state can come back at the step
+
+
+def reload_at_step(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None) -> tuple[bool, str]:
+    """Whether placement p's offloaded optimizer state must come back inside the optimizer step (after the
+    gradients are cast to fp32 and freed) rather than behind the forward and backward, and why."""
+    if not figures or not p.trainer_moves or "optim" in p.keep:
+        return False, ""
+    worst = max(figures, key=lambda f: train_need(f, False) + _margin(f, margin) - f.total)
+    early = train_need(worst, False)
+    if early + _margin(worst, margin) <= worst.total:
+        return False, ""
+    return True, (f"reloaded behind the forward and backward, Adam's moments ({format_bytes(worst.optim_created)}) "
+                  f"would be on the GPU through the optimizer step's peak: {format_bytes(early)} + "
+                  f"{format_bytes(_margin(worst, margin))} margin of {format_bytes(worst.total)}; inside the step "
+                  f"the measured {format_bytes(train_need(worst, True))} fits (the reload is not hidden then)")
 
 
 def _margin(fig: MemoryFigures, margin: Optional[int]) -> int:
@@ -141,8 +181,12 @@ def _margin(fig: MemoryFigures, margin: Optional[int]) -> int:
 
 
 def _short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int:
-    """Bytes missing on that GPU for placement p (<= 0: it fits, with the margin)."""
+    """Bytes missing on that GPU for placement p while the rollout runs (<= 0: it fits, with the margin)."""
     return _need(p, fig) + _margin(fig, margin) - fig.total
+
+
+def _fits(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> bool:
+    return _short(p, fig, margin) <= 0 and _train_short(p, fig, margin) <= 0
 
 
 def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
@@ -155,7 +199,7 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
         return allowed[-1]
     for p in allowed:
         worst = max(figures, key=lambda f: _short(p, f, margin))
-        fits = _short(p, worst, margin) <= 0
+        fits = all(_fits(p, f, margin) for f in figures)
         if fits or p is allowed[-1]:
             why = (f"needs {format_bytes(_need(p, worst))} + {format_bytes(_margin(worst, margin))} margin of "
                    f"{format_bytes(worst.total)}")
@@ -172,8 +216,17 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
 
 
 def _spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
-    """The smallest head room over the GPUs with placement p, less `taken`."""
+    """The smallest head room over the GPUs with placement p while the rollout runs, less `taken`."""
     return -max(_short(p, f, margin) for f in figures) - taken
+
+
+def _train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
+    """The smallest head room over the GPUs while training with placement p, less `taken`."""
+    if not p.rollout_sleeps:
+        return _spare(p, figures, margin, taken)
+    at_step = reload_at_step(p, figures, margin)[0]
+    return min(f.total - train_need(f, at_step and "optim" not in p.keep) - _margin(f, margin)
+               for f in figures) - taken
 
 
 def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
@@ -208,7 +261,7 @@ def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch
     micro-batch. Empty when the micro-batch would not grow."""
     if not figures or micro_batch <= 0 or rows <= micro_batch:
         return ""
-    spare = _spare(p, figures, margin, taken)
+    spare = _train_spare(p, figures, margin, taken)
     per_row = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / micro_batch for f in figures)
     if per_row <= 0 or spare < per_row:
         return ""
@@ -252,7 +305,8 @@ def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int,
     does."""
     if not figures or sync_bytes <= current:
         return None
-    spare = -max(_short(p, f, margin) for f in figures) - (1 << 30)
+    # the buffers stay through training too
+    spare = min(_spare(p, figures, margin, 0), _train_spare(p, figures, margin, 0)) - (1 << 30)
     target = sync_bucket_target(sync_bytes, from_host="params" not in p.keep)
     while target > current:
         if buffers * (target - current) <= spare:
@@ -269,20 +323,23 @@ def state_to_plan(offloaded: dict, now: dict) -> dict:
     return {c: max(int(offloaded.get(c, 0) or 0), int(now.get(c, 0) or 0)) for c in {*offloaded, *now}}
 
 
-def figures_from_step(memory: dict, by_category: dict, total: int) -> Optional[MemoryFigures]:
+def figures_from_step(memory: dict, by_category: dict, total: int, optim_created: int = 0) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
-    step lacks what they need (no GPU, or a phase missing)."""
+    step lacks what they need (no GPU, or a phase missing). optim_created: optimizer-state bytes that step's
+    optimizer step created (MemoryFigures)."""
     roll = memory.get("rollout", {}) or {}
     off = memory.get("offload", {}) or {}
     train = memory.get("train", {}) or {}
     used, left, peak = roll.get("driver_used"), off.get("reserved"), train.get("peak_reserved")
     if used is None or left is None or peak is None or not total:
         return None
+    other = max(0, int(train.get("driver_used") or 0) - int(train.get("reserved") or 0))
     return MemoryFigures(total=int(total), rollout_used=int(used), trainer_left=int(left), train_peak=int(peak),
-                         state={k: int(v) for k, v in (by_category or {}).items()})
+                         state={k: int(v) for k, v in (by_category or {}).items()}, train_other=other,
+                         optim_created=int(optim_created))
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
-           "state_to_plan",
+           "reload_at_step", "state_to_plan", "train_need",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

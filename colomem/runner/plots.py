@@ -10,7 +10,7 @@ from .phases import SWITCH_PHASES
 
 COLORS = {"offload": "#d62728", "barrier_wake": "#7f7f7f", "wake_weights": "#ff7f0e", "sync": "#bcbd22",
           "check": "#e377c2", "wake_kv": "#ffbb78", "rollout": "#1f77b4", "eval": "#17becf", "sleep": "#9467bd",
-          "score": "#aec7e8", "barrier_train": "#c7c7c7", "reload": "#8c564b", "reload_wait": "#c49c94",
+          "score": "#aec7e8", "barrier_train": "#c7c7c7", "reload": "#8c564b", "reload_wait": "#c49c94", "reload_step": "#9c6b5e",
           "train": "#2ca02c"}
 
 

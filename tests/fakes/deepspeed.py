@@ -136,7 +136,8 @@ def bare_trainer(model, lora, pool=None):
     t.__dict__.update(model=model, lora=lora, zero_stage=2, world_size=1, device=CPU, _closed=False,
                       _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(), _params_kept=False,
                       _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
-                      _pending=PendingReloads(), timeout_s=30.0, shared=None, _shared_storages=frozenset())
+                      _pending=PendingReloads(), timeout_s=30.0, shared=None, _shared_storages=frozenset(),
+                      optimizer_reload="overlap", _step_reload=None)
     return t
 
 

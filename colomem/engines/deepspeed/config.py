@@ -151,7 +151,10 @@ class DeepSpeedConfig(BaseModel):
     torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (no JIT build of the fused kernel).
     overlap_reload: with offload="colomem", reload() brings back what forward and backward read and starts
         the fp32 masters and Adam moments behind them; train_step waits for those just before the optimizer
-        step. grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
+        step. optimizer_reload: "overlap" (that) or "step": the masters and moments stay in the pool until
+        the optimizer step has cast the gradients to fp32 and freed them, and come back from inside it (not
+        hidden; for a step whose peak does not fit with them resident: step_reload.py).
+        grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
     ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
     seed: torch seed before the model and the LoRA adapter are built.
     """
@@ -176,6 +179,7 @@ class DeepSpeedConfig(BaseModel):
     ds_config: Optional[dict[str, Any]] = None
     timeout_s: float = 300.0
     overlap_reload: bool = True
+    optimizer_reload: Literal["overlap", "step"] = "overlap"
 
     def __init__(self, **options: Any) -> None:
         try:

@@ -161,9 +161,10 @@ class ColomemOffload:
         self._late_pending = None
         return stats.nbytes
 
-    def reload(self, pending=None) -> Move:
+    def reload(self, pending=None, late: bool = True) -> Move:
         """pending: a colomem.swap.PendingReloads to start the LATE part in (its wait() must come before
-        the optimizer step); None: everything is back when this returns."""
+        the optimizer step); None: everything is back when this returns. late=False: the LATE part stays in
+        the pool until reload_late() (called inside the optimizer step, once the gradients are flattened)."""
         t0 = time.perf_counter()
         self._scratch.regrow()
         try:
@@ -172,7 +173,9 @@ class ColomemOffload:
             self._scratch.shrink_again()      # all or nothing: the set rolled its storages back too
             raise
         try:
-            if pending is None:
+            if not late:
+                pass
+            elif pending is None:
                 nbytes += self.late.reload(self._timeout).nbytes
             else:
                 pending.add(self.late.reload_async(ordered=False))
@@ -183,6 +186,18 @@ class ColomemOffload:
         self._scratch.forget()
         self._state = None
         return Move(nbytes, time.perf_counter() - t0)
+
+    @property
+    def late_outstanding(self) -> bool:
+        """The LATE part is still in the pool after a reload(late=False)."""
+        return self._state is None and self.late.state == "offloaded"
+
+    def reload_late(self) -> int:
+        """Brings the LATE part back (synchronously) after a reload(late=False); returns its bytes, 0 when
+        it was not outstanding."""
+        if not self.late_outstanding:
+            return 0
+        return self.late.reload(self._timeout).nbytes
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:
         """A CPU tensor over the pool copy of t (same dtype, shape, strides; either set), valid while offloaded."""

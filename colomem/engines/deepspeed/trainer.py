@@ -31,6 +31,7 @@ from .config import OFFLOAD_METHODS, DeepSpeedConfig, check_lora_spec, import_de
 from .state import (CATEGORIES, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, release_zero3_references, trim_module_stack, zero3_global_holders)
 from .model import build_model, check_model_dir, run_with_timeout, weakref_or_none
+from .step_reload import ReloadAtStep
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
@@ -82,6 +83,10 @@ class DeepSpeedTrainer:
         self.offload_method = config.offload
         self.timeout_s = float(config.timeout_s)
         self.overlap_reload = bool(config.overlap_reload)
+        # "step": the optimizer state stays in the pool until the optimizer step has flattened and freed the
+        # gradients (step_reload.py); the placement planner sets it when the step would not fit otherwise
+        self.optimizer_reload = config.optimizer_reload
+        self._step_reload: Optional[ReloadAtStep] = None
         self._pending = PendingReloads()
         self.deepspeed_version = deepspeed.__version__
         self.last_offload: Optional[SwitchReport] = None
@@ -192,10 +197,14 @@ class DeepSpeedTrainer:
         depth = len(stack) if stack is not None else 0
 
         def optimizer_step() -> dict[str, float]:
-            waited = self.wait_reload()                       # the step reads the masters and moments
+            # the step reads the masters and moments: those still in the pool come back from inside it
+            waited = self._pending.wait(self.timeout_s)
+            at_step = self._step_reload is not None and self._step_reload.armed
             engine.step()
             self.steps += 1
             out = {"reload_wait_s": waited}
+            if at_step:
+                out["optimizer_reload_s"] = self._step_reload.seconds
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 out["grad_norm"] = float(norm)
@@ -343,7 +352,12 @@ class DeepSpeedTrainer:
         t0 = time.perf_counter()
         method = self._offloaded_by or self.offload_method
         strategy = self._strategies[method]
-        if self.overlap_reload and isinstance(strategy, ColomemOffload):
+        at_step = self.optimizer_reload == "step" and isinstance(strategy, ColomemOffload)
+        if at_step:
+            move = strategy.reload(late=False)
+            if strategy.late_outstanding:
+                self._reload_at_step(strategy).arm()
+        elif self.overlap_reload and isinstance(strategy, ColomemOffload):
             move = strategy.reload(self._pending)
         else:
             move = strategy.reload()
@@ -361,8 +375,17 @@ class DeepSpeedTrainer:
     def wait_reload(self, timeout: Optional[float] = None) -> float:
         """Waits for the part of the last reload that overlap_reload left in flight (train_step calls this
         before the optimizer step; call it before reading the optimizer's state yourself). Returns the
-        seconds it blocked: 0.0 when nothing was pending."""
-        return self._pending.wait(self.timeout_s if timeout is None else timeout)
+        seconds it blocked: 0.0 when nothing was pending. With optimizer_reload "step", what waits for the
+        optimizer step comes back here."""
+        waited = self._pending.wait(self.timeout_s if timeout is None else timeout)
+        if self._step_reload is not None:
+            waited += self._step_reload.run()
+        return waited
+
+    def _reload_at_step(self, strategy: ColomemOffload) -> ReloadAtStep:
+        if self._step_reload is None:
+            self._step_reload = ReloadAtStep(self.engine.optimizer, strategy.reload_late)
+        return self._step_reload
 
     # -- weights for the sync -----------------------------------------------------------------------------
     def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, Tensor]]:
@@ -451,6 +474,9 @@ class DeepSpeedTrainer:
                 pending.wait(self.timeout_s)
         except Exception as e:           # noqa: BLE001 - closing goes on
             warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
+        if getattr(self, "_step_reload", None) is not None:
+            self._step_reload.close()
+            self._step_reload = None
         for s in self._strategies.values():
             try:
                 s.close()

@@ -1,0 +1,78 @@
+"""The optimizer state brought back inside the optimizer step, for a trainer whose step does not fit otherwise.
+
+ZeRO-1/2's step first flattens the bf16 gradients and casts them to fp32 (a copy of the gradients in the
+model dtype, then one in fp32, beside the gradients themselves) and only then frees the gradients and runs
+Adam. With Adam's moments already on the GPU, as a reload behind the forward and backward leaves them, that
+moment is the step's peak: on a 7.6B-parameter full fine-tune it is ~156 GiB, more than one 141 GB GPU. The
+very first step fits because the moments do not exist yet: Adam creates them after the gradients are freed.
+
+Reloading the moments (and the masters, unless kept) from the pool at the inner optimizer's step, after that
+conversion, gives every later step the first step's peak. The copy is then not hidden behind the forward
+and backward: the price of fitting at all.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from colomem.errors import ColomemError
+
+OPTIMIZER_RELOADS = ("overlap", "step")
+
+
+def inner_torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a DeepSpeed optimizer wraps (ZeRO optimizers keep it as `.optimizer`)."""
+    seen = 0
+    while not isinstance(opt, torch.optim.Optimizer):
+        nxt = getattr(opt, "optimizer", None)
+        seen += 1
+        if nxt is None or seen > 8:
+            raise ColomemError(f"found no torch optimizer inside DeepSpeed's {type(opt).__name__}; reloading the "
+                               "optimizer state at its step needs one (use optimizer_reload='overlap')")
+        opt = nxt
+    return opt
+
+
+class ReloadAtStep:
+    """A step pre-hook on the inner torch optimizer that calls `reload()` once per armed step.
+
+    arm() after a reload that left the optimizer state in the pool; the next inner step brings it back before
+    it reads a byte of it. `seconds` is the time the last one took (0.0 when nothing was outstanding)."""
+
+    def __init__(self, optimizer: Any, reload: Callable[[], int]):
+        self._reload = reload
+        self._armed = False
+        self.seconds = 0.0
+        self.nbytes = 0
+        self._handle: Optional[Any] = inner_torch_optimizer(optimizer).register_step_pre_hook(self._before_step)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def arm(self) -> None:
+        self._armed = True
+        self.seconds, self.nbytes = 0.0, 0
+
+    def run(self) -> float:
+        """Reloads now if armed (the hook, or a caller about to read the optimizer state); returns seconds."""
+        if not self._armed:
+            return 0.0
+        t0 = time.perf_counter()
+        self.nbytes = self._reload()
+        self._armed = False
+        self.seconds = time.perf_counter() - t0
+        return self.seconds
+
+    def _before_step(self, _optimizer, _args, _kwargs) -> None:
+        self.run()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+__all__ = ["OPTIMIZER_RELOADS", "ReloadAtStep", "inner_torch_optimizer"]
