@@ -5,7 +5,8 @@
 # smallbench (its small-tensor part alone), wall (its wall-clock part alone: WALL_SETS; wallexp: the same with
 # torch's expandable segments), diagrelease (where a
 # swap's release and re-growth time goes), slab (GPU tests of small storages packed onto shared slabs),
-# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsckpt, partial
+# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsstep (its test of
+# the optimizer state reloaded inside the optimizer step), dsckpt, partial
 # (offload(keep=...) tests), syncbench,
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
 # chain FAULTS_LIST names), soak
@@ -54,8 +55,13 @@ run() {  # run NAME TIMEOUT CMD...
   fi
   if [ "$limit" -le 0 ]; then stamp "$name skipped: no time left in the call"; return; fi
   stamp "$name"
+  # PACK_EVERY (s): pack while the stage runs too, so a call the device cuts (its own limit, unknown here
+  # when the machine's start took part of the device time) still returns what the stage wrote so far
+  local packer=""
+  if [ "${PACK_EVERY:-0}" -gt 0 ]; then (while sleep "$PACK_EVERY"; do pack; done) & packer=$!; fi
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  if [ -n "$packer" ]; then kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null; fi
   tail -${TAIL:-15} "$OUT/$name.log"
   stamp "$name rc=$rc"
   pack
@@ -109,6 +115,9 @@ stage() {  # the stages run in the order given on the command line
         python3 benchmarks/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
+    # the optimizer state reloaded inside the optimizer step (optimizer_reload "step"), alone
+    dsstep) run ds_step_tests 200 python3 -m pytest -q -s -rs -m deepspeed tests/gpu/test_deepspeed_adapter.py \
+      -k optimizer_state_reloaded_inside ;;
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
     partial) run partial_offload_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_partial_offload_gpu.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;
