@@ -333,3 +333,32 @@ def test_optimizer_state_reloaded_inside_the_step_trains_the_same_with_a_lower_p
           f"{max(peaks['step']) / MiB:.0f} MiB")
     # ZeRO-2's peak is its step's (the moments beside the fp32 gradients); ZeRO-3 steps sub-group by sub-group
     assert max(peaks["step"]) < max(peaks["overlap"]) if stage == 2 else max(peaks["step"]) <= max(peaks["overlap"])
+
+
+def test_a_deferred_offload_frees_the_optimizer_state_after_finish_and_trains_the_same(model_dir, ready):
+    """offload(defer=True): the masters and moments are still copying on return (the runner's
+    --overlap-offload); finish_offload() waits and gives their memory back; training matches the
+    never-offloaded engine bit for bit."""
+    import colomem
+
+    ref_losses, ref_state = reference_run(model_dir, 2, False)
+    _, alloc_base = baseline()
+    pool = colomem.PinnedPool(0)
+    t = make_trainer(model_dir, 2, False, pool=pool)
+    try:
+        losses = [t.train_step(make_batch(0))["loss"]]
+        for step in range(1, STEPS):
+            t.offload(defer=True)
+            rep = t.last_offload
+            assert t.offload_pending and rep.deferred_bytes > 0, rep.to_dict()
+            assert t.finish_offload() >= 0.0 and not t.offload_pending
+            settle()
+            # everything went back once the deferred part finished copying
+            assert torch.cuda.memory_allocated() - alloc_base <= ALLOC_MARGIN
+            t.reload()
+            losses.append(t.train_step(make_batch(step))["loss"])
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
+        assert final_state(t) == ref_state
+    finally:
+        t.close()
+        pool.close()

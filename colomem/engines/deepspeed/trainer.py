@@ -300,7 +300,13 @@ class DeepSpeedTrainer:
         if prepare_sync:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
         release_cached_memory()
-        torch.cuda.synchronize(dev)
+        if isinstance(strategy, ColomemOffload) and strategy.pending_bytes:
+            # this stream only: a device-wide synchronize would wait for the deferred copies on colomem's D2H
+            # stream, and the offload would last as long as the whole copy (with the trainer's memory in
+            # expandable segments the release above does not wait for them either)
+            torch.cuda.current_stream(dev).synchronize()
+        else:
+            torch.cuda.synchronize(dev)
         free1 = mem_get_info(dev)[0]
         state = move.state
         if state is None:
