@@ -20,6 +20,7 @@ from colomem.units import parse_bytes
 
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
+from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
 from .placement import (MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
                         reload_at_step, state_to_plan)
 from .ranks import Ranks
@@ -219,6 +220,8 @@ class PhaseRunner:
         by_cat = state_to_plan(moved, now)
         created = max(0, int(now.get("optim", 0) or 0) - int(moved.get("optim", 0) or 0))
         mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created)
+        if mine is not None:
+            mine.kv_cache, mine.kv_need = self._kv_figures()
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
         hint = micro_hint = ""
         if any(f is None for f in every):
@@ -232,6 +235,9 @@ class PhaseRunner:
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
+            shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
+                                    margin)
+            hint = "; ".join(h for h in (shrink, hint) if h)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
@@ -248,6 +254,18 @@ class PhaseRunner:
                                "optimizer_reload_why": self.reload_why,
                                "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
                                "figures": self.placement_figures})
+
+    def _kv_figures(self) -> tuple[int, int]:
+        """(the rollout engine's KV cache, the most the step's rollout holds) on this GPU; zeros when unknown."""
+        cache = getattr(self.rollout, "kv_cache_bytes", None)
+        path = getattr(self.rollout, "model_path", None)
+        if not cache or not path:
+            return 0, 0
+        per_token = kv_bytes_per_token(path, self.cfg.trust_remote_code)
+        if not per_token:
+            return int(cache), 0
+        rows = self.cfg.rows_per_rank(self.ranks.world_size)
+        return int(cache), rollout_kv_bound(rows, self.cfg.max_model_len, per_token)
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer

@@ -84,6 +84,8 @@ class MemoryFigures:
                      sleeping rollout, CUDA contexts, the weight bridge's buffers)
     optim_created    bytes of optimizer state that step's optimizer step created (Adam's moments on a first
                      step): absent through most of its training, so not in train_peak
+    kv_cache         the rollout engine's KV cache on this GPU (0: unknown)
+    kv_need          the most of it the step's rollout can hold (colomem.runner.kv_need; 0: unknown)
     """
     total: int
     rollout_used: int
@@ -92,6 +94,8 @@ class MemoryFigures:
     state: dict[str, int] = field(default_factory=dict)
     train_other: int = 0
     optim_created: int = 0
+    kv_cache: int = 0
+    kv_need: int = 0
 
     def kept_bytes(self, keep: Sequence[str]) -> int:
         return sum(int(self.state.get(c, 0)) for c in keep)

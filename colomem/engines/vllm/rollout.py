@@ -314,6 +314,12 @@ class VLLMRollout:
         self.wake_weights()
         self.wake_kv()
 
+    @property
+    def kv_cache_bytes(self) -> Optional[int]:
+        """The KV cache vLLM allocated on this GPU (its allocations tagged kv_cache); None when unknown."""
+        n = self._tag_wake.tag_bytes.get("kv_cache")
+        return int(n) if n else None
+
     def wake_need(self, tags: Iterable[str]) -> Optional[int]:
         """GPU bytes waking `tags` maps (vLLM's allocations by tag, read when the engine started) plus the
         margin the wake asks for; None when the layout could not be read."""

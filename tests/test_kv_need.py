@@ -1,0 +1,94 @@
+"""What the rollout's KV cache must hold, and the hint a far larger cache gets: the bound from the model's
+config, the placement a smaller cache would allow, and the runner's line about it."""
+import json
+
+from colomem.runner import run_job
+from colomem.runner.config import config_from_dict
+from colomem.runner.kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
+from colomem.runner.placement import MemoryFigures, choose
+
+GiB = 1 << 30
+
+
+def bigkv(**kw):
+    """The bigkv job as measured on a 139.8 GiB GPU (GiB): vLLM at 0.85, a 112.5 GiB KV cache beside the
+    trainer's 8.6 GiB left after its offload; its 256 sequences of at most 512 tokens hold 3.5 GiB."""
+    f = dict(total=int(139.8 * GiB), rollout_used=int(133.5 * GiB), trainer_left=int(8.6 * GiB),
+             train_peak=46 * GiB, state={"params": 3 * GiB, "other": 0, "grads": 3 * GiB,
+                                         "master": 6 * GiB, "optim": 12 * GiB},
+             train_other=2 * GiB, optim_created=12 * GiB, kv_cache=int(112.5 * GiB), kv_need=int(3.5 * GiB))
+    f.update(kw)
+    return MemoryFigures(**f)
+
+
+def test_the_bound_is_every_sequence_at_max_model_len_in_whole_blocks(tmp_path):
+    from colomem.bench.shapes import SHAPES
+
+    s = SHAPES["1.5b"]
+    cfg = {"model_type": "qwen2", "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
+           "num_key_value_heads": s.kv_heads, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+           "vocab_size": s.vocab}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    per_token = kv_bytes_per_token(str(tmp_path))
+    assert per_token == 28 * 2 * 2 * 128 * 2                     # Qwen2-1.5B: 28 layers, 2 KV heads of 128, bf16
+    assert rollout_kv_bound(256, 512, per_token) == 256 * 512 * per_token == int(3.5 * GiB)
+    assert rollout_kv_bound(1, 17, per_token) == 32 * per_token   # two blocks of 16
+
+
+def test_per_token_bytes_come_from_the_models_config(tmp_path):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "hidden_size": 256, "intermediate_size": 512, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert kv_bytes_per_token(str(tmp_path)) == 4 * 2 * 2 * 32 * 2
+    cfg["head_dim"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert kv_bytes_per_token(str(tmp_path)) == 4 * 2 * 2 * 64 * 2
+    assert kv_bytes_per_token(str(tmp_path / "missing")) is None
+
+
+def test_a_cache_far_larger_than_the_rollout_gets_the_utilization_that_lets_nothing_move():
+    f = bigkv()
+    p = choose("auto", "auto", [f])
+    assert p.trainer_moves and p.rollout_sleeps                   # as measured: the moments move every step
+    hint = kv_shrink_hint(p, [f], "auto", "auto", 0.85)
+    assert "nothing moves" in hint and "3.50 GiB" in hint and "(now 0.85)" in hint, hint
+    # the utilization given holds the rollout with the headroom: 0.85 - (112.5 - 1.25 x 3.5) / 139.8
+    assert "--gpu-memory-utilization 0.08 " in hint, hint
+
+
+def test_no_hint_when_nothing_moves_already_the_figures_are_missing_or_nothing_would_change():
+    f = bigkv()
+    assert kv_shrink_hint(choose("auto", "auto", [f]), [bigkv(kv_cache=0)], "auto", "auto", 0.85) == ""
+    assert kv_shrink_hint(choose("auto", "auto", [f]), [bigkv(kv_need=0)], "auto", "auto", 0.85) == ""
+    roomy = bigkv(rollout_used=30 * GiB, kv_cache=10 * GiB)
+    assert choose("auto", "auto", [roomy]).label == "nothing moves"
+    assert kv_shrink_hint(choose("auto", "auto", [roomy]), [roomy], "auto", "auto", 0.2) == ""
+    # the cache is barely above what the rollout holds: no gain worth a line
+    tight = bigkv(kv_cache=int(4.5 * GiB))
+    assert kv_shrink_hint(choose("auto", "auto", [tight]), [tight], "auto", "auto", 0.85) == ""
+    # forced modes allow one placement only: nothing to offer
+    forced = choose("all", "always", [f])
+    assert kv_shrink_hint(forced, [f], "all", "always", 0.85) == ""
+
+
+def test_the_runner_prints_and_records_the_smaller_cache(job_env, tmp_path, monkeypatch):
+    from colomem.runner import phase_runner
+
+    f = bigkv()
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: bigkv(kv_cache=0,
+                                                                                                   kv_need=0))
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(phase_runner.PhaseRunner, "_kv_figures", lambda self: (f.kv_cache, f.kv_need))
+    said = []
+    out = tmp_path / "kv"
+    cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
+                            "progress": False, "plots": False, "report_to": ["none"], "out": str(out),
+                            "grpo": {"group_size": 4}, "gpu_memory_utilization": 0.85})
+    res = run_job(cfg, print_fn=said.append)
+    assert res.summary["status"] == "ok"
+    line = [s for s in said if s.startswith("[colomem] KV cache: the rollout holds at most")]
+    assert len(line) == 1 and "nothing moves" in line[0], said
+    event = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in x
+             and '"placement"' in x][-1]
+    assert "the rollout holds at most" in event["kv_hint"]
+    assert event["figures"][0]["kv_cache"] == f.kv_cache and event["figures"][0]["kv_need"] == f.kv_need
