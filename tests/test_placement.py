@@ -452,3 +452,31 @@ def test_the_runner_reloads_at_the_step_when_the_plan_says_so_and_trains_the_sam
     a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
             for k in ("overlap", "auto"))
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+
+
+def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_step(job_env, tmp_path, monkeypatch):
+    """A resume's first (measuring) step already has Adam's moments: reloaded before the optimizer step, a job
+    that fits only with them reloaded inside it would run out of memory before the planner could choose. So
+    auto brings them back at that step, and the plan counts them as absent from the measured peak."""
+    from colomem.runner import phase_runner
+
+    first = run_job(job(tmp_path / "a", steps=2, save_every=2), print_fn=lambda *_: None)
+    assert first.summary["status"] == "ok"
+    seen = []
+
+    def figures(memory, by_cat, total, **kw):
+        seen.append(kw)
+        # the moments counted as absent from the measured peak (as on the GPU, at their 7.6B size), or not
+        return seven_b() if kw.get("optim_created") else seven_b(optim_created=0)
+    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
+    said = []
+    res = run_job(job(tmp_path / "a", steps=4, save_every=4, resume="auto"), print_fn=said.append)
+    assert res.summary["status"] == "ok", res.summary
+    steps = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+             if "reward_mean" in x]
+    resumed = [x for x in steps if x.get("step", 0) >= 2]
+    # every resumed step, the measuring one included, reloaded the AdamW state inside the optimizer step
+    assert resumed and all(x["phase_s"].get("reload_step", 0) > 0 for x in resumed), resumed
+    assert len(seen) == 1 and seen[0]["optim_created"] > 0
+    assert any("comes back inside the optimizer step" in s for s in said)

@@ -55,6 +55,7 @@ class PhaseRunner:
         self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
         self.placement_figures: list[dict] = []
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
+        self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
@@ -199,6 +200,7 @@ class PhaseRunner:
             defer = self.cfg.overlap_offload and not self._plan_after_step
             self.trainer.offload(keep=self.placement.keep, defer=defer)
             self._moved.add("offload")
+            self._measure_at_step()
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
 
@@ -219,6 +221,8 @@ class PhaseRunner:
         now = held() if held is not None and not self.trainer.offloaded else {}
         by_cat = state_to_plan(moved, now)
         created = max(0, int(now.get("optim", 0) or 0) - int(moved.get("optim", 0) or 0))
+        if self._measured_at_step:       # the moments were in the pool through its peak, as if created there
+            created = int(now.get("optim", 0) or 0)
         mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created)
         if mine is not None:
             mine.kv_cache, mine.kv_need = self._kv_figures()
@@ -226,6 +230,8 @@ class PhaseRunner:
         hint = micro_hint = ""
         if any(f is None for f in every):
             self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
+            if self._measured_at_step:                 # no peak to keep low without a GPU
+                self.trainer.optimizer_reload = "overlap"
         else:
             figs = [MemoryFigures(**f) for f in every]
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
@@ -266,6 +272,18 @@ class PhaseRunner:
             return int(cache), 0
         rows = self.cfg.rows_per_rank(self.ranks.world_size)
         return int(cache), rollout_kv_bound(rows, self.cfg.max_model_len, per_token)
+
+    def _measure_at_step(self) -> None:
+        """optimizer_reload auto, the measuring step of a run whose optimizer state exists already (a resume):
+        that state comes back inside the optimizer step, so the step peaks as a first step does; reloaded
+        before it, a job that fits only that way (a 7.6B full fine-tune on one GPU) would run out of memory
+        before the planner could choose. The plan then counts the state as absent from the measured peak."""
+        if not self._plan_after_step or self.cfg.optimizer_reload != "auto" \
+                or not hasattr(self.trainer, "optimizer_reload") or self.trainer.last_offload is None:
+            return
+        if int(self.trainer.last_offload.by_category.get("optim", 0) or 0) > 0:
+            self.trainer.optimizer_reload = "step"
+            self._measured_at_step = True
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer
