@@ -230,7 +230,7 @@ class PhaseRunner:
         hint = micro_hint = ""
         if any(f is None for f in every):
             self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
-            if self._measured_at_step:                 # no peak to keep low without a GPU
+            if self._measured_at_step and hasattr(self.trainer, "optimizer_reload"):   # no GPU peak to keep low
                 self.trainer.optimizer_reload = "overlap"
         else:
             figs = [MemoryFigures(**f) for f in every]

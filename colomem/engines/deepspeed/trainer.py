@@ -199,12 +199,13 @@ class DeepSpeedTrainer:
         def optimizer_step() -> dict[str, float]:
             # the step reads the masters and moments: those still in the pool come back from inside it
             waited = self._pending.wait(self.timeout_s)
-            at_step = self._step_reload is not None and self._step_reload.armed
+            hook = self._step_reload
+            at_step = hook is not None and hook.armed
             engine.step()
             self.steps += 1
             out = {"reload_wait_s": waited}
-            if at_step:
-                out["optimizer_reload_s"] = self._step_reload.seconds
+            if hook is not None and at_step:
+                out["optimizer_reload_s"] = hook.seconds
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 out["grad_norm"] = float(norm)
@@ -358,8 +359,7 @@ class DeepSpeedTrainer:
         t0 = time.perf_counter()
         method = self._offloaded_by or self.offload_method
         strategy = self._strategies[method]
-        at_step = self.optimizer_reload == "step" and isinstance(strategy, ColomemOffload)
-        if at_step:
+        if self.optimizer_reload == "step" and isinstance(strategy, ColomemOffload):
             move = strategy.reload(late=False)
             if strategy.late_outstanding:
                 self._reload_at_step(strategy).arm()
@@ -480,8 +480,9 @@ class DeepSpeedTrainer:
                 pending.wait(self.timeout_s)
         except Exception as e:           # noqa: BLE001 - closing goes on
             warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
-        if getattr(self, "_step_reload", None) is not None:
-            self._step_reload.close()
+        hook = getattr(self, "_step_reload", None)
+        if hook is not None:
+            hook.close()
             self._step_reload = None
         for s in self._strategies.values():
             try:
