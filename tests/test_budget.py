@@ -151,3 +151,24 @@ def test_the_big_kv_benchmark_job_must_move_the_adam_moments():
 
     cfg = load_run_config(["--config", str(Path(__file__).resolve().parents[1] / "configs/grpo_1p5b_bigkv.yaml")])
     assert cfg.gpu_memory_utilization * 139.8 >= 112 + 2 and cfg.switch == "colomem" and cfg.offload == "auto"
+
+
+def test_the_optimizer_steps_own_peak_decides_when_the_moments_come_back():
+    """ZeRO-2's step casts the gradients to fp32 beside them before it frees them: with Adam's moments
+    resident too, a 7.6B full fine-tune needs more than a 139.8 GiB GPU, so the budget brings the moments back
+    inside the step (as the runner's --optimizer-reload auto does), and says so."""
+    b = estimate(7.6e9, kv_gib=20, micro_batch=2, seq_len=768, gpu_gib=139.8)
+    names = {i.name for i in b.train}
+    assert b.optimizer_reload == "step" and b.train_fits
+    assert "Adam m+v (fp32), back inside the optimizer step" in names and "grads (bf16)" not in names
+    assert "optimizer step: grads cast to fp32" in names
+    assert any("brought back inside it" in a for a in b.advice)
+    assert b.placement is not None and "optim" not in b.placement["keep"] and b.to_dict()["optimizer_reload"] == "step"
+    # with the moments resident the step would need gradients, their flat copy and their fp32 cast together
+    resident = sum(i.bytes for i in b.trainer_state) + 2 * 7.6e9 * (1 + 1 + 2)
+    assert resident > 139.8 * GiB > Budget.total(b.train)
+    # a 1.5B job fits with everything resident: its step's peak is listed, the moments stay where they are
+    small = estimate(1.5e9, micro_batch=8, seq_len=512, gpu_gib=139.8)
+    assert small.optimizer_reload == "overlap" and small.train_fits
+    assert {"Adam m+v (fp32)", "optimizer step: grads flattened (bf16)"} <= {i.name for i in small.train}
+    assert not any("brought back inside it" in a for a in small.advice)
