@@ -166,7 +166,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing,
                 trust_remote_code=cfg.trust_remote_code, process_group=ranks.group, world_size=ranks.world_size,
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
-                optimizer_reload="step" if cfg.optimizer_reload == "step" else "overlap")
+                optimizer_reload=cfg.start_optimizer_reload)
             trainer = torch_trainer
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)

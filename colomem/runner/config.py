@@ -233,7 +233,7 @@ class RunConfig(_Strict):
                                trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,
-                               optimizer_reload="step" if self.optimizer_reload == "step" else "overlap")
+                               optimizer_reload=self.start_optimizer_reload)
 
     def rollout_engine_seed(self, rollout_group: int = 0) -> int:
         """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank
@@ -265,6 +265,11 @@ class RunConfig(_Strict):
     def start_bucket_bytes(self) -> str:
         """The weight bridge's bucket size at start (auto starts small; the planner may grow it)."""
         return "512MiB" if self.bucket_bytes == "auto" else self.bucket_bytes
+
+    @property
+    def start_optimizer_reload(self) -> str:
+        """The trainers' optimizer_reload at start (auto starts overlapped; the planner may choose step)."""
+        return "step" if self.optimizer_reload == "step" else "overlap"
 
     @property
     def effective_engine(self) -> str:

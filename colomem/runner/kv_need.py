@@ -54,8 +54,12 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
     if not figures or any(f.kv_cache <= 0 or f.kv_need <= 0 for f in figures):
         return ""
     allowed = candidates(offload, rollout_sleep)
-    here = next((i for i, q in enumerate(allowed) if (q.keep, q.rollout_sleeps) == (p.keep, p.rollout_sleeps)),
-                None)
+
+    def rank(q: Placement) -> Optional[int]:
+        """Where q stands among the allowed placements, cheapest first."""
+        return next((i for i, c in enumerate(allowed) if (c.keep, c.rollout_sleeps) == (q.keep, q.rollout_sleeps)),
+                    None)
+    here = rank(p)
     if here is None or here == 0:
         return ""
     spare = min(f.kv_cache - int(f.kv_need * HEADROOM) for f in figures)
@@ -63,8 +67,7 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
         return ""
     smaller = [replace(f, rollout_used=f.rollout_used - spare) for f in figures]
     q = choose(offload, rollout_sleep, smaller, margin)
-    better = next((i for i, c in enumerate(allowed) if (c.keep, c.rollout_sleeps) == (q.keep, q.rollout_sleeps)),
-                  None)
+    better = rank(q)
     if better is None or better >= here or "does not fit" in q.why:
         return ""
     total = min(f.total for f in figures)

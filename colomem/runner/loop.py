@@ -165,14 +165,13 @@ class ColocatedRunner(PhaseRunner):
                 train = self.trainer.train_step(batch)
                 settle(self.device)      # the optimizer step's kernels are training, not the next sync
             rec.memory["train"]["peak_reserved"] = peak_reserved(self.device)
-            wait = float(train.get("reload_wait_s") or 0.0)
-            if wait > 0:    # train waited for state still reloading: a switch cost, not training
-                rec.phase_s["train"] -= wait
-                rec.phase_s["reload_wait"] = wait
-            at_step = float(train.get("optimizer_reload_s") or 0.0)
-            if at_step > 0:  # the optimizer state brought back inside the optimizer step: a switch cost too
-                rec.phase_s["train"] -= at_step
-                rec.phase_s["reload_step"] = at_step
+            # train waited for state still reloading, or brought the optimizer state back inside the
+            # optimizer step: switch costs, not training
+            for key, phase in (("reload_wait_s", "reload_wait"), ("optimizer_reload_s", "reload_step")):
+                spent = float(train.get(key) or 0.0)
+                if spent > 0:
+                    rec.phase_s["train"] -= spent
+                    rec.phase_s[phase] = spent
         except BaseException as e:
             if is_oom(e):
                 raise oom_error(self.cfg, self.placement, self.machine.failed or "train", k, e, None) from e

@@ -229,8 +229,7 @@ def _train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optiona
     if not p.rollout_sleeps:
         return _spare(p, figures, margin, taken)
     at_step = reload_at_step(p, figures, margin)[0]
-    return min(f.total - train_need(f, at_step and "optim" not in p.keep) - _margin(f, margin)
-               for f in figures) - taken
+    return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
 
 
 def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,

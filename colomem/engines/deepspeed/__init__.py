@@ -6,6 +6,7 @@
     state.py       what a ZeRO engine holds on its GPU (collect_engine_state), DeepSpeed 0.19 workarounds
     strategies.py  the three offload methods: colomem (pool swaps), deepspeed (offload_states), to (.to loop)
     weights.py     the weights for the rollout sync (LoRA merged, ZeRO-3 gathered, staged while offloaded)
+    step_reload.py the optimizer state brought back inside the optimizer step (optimizer_reload "step")
     trainer.py     DeepSpeedTrainer
 
 Build a trainer with keywords, or validate the options first and hand them over:

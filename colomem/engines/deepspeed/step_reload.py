@@ -19,9 +19,6 @@ import torch
 
 from colomem.errors import ColomemError
 
-OPTIMIZER_RELOADS = ("overlap", "step")
-
-
 def inner_torch_optimizer(opt: Any) -> torch.optim.Optimizer:
     """The torch optimizer a DeepSpeed optimizer wraps (ZeRO optimizers keep it as `.optimizer`)."""
     seen = 0
@@ -75,4 +72,4 @@ class ReloadAtStep:
             self._handle = None
 
 
-__all__ = ["OPTIMIZER_RELOADS", "ReloadAtStep", "inner_torch_optimizer"]
+__all__ = ["ReloadAtStep", "inner_torch_optimizer"]
