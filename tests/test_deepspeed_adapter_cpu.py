@@ -450,6 +450,48 @@ def test_trim_module_stack_drops_only_what_the_step_left():
     assert ds_state.trim_module_stack(None, 0) == 0
 
 
+def test_functional_linear_goes_back_when_the_last_trainer_that_saw_it_replaced_closes():
+    """ZeRO-3's set-up replaces F.linear process-wide and never restores it; the guard puts torch's back after
+    the last trainer closes, so a later job's numerics do not depend on what ran before it."""
+    torch_linear, ds_linear = object(), object()
+    ns = SimpleNamespace(linear=torch_linear)
+    guard = ds_state.FunctionalLinearGuard(ns)
+
+    def zero3_setup():
+        if ns.linear is torch_linear:              # DeepSpeed replaces it only when it is torch's own
+            ns.linear = ds_linear
+        return "engine3"
+
+    assert guard.setup(lambda: "engine2") == ("engine2", False)      # a ZeRO-2 set-up leaves it alone
+    assert guard.setup(zero3_setup) == ("engine3", True)
+    assert guard.setup(zero3_setup) == ("engine3", True)             # a second one sees it replaced too
+    assert guard.setup(lambda: "engine2") == ("engine2", True)       # and so does a ZeRO-2 one meanwhile
+    assert guard.holders == 3 and ns.linear is ds_linear
+    guard.release()
+    guard.release()
+    assert ns.linear is ds_linear                    # a live trainer still runs with it
+    guard.release()
+    assert ns.linear is torch_linear and guard.holders == 0
+    guard.release()                                  # one release too many changes nothing
+    assert ns.linear is torch_linear
+
+    # a set-up that fails after replacing it gives it back at once
+    def failing_setup():
+        zero3_setup()
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        guard.setup(failing_setup)
+    assert ns.linear is torch_linear and guard.holders == 0
+
+    # someone else's replacement, made while a trainer held DeepSpeed's, is theirs: it stays
+    guard.setup(zero3_setup)
+    mine = object()
+    ns.linear = mine
+    guard.release()
+    assert ns.linear is mine
+
+
 def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch):
     stack: list = []
     monkeypatch.setattr(ds_state, "zero3_global_holders", lambda: (stack, CACHES))

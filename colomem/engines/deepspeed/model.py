@@ -15,6 +15,7 @@ from colomem.engines.lora import check_lora_layers
 from colomem.errors import InvalidArgumentError
 
 from .config import DeepSpeedConfig, build_lora_config
+from .state import release_zero3_references
 
 
 def build_model(model_path: Any, config: DeepSpeedConfig, lora: Any, device: torch.device,
@@ -87,10 +88,23 @@ def weakref_or_none(obj: Any) -> Optional[weakref.ref]:
         return None
 
 
+def destroy_engine(engine: Any, zero_stage: Optional[int], timeout_s: float) -> Optional[weakref.ref]:
+    """engine.destroy() bounded by timeout_s, and a ZeRO-3 module unhooked from DeepSpeed's process-wide
+    objects; returns a weak reference to the engine's optimizer (to check that nothing still holds it)."""
+    run_with_timeout(engine.destroy, timeout_s, "DeepSpeed engine.destroy()")
+    if zero_stage == 3:
+        try:
+            release_zero3_references(getattr(engine, "module", None))
+        except Exception as e:     # noqa: BLE001 - closing goes on; the caller's check reports a leak
+            warnings.warn(f"unhooking the ZeRO-3 module from DeepSpeed failed: {e!r}", RuntimeWarning,
+                          stacklevel=3)
+    return weakref_or_none(getattr(engine, "optimizer", None))
+
+
 def check_model_dir(model_path: Any) -> None:
     problem = checkpoint_problem(model_path, tokenizer=False)     # the trainer reads no tokenizer
     if problem:
         raise InvalidArgumentError(problem)
 
 
-__all__ = ["build_model", "check_model_dir", "run_with_timeout", "weakref_or_none"]
+__all__ = ["build_model", "check_model_dir", "destroy_engine", "run_with_timeout", "weakref_or_none"]

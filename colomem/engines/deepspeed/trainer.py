@@ -28,9 +28,9 @@ from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError
 from colomem.swap import PendingReloads
 
 from .config import OFFLOAD_METHODS, DeepSpeedConfig, check_lora_spec, import_deepspeed, init_distributed
-from .state import (CATEGORIES, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state, left_behind,
-                    release_cached_memory, release_zero3_references, trim_module_stack, zero3_global_holders)
-from .model import build_model, check_model_dir, run_with_timeout, weakref_or_none
+from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state,
+                    left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
+from .model import build_model, check_model_dir, destroy_engine
 from .step_reload import ReloadAtStep
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
@@ -107,6 +107,7 @@ class DeepSpeedTrainer:
         self.model: Any = None
         self._ref_fn: Any = None
         self._fwd_stack: Optional[list] = None
+        self._holds_linear = False
         self.shared: Any = None                 # SharedBaseReport: the base parameters are the engine's tensors
         self._shared_storages: frozenset = frozenset()
 
@@ -118,7 +119,9 @@ class DeepSpeedTrainer:
         model, self.shared = build_model(model_path, config, self.lora, self.device, shared_base)
         self.ds_config = config.build_ds_config(self.world_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)
+        # ZeRO-3's set-up replaces torch.nn.functional.linear process-wide: the last trainer to close puts it back
+        (self.engine, _, _, _), self._holds_linear = FUNCTIONAL_LINEAR.setup(
+            lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config))
         self.model = self.engine.module
         if shared_base is not None:            # DeepSpeed's set-up (dtype, device, broadcast) kept the views
             from colomem.engines.shared_base import base_storages, check_still_shared
@@ -494,18 +497,14 @@ class DeepSpeedTrainer:
         engine = getattr(self, "engine", None)
         opt_ref = None
         if engine is not None:
-            run_with_timeout(engine.destroy, self.timeout_s, "DeepSpeed engine.destroy()")
-            if getattr(self, "zero_stage", None) == 3:
-                try:
-                    release_zero3_references(getattr(engine, "module", None))
-                except Exception as e:     # noqa: BLE001 - closing goes on; the check below reports a leak
-                    warnings.warn(f"unhooking the ZeRO-3 module from DeepSpeed failed: {e!r}", RuntimeWarning,
-                                  stacklevel=2)
-            opt_ref = weakref_or_none(getattr(engine, "optimizer", None))
+            opt_ref = destroy_engine(engine, getattr(self, "zero_stage", None), self.timeout_s)
         del engine                         # a local reference would keep it alive through the collection below
         self.engine = self.model = self._ref_fn = None
         self.__dict__.pop("_weights", None)   # the weight export holds the model: it would keep the engine alive
         self._fwd_stack = None
+        if getattr(self, "_holds_linear", False):
+            self._holds_linear = False
+            FUNCTIONAL_LINEAR.release()
         if self._owns_pool and self._pool is not None and not self._pool.closed:
             self._pool.close(force=True)
         self._pool = None
