@@ -164,6 +164,17 @@ class SwapSet:
         held.update((e.block.block_id, e.block.nbytes) for e in self._entries if e.block is not None)
         return sum(held.values())
 
+    def release_kept_blocks(self) -> int:
+        """Gives back the pool blocks a resident set keeps for its next offload (keep_blocks); returns their
+        bytes. For a caller that knows the next offload moves other tensors: the blocks would not be reused,
+        and another set's offload may need the pool memory first. Nothing happens unless the set is resident."""
+        with self._lock:
+            if self.state != RESIDENT or not self._kept:
+                return 0
+            n = sum(b.nbytes for b in self._kept)
+            self._drop_kept()
+            return n
+
     def __repr__(self) -> str:
         return f"SwapSet({self.name!r}, {self.state}, {len(self._entries)} storages, {format_bytes(self.nbytes)})"
 

@@ -266,6 +266,36 @@ def test_colomem_strategy_round_trip_keeps_objects_and_bytes(pool):
     s.close()
 
 
+def test_a_new_placement_gives_the_old_layouts_blocks_back_before_it_offloads():
+    """The sets keep their pool blocks for the next offload of the same tensors. When the placement changes
+    (the plan after the measuring step keeps the weights and moves the moments), those blocks would not be
+    reused: they go back first, so the new offload fits in the memory the first one pinned."""
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    before = snapshot(tensors)
+    pool = colomem.PinnedPool("1MiB", segment_bytes="64KiB", pin=False)
+    try:
+        s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+        s.offload()                                  # everything moves (the measuring step)
+        s.reload()
+        assert s.swapset.host_bytes > 0 and s.late.host_bytes > 0        # kept for an offload like it
+        reserved = pool.stats()["reserved_bytes"]
+        s.keep = ("params", "other", "grads", "master")
+        assert s.swapset.host_bytes == 0 and s.late.host_bytes == 0
+        assert pool.stats()["in_use_bytes"] == 0
+        move = s.offload()                           # the moments alone
+        assert move.nbytes == move.state.sizes["optim"]
+        assert pool.stats()["reserved_bytes"] == reserved                # nothing new pinned
+        s.reload()
+        for t, b in zip(tensors, before):
+            assert torch.equal(t, b)
+        s.keep = ("params", "grads", "other", "master")                  # the same placement: blocks stay
+        assert s.late.host_bytes > 0
+        s.close()
+    finally:
+        pool.close(force=True)
+
+
 def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
     eng = fake_zero2_engine()
     s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)

@@ -105,7 +105,7 @@ class ColomemOffload:
         self._state: Optional[EngineState] = None
         self._scratch = ScratchBuffers()
         self._timeout = timeout_s
-        self.keep: tuple[str, ...] = ()      # categories the next offload leaves on the GPU
+        self._keep: tuple[str, ...] = ()     # categories the next offload leaves on the GPU
         early = tuple(c for c in CATEGORIES if c not in LATE_CATEGORIES)
 
         def items(cats):
@@ -119,6 +119,20 @@ class ColomemOffload:
         self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
                                          device=device, release=device.type == "cuda")
         self._late_pending: Any = None                                # its SwapHandle while a deferred offload runs
+
+    @property
+    def keep(self) -> tuple[str, ...]:
+        return self._keep
+
+    @keep.setter
+    def keep(self, keep: tuple[str, ...]) -> None:
+        """A new placement: both sets move other tensors from now on, so the blocks they kept for the old
+        layout go back to the pool first (the first set's offload would otherwise grow the pool beside them)."""
+        keep = tuple(keep)
+        if set(keep) != set(self._keep):
+            self.swapset.release_kept_blocks()
+            self.late.release_kept_blocks()
+        self._keep = keep
 
     @property
     def pending_bytes(self) -> int:
