@@ -47,6 +47,14 @@ python3 -c "import colomem; print(colomem.build_info())" || exit 1
 # CALL_S: the device call's own limit. A stage is cut before it (its bound shrinks to what the call has
 # left, minus time to pack), so a stage that runs long loses itself, never the call's earlier results.
 CALL_S=${CALL_S:-600}
+gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr '\n' ' '; }
+gpu_idle() {  # gpu_idle SECONDS: waits until no process holds the GPU; non-zero when some still does
+  local until=$((SECONDS + $1))
+  while [ -n "$(gpu_pids | tr -d ' ')" ]; do
+    [ "$SECONDS" -ge "$until" ] && return 1
+    sleep 1
+  done
+}
 run() {  # run NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
   local left=$((CALL_S - (SECONDS - t0) - 15))
@@ -59,8 +67,14 @@ run() {  # run NAME TIMEOUT CMD...
   # when the machine's start took part of the device time) still returns what the stage wrote so far
   local packer=""
   if [ "${PACK_EVERY:-0}" -gt 0 ]; then (while sleep "$PACK_EVERY"; do pack; done) & packer=$!; fi
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # its own session, so what a stage cut by its bound leaves running (vLLM's engine process, a runner in
+  # its teardown) is killed with it and cannot hold GPU memory through the next stage's baselines
+  setsid timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  local sid=$!
+  wait "$sid"
   local rc=$?
+  pkill -9 -s "$sid" 2>/dev/null; kill -9 -- "-$sid" 2>/dev/null
+  gpu_idle 60 || echo "[gpu_run] $name: GPU processes still running 60 s after the stage: $(gpu_pids)"
   if [ -n "$packer" ]; then kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null; fi
   tail -${TAIL:-15} "$OUT/$name.log"
   stamp "$name rc=$rc"
