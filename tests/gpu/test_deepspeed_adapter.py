@@ -319,6 +319,8 @@ def test_optimizer_state_reloaded_inside_the_step_trains_the_same_with_a_lower_p
                 out = t.train_step(make_batch(step))
                 peaks.setdefault(mode, []).append(torch.cuda.max_memory_allocated())
                 assert ("optimizer_reload_s" in out) == (mode == "step"), out
+                # the forward and backward's peak, read before the step: within the whole training's
+                assert 0 < out["reserved_before_step_max"] <= torch.cuda.max_memory_reserved(), out
                 losses.append(out["loss"])
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (mode, losses, ref_losses)
             assert final_state(t) == ref_state, mode

@@ -204,9 +204,12 @@ class DeepSpeedTrainer:
             waited = self._pending.wait(self.timeout_s)
             hook = self._step_reload
             at_step = hook is not None and hook.armed
+            # the forward and backward's own peak (the caller resets it before training), apart from the step's:
+            # what must fit if the optimizer state stayed on the GPU until the step
+            before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
             engine.step()
             self.steps += 1
-            out = {"reload_wait_s": waited}
+            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before)}
             if hook is not None and at_step:
                 out["optimizer_reload_s"] = hook.seconds
             norm = engine.get_global_grad_norm()
