@@ -42,6 +42,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 stamp "build"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# where the CPUs sit against the GPU: a rollout's speed depends on the cores vLLM's engine process lands on
+{ lscpu | grep -iE "^(model name|numa|cpu\(s\)|thread|socket)"; nvidia-smi topo -m; } > "$OUT/host_topology.txt" 2>&1
 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import colomem; print(colomem.build_info())" || exit 1
 # CALL_S: the device call's own limit. A stage is cut before it (its bound shrinks to what the call has
