@@ -103,6 +103,26 @@ def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = N
     return out.stat().st_size
 
 
+def save_model(trainer: Any, path: Path, merged: bool) -> None:
+    """The model beside a rank's state, on rank 0, in Hugging Face format: `model/` (the peft adapter with
+    LoRA, the full model without), and with LoRA and merged, `model-merged/` (the adapter merged). Every rank
+    calls it: ZeRO-3 gathers the weights collectively."""
+    from colomem.engines.hf_export import save_adapter, save_full_model
+
+    lora = trainer.lora is not None
+    if lora:
+        adapter = trainer.lora_state()
+        if trainer.rank == 0:
+            save_adapter(trainer.model, adapter, path / "model")
+    if not lora or merged:
+        weights = trainer.named_weights(merged=True)           # collective on ZeRO-3 with several ranks
+        if trainer.rank == 0:
+            save_full_model(trainer.model, weights, path / ("model-merged" if lora else "model"))
+        else:
+            for _ in weights:
+                pass
+
+
 def load_state(trainer: Any, path: Path) -> None:
     """This rank's file into the (resident, freshly built) trainer; ConfigError when it does not fit."""
     f = rank_file(path, trainer.rank)
@@ -178,4 +198,4 @@ def _load_optimizer(inner: Any, saved: dict, masters: dict[str, Tensor], path: P
         group.update({k: v for k, v in g.items() if k != "params"})
 
 
-__all__ = ["FORMAT", "layout", "load_state", "rank_file", "save_state"]
+__all__ = ["FORMAT", "layout", "load_state", "rank_file", "save_model", "save_state"]

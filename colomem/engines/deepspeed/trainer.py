@@ -440,8 +440,6 @@ class DeepSpeedTrainer:
         Hugging Face format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too: the
         full model with the adapter merged). Offloaded by the colomem method, everything is read from the
         pool's host copies: no reload, no GPU memory. Every rank calls it (ZeRO-3 gathers collectively)."""
-        from colomem.engines.hf_export import save_adapter, save_full_model
-
         from . import checkpoint
 
         self._check_open()
@@ -452,18 +450,7 @@ class DeepSpeedTrainer:
             raise PhaseOrderError(f"save_state() on a trainer offloaded by {self._offloaded_by!r}: only the colomem "
                                   "offload keeps readable copies; save while resident")
         checkpoint.save_state(self, path, strategy if isinstance(strategy, ColomemOffload) else None)
-        lora = self.lora is not None
-        if lora:
-            adapter = self.lora_state()
-            if self.rank == 0:
-                save_adapter(self.model, adapter, path / "model")
-        if not lora or merged:
-            weights = self.named_weights(merged=True)           # collective on ZeRO-3 with several ranks
-            if self.rank == 0:
-                save_full_model(self.model, weights, path / ("model-merged" if lora else "model"))
-            else:
-                for _ in weights:
-                    pass
+        checkpoint.save_model(self, path, merged)
 
     def load_state(self, path: Path) -> None:
         """A checkpoint's state into this freshly built, resident trainer (same model and layout)."""
