@@ -5,8 +5,8 @@
 # smallbench (its small-tensor part alone), wall (its wall-clock part alone: WALL_SETS; wallexp: the same with
 # torch's expandable segments), diagrelease (where a
 # swap's release and re-growth time goes), slab (GPU tests of small storages packed onto shared slabs),
-# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsstep (its test of
-# the optimizer state reloaded inside the optimizer step), dsckpt, partial
+# ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsstep (its tests of
+# the optimizer state reloaded inside the optimizer step, and sent out behind the training for it), dsckpt, partial
 # (offload(keep=...) tests), syncbench,
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
 # chain FAULTS_LIST names), soak
@@ -133,7 +133,7 @@ stage() {  # the stages run in the order given on the command line
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
     # the optimizer state reloaded inside the optimizer step (optimizer_reload "step"), alone
     dsstep) run ds_step_tests 200 python3 -m pytest -q -s -rs -m deepspeed tests/gpu/test_deepspeed_adapter.py \
-      -k optimizer_state_reloaded_inside ;;
+      -k "optimizer_state_reloaded_inside or moments_sent_out" ;;
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
     partial) run partial_offload_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_partial_offload_gpu.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;

@@ -296,6 +296,29 @@ def test_a_new_placement_gives_the_old_layouts_blocks_back_before_it_offloads():
         pool.close(force=True)
 
 
+def test_the_moments_out_behind_training_come_back_inside_the_step_with_their_bytes(pool):
+    """optimizer_out_until_step's strategy calls: the moments start copying out while the rest stays; the
+    trainer counts them outstanding at once (the step's hook is armed while they still copy), and bringing
+    them back first waits for the copy out."""
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    before = snapshot(tensors)
+    moments = [v for st in eng.optimizer.optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.numel() > 1]
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.keep = ("params", "other", "grads", "master")
+    move = s.offload(defer_late=True)
+    assert move.nbytes == 0 and s.pending_bytes == move.state.sizes["optim"] > 0     # all of it deferred
+    s.reload(late=False)
+    assert s.late_outstanding                       # copying out still counts: the hook arms now
+    assert s.reload_late() == move.state.sizes["optim"]
+    assert not s.late_outstanding and s.pending_bytes == 0
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+    assert all(m.untyped_storage().nbytes() > 0 for m in moments)
+    s.close()
+
+
 def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
     eng = fake_zero2_engine()
     s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)

@@ -480,3 +480,76 @@ def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_ste
     assert resumed and all(x["phase_s"].get("reload_step", 0) > 0 for x in resumed), resumed
     assert len(seen) == 1 and seen[0]["optim_created"] > 0
     assert any("comes back inside the optimizer step" in s for s in said)
+
+
+# ------------------------------------------------------------- the optimizer state out for the optimizer step
+def test_a_trainer_that_fits_the_rollout_whole_sends_only_its_moments_out_behind_the_forward_and_backward():
+    """The whole trainer fits beside the awake rollout, but its optimizer step cannot hold the moments: when
+    the forward and backward's measured peak fits beside them, they stay through the rollout and go out
+    behind the training (one hidden copy, one inside the step) instead of out before every rollout."""
+    gib = 1 << 30
+    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)       # 4 + 60 + 57 + 4.2 margin < 139.8
+    p = choose("auto", "auto", [f])
+    assert p.optim_out and p.keep == ALL_CATEGORIES and p.rollout_sleeps and not p.trainer_moves
+    assert p.label == "trainer resident, rollout sleeps, optimizer state out for the optimizer step"
+    assert "out behind the forward and backward" in p.why and p.to_dict()["optim_out"]
+    at, why = reload_at_step(p, [f])
+    assert at and "come back inside the step" in why
+    # the forward and backward's peak with the moments too high, or not measured: the moments move as before
+    for g in (seven_b(rollout_used=20 * gib, pre_step_peak=80 * gib), seven_b(rollout_used=20 * gib)):
+        q = choose("auto", "auto", [g])
+        assert not q.optim_out and "optim" not in q.keep
+    # a job that asked for the state back before the step, or a trainer that cannot: never chosen
+    assert not choose("auto", "auto", [f], optim_out=False).optim_out
+    # the rollout must still fit with the whole trainer: the 7.6B job's figures leave it short
+    assert not choose("auto", "auto", [seven_b(pre_step_peak=60 * gib)]).optim_out
+    # forced modes never pick it
+    assert not any(c.optim_out for m in (("none", "always"), ("optimizer", "auto"), ("all", "auto"))
+                   for c in candidates(*m))
+
+
+def test_the_training_head_room_of_that_placement_is_the_tighter_of_before_and_inside_the_step():
+    from colomem.runner import placement as pl
+
+    gib, total = 1 << 30, int(139.8 * (1 << 30))
+    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)
+    p = choose("auto", "auto", [f], margin=2 * gib)
+    # before the step 4 + 60 + 57 + 2 margin = 123; inside it 4 + 128 = 132 (measured: no margin)
+    assert p.optim_out and pl._train_spare(p, [f], 2 * gib, 0) == total - 132 * gib
+    g = seven_b(rollout_used=20 * gib, pre_step_peak=70 * gib)              # before the step: 133
+    q = choose("auto", "auto", [g], margin=2 * gib)
+    assert q.optim_out and pl._train_spare(q, [g], 2 * gib, 0) == total - 133 * gib
+    assert micro_batch_hint(q, [g], micro_batch=2, rows=4, margin=2 * gib) == ""
+
+
+def test_the_runner_sends_the_optimizer_state_out_for_the_step_and_trains_the_same(job_env, tmp_path, monkeypatch):
+    from colomem.runner import phase_runner
+
+    gib = 1 << 30
+    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)
+    ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
+    seen = []
+
+    def figures(memory, by_cat, total, **kw):
+        seen.append(kw)
+        return f
+    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    said = []
+    res = run_job(job(tmp_path / "out"), print_fn=said.append)
+    assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
+    assert res.summary["placement"]["label"].endswith("optimizer state out for the optimizer step"), said
+    assert "pre_step_peak" in seen[0]           # the forward and backward's peak reaches the planner
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    steps = [x for x in lines(tmp_path / "out") if "reward_mean" in x]
+    # after the measuring step nothing moves before the rollout; the AdamW state comes back inside the step
+    assert all(x["phase_s"].get("reload_step", 0) > 0 for x in steps[1:]), steps
+    assert all(x["phase_s"].get("offload", 0) < 0.5 for x in steps[1:])
+    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    assert rewards(tmp_path / "out") == rewards(tmp_path / "moves")
+    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+            for k in ("moves", "out"))
+    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+    # the AdamW moments that went out and came back every step are the same bits as the moved ones
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

@@ -156,7 +156,7 @@ class TorchTrainer:
                 out["grad_norm"] = float(norm)
             at_step = self._at_step is not None
             # the step reads the optimizer state: what reloads behind the forward / backward, or all of it now
-            out["reload_wait_s"] = self._pending.wait(self.swap_timeout_s)
+            out["reload_wait_s"] = self._pending.wait(self.swap_timeout_s) + self.finish_offload()
             if at_step:
                 out["optimizer_reload_s"] = self._reload_at_step(self.swap_timeout_s)
             self.optimizer.step()
@@ -236,17 +236,27 @@ class TorchTrainer:
         return view
 
     def reload(self) -> None:
+        self._reload(out_until_step=False)
+
+    def optimizer_out_until_step(self) -> None:
+        """The AdamW state starts copying to the pool now, behind the forward and backward; the optimizer
+        step waits for the copy and brings the state back (DeepSpeedTrainer.optimizer_out_until_step)."""
+        self.offload(keep=tuple(c for c in set(_CATEGORY.values()) if c != "optim"), defer=True)
+        self._reload(out_until_step=True)
+
+    def _reload(self, out_until_step: bool) -> None:
         if self._closed:
             raise PhaseOrderError("this TorchTrainer was closed; cannot reload()")
         if not self._offloaded:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
-        self.finish_offload()               # a deferred part first: the set reloads once it is offloaded
+        if not out_until_step:
+            self.finish_offload()           # a deferred part first: the set reloads once it is offloaded
         t0 = time.perf_counter()
         self._sync_source = None            # host views die with the offload
         nbytes = deferred = 0
         moved, self._moved = self._moved, []
         for s in moved:
-            if s.name == OPTIM_SET and self.optimizer_reload == "step":
+            if s.name == OPTIM_SET and (out_until_step or self.optimizer_reload == "step"):
                 self._at_step = s
                 deferred += s.nbytes
             elif s.name == OPTIM_SET and self.overlap_reload:   # read only by optimizer.step()
@@ -269,6 +279,7 @@ class TorchTrainer:
         if self._at_step is None:
             return 0.0
         t0 = time.perf_counter()
+        self.finish_offload(timeout)        # still copying out (optimizer_out_until_step)
         s, self._at_step = self._at_step, None
         s.reload(timeout=timeout)
         return time.perf_counter() - t0

@@ -47,18 +47,18 @@ def rollout_kv_bound(sequences: int, max_model_len: int, per_token: int) -> int:
 
 
 def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str, rollout_sleep: str,
-                   utilization: float, margin: Optional[int] = None) -> str:
+                   utilization: float, margin: Optional[int] = None, optim_out: bool = True) -> str:
     """When the rollout's KV cache is far larger than it can hold and a smaller one would let less move: the
     --gpu-memory-utilization that gives that, and the placement it would allow. Empty otherwise (nothing
     moves already, no figures, or no gain)."""
     if not figures or any(f.kv_cache <= 0 or f.kv_need <= 0 for f in figures):
         return ""
-    allowed = candidates(offload, rollout_sleep)
+    allowed = candidates(offload, rollout_sleep, optim_out)
 
     def rank(q: Placement) -> Optional[int]:
         """Where q stands among the allowed placements, cheapest first."""
-        return next((i for i, c in enumerate(allowed) if (c.keep, c.rollout_sleeps) == (q.keep, q.rollout_sleeps)),
-                    None)
+        return next((i for i, c in enumerate(allowed)
+                     if (c.keep, c.rollout_sleeps, c.optim_out) == (q.keep, q.rollout_sleeps, q.optim_out)), None)
     here = rank(p)
     if here is None or here == 0:
         return ""
@@ -66,7 +66,7 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
     if spare < 1 << 30:
         return ""
     smaller = [replace(f, rollout_used=f.rollout_used - spare) for f in figures]
-    q = choose(offload, rollout_sleep, smaller, margin)
+    q = choose(offload, rollout_sleep, smaller, margin, optim_out)
     better = rank(q)
     if better is None or better >= here or "does not fit" in q.why:
         return ""

@@ -204,10 +204,21 @@ class PhaseRunner:
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
 
-    def reload_trainer(self) -> None:
+    def reload_trainer(self, train: bool = True) -> None:
+        """The trainer back for training (train=False: for something else, e.g. the end of the run)."""
         if self.trainer.offloaded:
             self.trainer.reload()
             self._moved.add("reload")
+        elif train and self.placement.optim_out:   # kept through the rollout: out behind the forward and backward
+            getattr(self.trainer, "optimizer_out_until_step")()     # optional: the planner checked it exists
+            self._moved.add("offload")
+
+    @property
+    def _optim_out_allowed(self) -> bool:
+        """Whether the planner may send the optimizer state out for the optimizer step: the trainer can, and
+        the job did not ask for the state back before the step."""
+        return self.cfg.optimizer_reload != "overlap" and \
+            callable(getattr(self.trainer, "optimizer_out_until_step", None))
 
     def _plan(self, rec: StepRecord) -> None:
         """After the first step (everything moved): the placement of every later step, from its memory
@@ -223,7 +234,8 @@ class PhaseRunner:
         created = max(0, int(now.get("optim", 0) or 0) - int(moved.get("optim", 0) or 0))
         if self._measured_at_step:       # the moments were in the pool through its peak, as if created there
             created = int(now.get("optim", 0) or 0)
-        mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created)
+        mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created,
+                                 pre_step_peak=int(rec.metrics.get("train/reserved_before_step_max") or 0))
         if mine is not None:
             mine.kv_cache, mine.kv_need = self._kv_figures()
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
@@ -235,14 +247,14 @@ class PhaseRunner:
         else:
             figs = [MemoryFigures(**f) for f in every]
             margin = parse_bytes(c.placement_margin) if c.placement_margin else None
-            self.placement = choose(c.offload, c.rollout_sleep, figs, margin)
+            self.placement = choose(c.offload, c.rollout_sleep, figs, margin, self._optim_out_allowed)
             self.placement_figures = every
             self._choose_optimizer_reload(figs, margin)
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
             shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
-                                    margin)
+                                    margin, self._optim_out_allowed)
             hint = "; ".join(h for h in (shrink, hint) if h)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)

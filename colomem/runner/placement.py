@@ -6,6 +6,11 @@ trains. Moving either costs time, so the planner moves only what must go:
 
     nothing moves        vLLM never sleeps, the trainer never offloads: a step costs the sync and its check.
                          Chosen when the rollout awake + the trainer's peak while training fit together.
+    optimizer out for the step
+                         the trainer stays whole through the rollout, but its optimizer step cannot hold
+                         Adam's moments beside the gradients' fp32 copy: they start copying to the pool when
+                         training starts (behind the forward and backward), leave before the step and come
+                         back inside it. Chosen when the forward and backward's measured peak fits beside them.
     trainer keeps K      vLLM sleeps while the trainer trains; while vLLM generates, the trainer keeps the
                          categories K on the GPU and offloads the rest. K is the largest prefix of KEEP_ORDER
                          that fits beside the awake rollout: Adam moments go first (they are read last, by the
@@ -45,10 +50,13 @@ _OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: ma
 @dataclass(frozen=True)
 class Placement:
     """What moves between phases. keep: trainer categories that stay on the GPU while the rollout runs
-    (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains."""
+    (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains;
+    optim_out: the optimizer state (kept through the rollout) goes to the pool behind the forward and backward
+    and comes back inside the optimizer step."""
     keep: tuple[str, ...]
     rollout_sleeps: bool
     why: str = ""
+    optim_out: bool = False
 
     @property
     def trainer_moves(self) -> bool:
@@ -58,6 +66,8 @@ class Placement:
     def label(self) -> str:
         if not self.trainer_moves and not self.rollout_sleeps:
             return "nothing moves"
+        if not self.trainer_moves and self.optim_out:
+            return "trainer resident, rollout sleeps, optimizer state out for the optimizer step"
         if not self.trainer_moves:
             return "trainer resident, rollout sleeps"
         if not self.keep:
@@ -65,7 +75,8 @@ class Placement:
         return f"trainer keeps {'+'.join(self.keep)}, rollout sleeps"
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "keep": list(self.keep), "rollout_sleeps": self.rollout_sleeps, "why": self.why}
+        return {"label": self.label, "keep": list(self.keep), "rollout_sleeps": self.rollout_sleeps, "why": self.why,
+                "optim_out": self.optim_out}
 
 
 EVERYTHING_MOVES = Placement((), True, "everything moves (the first step measures what fits)")
@@ -86,6 +97,8 @@ class MemoryFigures:
                      step): absent through most of its training, so not in train_peak
     kv_cache         the rollout engine's KV cache on this GPU (0: unknown)
     kv_need          the most of it the step's rollout can hold (colomem.runner.kv_need; 0: unknown)
+    pre_step_peak    the trainer's allocator peak reserved bytes of the forward and backward, read before the
+                     optimizer step (0: unknown)
     """
     total: int
     rollout_used: int
@@ -96,6 +109,7 @@ class MemoryFigures:
     optim_created: int = 0
     kv_cache: int = 0
     kv_need: int = 0
+    pre_step_peak: int = 0
 
     def kept_bytes(self, keep: Sequence[str]) -> int:
         return sum(int(self.state.get(c, 0)) for c in keep)
@@ -109,8 +123,9 @@ def default_margin(total: int) -> int:
     return max(2 << 30, int(0.03 * total))
 
 
-def candidates(offload: str, rollout_sleep: str) -> list[Placement]:
-    """The placements a mode allows, cheapest first (the planner takes the first that fits)."""
+def candidates(offload: str, rollout_sleep: str, optim_out: bool = True) -> list[Placement]:
+    """The placements a mode allows, cheapest first (the planner takes the first that fits). optim_out: the
+    trainer can send its optimizer state out for the optimizer step (and the job lets it)."""
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if rollout_sleep not in SLEEP_MODES:
@@ -131,7 +146,10 @@ def candidates(offload: str, rollout_sleep: str) -> list[Placement]:
     elif offload == "all":
         out.append(Placement((), True))
     else:
-        out += [Placement(_kept_first(i), True) for i in range(len(KEEP_ORDER), -1, -1)]
+        out.append(Placement(ALL_CATEGORIES, True))
+        if optim_out:    # one copy each way, the way out hidden: cheaper than moving anything before the rollout
+            out.append(Placement(ALL_CATEGORIES, True, optim_out=True))
+        out += [Placement(_kept_first(i), True) for i in range(len(KEEP_ORDER) - 1, -1, -1)]
     return out
 
 
@@ -155,11 +173,24 @@ def train_need(fig: MemoryFigures, at_step: bool) -> int:
     return fig.train_other + fig.train_peak + (0 if at_step else fig.optim_created)
 
 
+def pre_step_need(fig: MemoryFigures) -> int:
+    """What the forward and backward need with the optimizer state still on the GPU (optim_out: its copy to
+    the pool runs behind them, and its memory goes only before the step); 0 when the peak was not measured."""
+    if not fig.pre_step_peak:
+        return 0
+    return fig.train_other + fig.pre_step_peak + fig.optim_created
+
+
 def _train_short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int:
     """Bytes missing while training with placement p (<= 0: fits). The measured step ran, so its own need
     fits by construction; the margin covers only what is estimated on top of it."""
     if not p.rollout_sleeps:
         return -1                       # counted in _need: the rollout stays awake through training
+    if p.optim_out:
+        before = pre_step_need(fig)
+        if not before:
+            return 1                    # unmeasured: not chosen
+        return max(before + _margin(fig, margin), train_need(fig, True)) - fig.total
     if "optim" in p.keep:
         return train_need(fig, False) + _margin(fig, margin) - fig.total
     return train_need(fig, True) - fig.total     # the optimizer state can come back at the step
@@ -168,6 +199,12 @@ def _train_short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int
 def reload_at_step(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None) -> tuple[bool, str]:
     """Whether placement p's offloaded optimizer state must come back inside the optimizer step (after the
     gradients are cast to fp32 and freed) rather than behind the forward and backward, and why."""
+    if figures and p.optim_out:
+        worst = max(figures, key=lambda f: train_need(f, False) - f.total)
+        return True, (f"kept through the rollout, Adam's moments ({format_bytes(worst.optim_created)}) would be "
+                      f"on the GPU through the optimizer step's peak: {format_bytes(train_need(worst, False))} of "
+                      f"{format_bytes(worst.total)}; they copy to the pool behind the forward and backward (whose "
+                      f"{format_bytes(pre_step_need(worst))} with them fits) and come back inside the step")
     if not figures or not p.trainer_moves or "optim" in p.keep:
         return False, ""
     worst = max(figures, key=lambda f: train_need(f, False) + _margin(f, margin) - f.total)
@@ -194,11 +231,11 @@ def _fits(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> bool:
 
 
 def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
-           margin: Optional[int] = None) -> Placement:
+           margin: Optional[int] = None, optim_out: bool = True) -> Placement:
     """The cheapest allowed placement that fits on every GPU (figures: one per rank), with the reason. With
     a single allowed placement, that one, fitting or not (the user asked for it; an out-of-memory then says
-    which phase ran out)."""
-    allowed = candidates(offload, rollout_sleep)
+    which phase ran out). optim_out: as in candidates()."""
+    allowed = candidates(offload, rollout_sleep, optim_out)
     if not figures:
         return allowed[-1]
     for p in allowed:
@@ -210,12 +247,15 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
             if p.rollout_sleeps and p.trainer_moves:
                 moved = sum(int(worst.state.get(c, 0)) for c in ALL_CATEGORIES if c not in p.keep)
                 why += f"; moves {format_bytes(moved)} of trainer state a step"
+            if p.optim_out:
+                why += (f"; moves {format_bytes(int(worst.state.get('optim', 0)))} of optimizer state a step, "
+                        "out behind the forward and backward")
             if not fits:
                 why += " (does not fit: asked for with offload / rollout_sleep)"
             skipped = [q.label for q in allowed[:allowed.index(p)]]
             if skipped:
                 why += "; did not fit: " + ", ".join(skipped)
-            return Placement(p.keep, p.rollout_sleeps, why)
+            return Placement(p.keep, p.rollout_sleeps, why, p.optim_out)
     raise AssertionError("unreachable")
 
 
@@ -228,6 +268,8 @@ def _train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optiona
     """The smallest head room over the GPUs while training with placement p, less `taken`."""
     if not p.rollout_sleeps:
         return _spare(p, figures, margin, taken)
+    if p.optim_out:
+        return min(-_train_short(p, f, margin) for f in figures) - taken
     at_step = reload_at_step(p, figures, margin)[0]
     return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
 
@@ -326,10 +368,11 @@ def state_to_plan(offloaded: dict, now: dict) -> dict:
     return {c: max(int(offloaded.get(c, 0) or 0), int(now.get(c, 0) or 0)) for c in {*offloaded, *now}}
 
 
-def figures_from_step(memory: dict, by_category: dict, total: int, optim_created: int = 0) -> Optional[MemoryFigures]:
+def figures_from_step(memory: dict, by_category: dict, total: int, optim_created: int = 0,
+                      pre_step_peak: int = 0) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
     step lacks what they need (no GPU, or a phase missing). optim_created: optimizer-state bytes that step's
-    optimizer step created (MemoryFigures)."""
+    optimizer step created; pre_step_peak: its forward and backward's peak (MemoryFigures)."""
     roll = memory.get("rollout", {}) or {}
     off = memory.get("offload", {}) or {}
     train = memory.get("train", {}) or {}
@@ -339,10 +382,10 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
     other = max(0, int(train.get("driver_used") or 0) - int(train.get("reserved") or 0))
     return MemoryFigures(total=int(total), rollout_used=int(used), trainer_left=int(left), train_peak=int(peak),
                          state={k: int(v) for k, v in (by_category or {}).items()}, train_other=other,
-                         optim_created=int(optim_created))
+                         optim_created=int(optim_created), pre_step_peak=int(pre_step_peak or 0))
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
-           "reload_at_step", "state_to_plan", "train_need",
+           "pre_step_need", "reload_at_step", "state_to_plan", "train_need",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

@@ -367,3 +367,43 @@ def test_a_deferred_offload_frees_the_optimizer_state_after_finish_and_trains_th
     finally:
         t.close()
         pool.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_train_the_same(model_dir, ready, stage):
+    """optimizer_out_until_step(): the resident trainer's Adam moments copy to the pool behind the forward and
+    backward, leave before ZeRO's cast and come back inside the optimizer step. Training matches the
+    never-offloaded engine bit for bit, and the training peak stays below the resident one's."""
+    import colomem
+
+    ref_losses, ref_state = reference_run(model_dir, stage, False)
+    pool = colomem.PinnedPool(0)
+    t = make_trainer(model_dir, stage, False, pool=pool)
+    peaks = []
+    try:
+        losses = [t.train_step(make_batch(0))["loss"]]
+        settle()
+        torch.cuda.reset_peak_memory_stats()
+        losses.append(t.train_step(make_batch(1))["loss"])            # resident: the moments through the step
+        resident_peak = torch.cuda.max_memory_allocated()
+        for step in range(2, STEPS):
+            if stage == 3:
+                t.engine.empty_partition_cache()
+            settle()
+            torch.cuda.reset_peak_memory_stats()
+            t.optimizer_out_until_step()
+            assert not t.offloaded and t.last_reload.seconds >= 0.0
+            out = t.train_step(make_batch(step))
+            peaks.append(torch.cuda.max_memory_allocated())
+            assert "optimizer_reload_s" in out and out["reload_wait_s"] >= 0.0, out
+            assert t.last_offload.by_category.get("optim", 0) > 0 and not t.offload_pending
+            losses.append(out["loss"])
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
+        assert final_state(t) == ref_state
+        print(f"\n[{stage}] training peak: resident {resident_peak / MiB:.0f} MiB, moments out for the step "
+              f"{max(peaks) / MiB:.0f} MiB")
+        assert max(peaks) <= resident_peak
+    finally:
+        t.close()
+    assert pool.stats()["in_use_bytes"] == 0
+    pool.close()

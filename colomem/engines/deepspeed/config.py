@@ -58,6 +58,20 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
+def check_offload_args(method: str, keep: tuple, defer: bool, categories: Sequence[str]) -> tuple:
+    """An offload's method, kept categories and deferral, checked (InvalidArgumentError); returns keep."""
+    if method not in OFFLOAD_METHODS:
+        raise InvalidArgumentError(f"method={method!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
+    unknown = [c for c in keep if c not in categories]
+    if unknown:
+        raise InvalidArgumentError(f"keep={list(keep)}: unknown categories {unknown}; they are "
+                                   f"{', '.join(categories)}")
+    if (keep or defer) and method != "colomem":
+        raise InvalidArgumentError(f"keep={list(keep)} / defer={defer} need the colomem offload method (not "
+                                   f"{method!r})")
+    return keep
+
+
 # ------------------------------------------------------------------------------------- distributed setup
 def _free_port() -> int:
     with socket.socket() as s:
@@ -313,5 +327,5 @@ def validate_trainer_args(*, lora: Any = None, **options: Any) -> DeepSpeedConfi
 
 
 __all__ = ["ALLOW_UNTESTED_ENV", "DeepSpeedConfig", "OFFLOAD_METHODS", "SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED",
-           "ZERO_STAGES", "build_ds_config", "build_lora_config", "check_deepspeed_version", "check_lora_spec",
+           "ZERO_STAGES", "build_ds_config", "build_lora_config", "check_deepspeed_version", "check_lora_spec", "check_offload_args",
            "distributed_env", "import_deepspeed", "init_distributed", "validate_trainer_args"]

@@ -203,14 +203,16 @@ class ColomemOffload:
 
     @property
     def late_outstanding(self) -> bool:
-        """The LATE part is still in the pool after a reload(late=False)."""
-        return self._state is None and self.late.state == "offloaded"
+        """The LATE part is in the pool, or on its way there (offload(defer_late=True)), after a
+        reload(late=False)."""
+        return self._state is None and (self.late.state == "offloaded" or self._late_pending is not None)
 
     def reload_late(self) -> int:
-        """Brings the LATE part back (synchronously) after a reload(late=False); returns its bytes, 0 when
-        it was not outstanding."""
+        """Brings the LATE part back (synchronously) after a reload(late=False), waiting first for a deferred
+        offload of it; returns its bytes, 0 when it was not outstanding."""
         if not self.late_outstanding:
             return 0
+        self.finish_late()
         return self.late.reload(self._timeout).nbytes
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:

@@ -27,7 +27,7 @@ from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
 
-from .config import OFFLOAD_METHODS, DeepSpeedConfig, check_lora_spec, import_deepspeed, init_distributed
+from .config import DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed, init_distributed
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state,
                     left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
 from .model import build_model, check_model_dir, destroy_engine
@@ -200,8 +200,9 @@ class DeepSpeedTrainer:
         depth = len(stack) if stack is not None else 0
 
         def optimizer_step() -> dict[str, float]:
-            # the step reads the masters and moments: those still in the pool come back from inside it
-            waited = self._pending.wait(self.timeout_s)
+            # the step reads the masters and moments: those still in the pool come back from inside it; those
+            # still copying out (optimizer_out_until_step) free their memory first, before ZeRO's cast
+            waited = self._pending.wait(self.timeout_s) + self.finish_offload()
             hook = self._step_reload
             at_step = hook is not None and hook.armed
             # the forward and backward's own peak (the caller resets it before training), apart from the step's:
@@ -270,16 +271,7 @@ class DeepSpeedTrainer:
         self._check_resident("offload()")
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
-        if method not in OFFLOAD_METHODS:
-            raise InvalidArgumentError(f"method={method!r}: choose one of {', '.join(OFFLOAD_METHODS)}")
-        keep = tuple(keep)
-        unknown = [c for c in keep if c not in CATEGORIES]
-        if unknown:
-            raise InvalidArgumentError(f"keep={list(keep)}: unknown categories {unknown}; they are "
-                                       f"{', '.join(CATEGORIES)}")
-        if (keep or defer) and method != "colomem":
-            raise InvalidArgumentError(f"keep={list(keep)} / defer={defer} need the colomem offload method (not "
-                                       f"{method!r})")
+        keep = check_offload_args(method, tuple(keep), defer, CATEGORIES)
         if self.shared is not None:            # the adapter (a few MB) stays with the base it adapts
             keep = tuple(dict.fromkeys((*keep, "params", "other")))
         strategy = self._strategy(method)
@@ -356,16 +348,33 @@ class DeepSpeedTrainer:
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
+        self._reload(out_until_step=False)
+
+    def optimizer_out_until_step(self) -> None:
+        """For a trainer that stays whole through the rollout but whose optimizer step cannot hold Adam's
+        moments beside the gradients' fp32 copy (the planner's "optimizer state out for the optimizer step"):
+        the moments start copying to the pool now, behind the forward and backward that follow; the next
+        optimizer step waits for that copy, gives the memory back before ZeRO casts the gradients, and
+        brings the moments back inside the step. Colomem offload method only."""
+        self._check_resident("optimizer_out_until_step()")
+        if self.offload_method != "colomem":
+            raise InvalidArgumentError(f"optimizer_out_until_step() needs the colomem offload method (not "
+                                       f"{self.offload_method!r})")
+        self.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True, prepare_sync=False)
+        self._reload(out_until_step=True)
+
+    def _reload(self, out_until_step: bool) -> None:
         self._check_open()
         if not self._offloaded:
             raise PhaseOrderError("reload() on a trainer that is not offloaded; call offload() first")
-        self.finish_offload()                 # a deferred part first: the set reloads once it is offloaded
+        if not out_until_step:
+            self.finish_offload()             # a deferred part first: the set reloads once it is offloaded
         dev = self.device
         free0 = mem_get_info(dev)[0]
         t0 = time.perf_counter()
         method = self._offloaded_by or self.offload_method
         strategy = self._strategies[method]
-        if self.optimizer_reload == "step" and isinstance(strategy, ColomemOffload):
+        if (out_until_step or self.optimizer_reload == "step") and isinstance(strategy, ColomemOffload):
             move = strategy.reload(late=False)
             if strategy.late_outstanding:
                 self._reload_at_step(strategy).arm()
@@ -391,6 +400,8 @@ class DeepSpeedTrainer:
         optimizer step comes back here."""
         waited = self._pending.wait(self.timeout_s if timeout is None else timeout)
         if self._step_reload is not None:
+            if self._step_reload.armed:
+                waited += self.finish_offload(timeout)   # still copying out (optimizer_out_until_step)
             waited += self._step_reload.run()
         return waited
 
@@ -471,8 +482,10 @@ class DeepSpeedTrainer:
         try:
             if pending:
                 pending.wait(self.timeout_s)
+            if getattr(self, "_strategies", None):
+                self.finish_offload()    # a deferred offload's copies end before its set closes
         except Exception as e:           # noqa: BLE001 - closing goes on
-            warnings.warn(f"a deferred reload did not finish: {e!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"a deferred copy did not finish: {e!r}", RuntimeWarning, stacklevel=2)
         hook = getattr(self, "_step_reload", None)
         if hook is not None:
             hook.close()
