@@ -410,10 +410,11 @@ def test_a_step_that_fits_only_as_the_first_one_brings_the_optimizer_state_back_
 
 def test_keeping_the_optimizer_state_must_fit_training_too_not_only_the_rollout():
     # vLLM's awake footprint is small, so the whole trainer fits beside it while it generates; but with the
-    # moments resident the step needs 4 + 128 + 57 > 139.8: the trainer may not keep them
+    # moments resident the step needs 4 + 128 + 57 > 139.8: the trainer may not keep them into training
     f = seven_b(rollout_used=20 * (1 << 30))
     p = choose("auto", "auto", [f])
-    assert "optim" not in p.keep and "trainer resident, rollout sleeps" in p.why
+    assert "trainer resident, rollout sleeps;" in p.why + ";" and p.optim_out
+    assert "optim" not in choose("auto", "auto", [f], optim_out=False).keep
     # and nothing-moves counts the moments the first step created on top of its training peak
     g = figs(peak=70)
     assert choose("auto", "auto", [g], margin=2 * GB).label == "nothing moves"       # 60 - 1 + 70 + 2
@@ -483,50 +484,52 @@ def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_ste
 
 
 # ------------------------------------------------------------- the optimizer state out for the optimizer step
-def test_a_trainer_that_fits_the_rollout_whole_sends_only_its_moments_out_behind_the_forward_and_backward():
-    """The whole trainer fits beside the awake rollout, but its optimizer step cannot hold the moments: when
-    the forward and backward's measured peak fits beside them, they stay through the rollout and go out
-    behind the training (one hidden copy, one inside the step) instead of out before every rollout."""
+def test_a_trainer_that_fits_the_rollout_whole_sends_only_its_moments_out_behind_the_rollout():
+    """The whole trainer fits beside the awake rollout, but its optimizer step cannot hold the moments: they
+    stay in the rollout's memory while they copy out behind it (one hidden copy, one inside the step)
+    instead of going out, exposed, before every rollout. The forward and backward's peak plays no part:
+    the moments are gone before training starts."""
     gib = 1 << 30
-    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)       # 4 + 60 + 57 + 4.2 margin < 139.8
+    f = seven_b(rollout_used=20 * gib)              # 20 + 113 + 4.2 margin < 139.8
     p = choose("auto", "auto", [f])
     assert p.optim_out and p.keep == ALL_CATEGORIES and p.rollout_sleeps and not p.trainer_moves
-    assert p.label == "trainer resident, rollout sleeps, optimizer state out for the optimizer step"
-    assert "out behind the forward and backward" in p.why and p.to_dict()["optim_out"]
+    assert p.label == "trainer resident, rollout sleeps, optimizer state out behind the rollout"
+    assert "out behind the rollout" in p.why and p.to_dict()["optim_out"]
     at, why = reload_at_step(p, [f])
     assert at and "come back inside the step" in why
-    # the forward and backward's peak with the moments too high, or not measured: the moments move as before
-    for g in (seven_b(rollout_used=20 * gib, pre_step_peak=80 * gib), seven_b(rollout_used=20 * gib)):
-        q = choose("auto", "auto", [g])
-        assert not q.optim_out and "optim" not in q.keep
+    # the same with a forward and backward that would not hold the moments beside them (the 7.6B job's 78 GiB)
+    assert choose("auto", "auto", [seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib)]).optim_out
     # a job that asked for the state back before the step, or a trainer that cannot: never chosen
     assert not choose("auto", "auto", [f], optim_out=False).optim_out
-    # the rollout must still fit with the whole trainer: the 7.6B job's figures leave it short
-    assert not choose("auto", "auto", [seven_b(pre_step_peak=60 * gib)]).optim_out
+    # the rollout must still fit with the whole trainer: with 23 GiB more it is short, and the moments move
+    q = choose("auto", "auto", [seven_b(rollout_used=43 * gib)])
+    assert not q.optim_out and "optim" not in q.keep
     # forced modes never pick it
     assert not any(c.optim_out for m in (("none", "always"), ("optimizer", "auto"), ("all", "auto"))
                    for c in candidates(*m))
 
 
-def test_the_training_head_room_of_that_placement_is_the_tighter_of_before_and_inside_the_step():
+def test_the_training_head_room_of_that_placement_is_the_measured_step_s():
     from colomem.runner import placement as pl
 
     gib, total = 1 << 30, int(139.8 * (1 << 30))
-    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)
+    f = seven_b(rollout_used=20 * gib)
     p = choose("auto", "auto", [f], margin=2 * gib)
-    # before the step 4 + 60 + 57 + 2 margin = 123; inside it 4 + 128 = 132 (measured: no margin)
-    assert p.optim_out and pl._train_spare(p, [f], 2 * gib, 0) == total - 132 * gib
-    g = seven_b(rollout_used=20 * gib, pre_step_peak=70 * gib)              # before the step: 133
-    q = choose("auto", "auto", [g], margin=2 * gib)
-    assert q.optim_out and pl._train_spare(q, [g], 2 * gib, 0) == total - 133 * gib
-    assert micro_batch_hint(q, [g], micro_batch=2, rows=4, margin=2 * gib) == ""
+    # the moments are in the pool when training starts and come back inside the step: 4 + 128 + 2 margin
+    assert p.optim_out and pl._train_spare(p, [f], 2 * gib, 0) == total - 134 * gib
+    assert micro_batch_hint(p, [f], micro_batch=2, rows=4, margin=2 * gib) == ""
 
 
-def test_the_runner_sends_the_optimizer_state_out_for_the_step_and_trains_the_same(job_env, tmp_path, monkeypatch):
+def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_the_same(job_env, tmp_path,
+                                                                                         monkeypatch):
+    """The moments start copying out at the switch, deferred; the rollout's KV cache wakes while they copy
+    (the plan counted them in the rollout's memory), and training starts only after the copy is over."""
+    from colomem.engines.hf_rollout import HFRollout
+    from colomem.engines.stand_ins import TorchTrainer
     from colomem.runner import phase_runner
 
     gib = 1 << 30
-    f = seven_b(rollout_used=20 * gib, pre_step_peak=60 * gib)
+    f = seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib)
     ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
     seen = []
 
@@ -535,16 +538,37 @@ def test_the_runner_sends_the_optimizer_state_out_for_the_step_and_trains_the_sa
         return f
     monkeypatch.setattr(phase_runner, "figures_from_step", figures)
     monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    events: list = []
+
+    def spy(cls, name, label):
+        real = getattr(cls, name)
+
+        def wrapped(self, *a, **kw):
+            if name != "finish_offload" or self.offload_pending:
+                events.append(label(self, kw) if callable(label) else label)
+            return real(self, *a, **kw)
+        monkeypatch.setattr(cls, name, wrapped)
+    spy(TorchTrainer, "offload", lambda t, kw: ("offload", tuple(sorted(kw.get("keep", ()))), kw.get("defer")))
+    spy(TorchTrainer, "finish_offload", "finished")
+    spy(TorchTrainer, "train_step", "train")
+    spy(HFRollout, "wake_kv", "wake_kv")
     said = []
     res = run_job(job(tmp_path / "out"), print_fn=said.append)
     assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
-    assert res.summary["placement"]["label"].endswith("optimizer state out for the optimizer step"), said
-    assert "pre_step_peak" in seen[0]           # the forward and backward's peak reaches the planner
+    assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout"), said
+    assert "pre_step_peak" in seen[0]           # the forward and backward's peak is reported with the plan
     lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     steps = [x for x in lines(tmp_path / "out") if "reward_mean" in x]
     # after the measuring step nothing moves before the rollout; the AdamW state comes back inside the step
     assert all(x["phase_s"].get("reload_step", 0) > 0 for x in steps[1:]), steps
     assert all(x["phase_s"].get("offload", 0) < 0.5 for x in steps[1:])
+    assert not any("offload_wait" in x["phase_s"] for x in steps[1:])     # nothing waits before the KV cache
+    kept = tuple(sorted(c for c in ALL_CATEGORIES if c != "optim"))
+    cycle = [("offload", kept, True), "wake_kv", "finished", "train"]
+    first = events.index(cycle[0])
+    # (the last checkpoint is read from the pool: one more offload, which its save waits for)
+    assert first > events.index("train") and events[first:] == cycle * (len(steps) - 1) + [cycle[0],
+        "finished"], events
     rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
     assert rewards(tmp_path / "out") == rewards(tmp_path / "moves")
     a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)

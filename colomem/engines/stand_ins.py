@@ -209,6 +209,11 @@ class TorchTrainer:
             deferred_bytes=deferred)
 
     @property
+    def defers_offload(self) -> bool:
+        """offload(defer=True) is always possible here (the pool holds every set)."""
+        return True
+
+    @property
     def offload_pending(self) -> bool:
         return self._deferred is not None
 

@@ -271,7 +271,7 @@ class Evaluator:
         with runner.phase(rec, "barrier_train"):
             runner.ranks.barrier(f"before reload, evaluation after step {version}")
         with runner.phase(rec, "reload"):
-            runner.reload_trainer(train=False)
+            runner.reload_trainer()
         line["cycle_s"] = dict(rec.phase_s)         # a dict: the reporters take no phase/* of a non-step
         self.log(line)
 

@@ -21,7 +21,7 @@ from colomem.units import parse_bytes
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
-from .placement import (MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
+from .placement import (ALL_CATEGORIES, MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
                         reload_at_step, state_to_plan)
 from .ranks import Ranks
 from .status import StatusFile
@@ -163,7 +163,8 @@ class PhaseRunner:
                 if self.shared is not None:          # nobody wrote into the base both sides read
                     self.shared.check()
             current = "offload_wait"
-            self._finish_offload(rec)              # the KV cache needs the memory the optimizer state held
+            if not self.placement.optim_out:       # the KV cache needs the memory the optimizer state held
+                self._finish_offload(rec)          # (optim_out: the plan counted it through the rollout)
             current = "wake_kv"
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
@@ -201,24 +202,25 @@ class PhaseRunner:
             self.trainer.offload(keep=self.placement.keep, defer=defer)
             self._moved.add("offload")
             self._measure_at_step()
+        elif self.placement.optim_out and not self.trainer.offloaded:
+            # the rollout fits beside the whole trainer: the optimizer state copies out behind the weights'
+            # wake, the sync and the rollout, and is gone (reload_trainer waits) before training starts
+            self.trainer.offload(keep=[c for c in ALL_CATEGORIES if c != "optim"], defer=True)
+            self._moved.add("offload")
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
 
-    def reload_trainer(self, train: bool = True) -> None:
-        """The trainer back for training (train=False: for something else, e.g. the end of the run)."""
+    def reload_trainer(self) -> None:
+        """The trainer back on the GPU (for training, an evaluation, the end of the run)."""
         if self.trainer.offloaded:
-            self.trainer.reload()
+            self.trainer.reload()      # waits first for an offload still copying out (optim_out)
             self._moved.add("reload")
-        elif train and self.placement.optim_out:   # kept through the rollout: out behind the forward and backward
-            getattr(self.trainer, "optimizer_out_until_step")()     # optional: the planner checked it exists
-            self._moved.add("offload")
 
     @property
     def _optim_out_allowed(self) -> bool:
-        """Whether the planner may send the optimizer state out for the optimizer step: the trainer can, and
-        the job did not ask for the state back before the step."""
-        return self.cfg.optimizer_reload != "overlap" and \
-            callable(getattr(self.trainer, "optimizer_out_until_step", None))
+        """Whether the planner may send the optimizer state out behind the rollout: the trainer can defer an
+        offload (the colomem method), and the job did not ask for the state back before the step."""
+        return self.cfg.optimizer_reload != "overlap" and getattr(self.trainer, "defers_offload", False)
 
     def _plan(self, rec: StepRecord) -> None:
         """After the first step (everything moved): the placement of every later step, from its memory

@@ -51,8 +51,8 @@ _OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: ma
 class Placement:
     """What moves between phases. keep: trainer categories that stay on the GPU while the rollout runs
     (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains;
-    optim_out: the optimizer state (kept through the rollout) goes to the pool behind the forward and backward
-    and comes back inside the optimizer step."""
+    optim_out: the optimizer state stays in the rollout's memory while it copies to the pool behind the weights'
+    wake, the sync and the rollout; training starts once it is out, and it comes back inside the optimizer step."""
     keep: tuple[str, ...]
     rollout_sleeps: bool
     why: str = ""
@@ -67,7 +67,7 @@ class Placement:
         if not self.trainer_moves and not self.rollout_sleeps:
             return "nothing moves"
         if not self.trainer_moves and self.optim_out:
-            return "trainer resident, rollout sleeps, optimizer state out for the optimizer step"
+            return "trainer resident, rollout sleeps, optimizer state out behind the rollout"
         if not self.trainer_moves:
             return "trainer resident, rollout sleeps"
         if not self.keep:
@@ -98,7 +98,7 @@ class MemoryFigures:
     kv_cache         the rollout engine's KV cache on this GPU (0: unknown)
     kv_need          the most of it the step's rollout can hold (colomem.runner.kv_need; 0: unknown)
     pre_step_peak    the trainer's allocator peak reserved bytes of the forward and backward, read before the
-                     optimizer step (0: unknown)
+                     optimizer step (0: unknown); reported with the placement, not needed by it
     """
     total: int
     rollout_used: int
@@ -147,7 +147,7 @@ def candidates(offload: str, rollout_sleep: str, optim_out: bool = True) -> list
         out.append(Placement((), True))
     else:
         out.append(Placement(ALL_CATEGORIES, True))
-        if optim_out:    # one copy each way, the way out hidden: cheaper than moving anything before the rollout
+        if optim_out:    # one copy each way, the way out hidden behind the rollout: cheaper than an exposed one
             out.append(Placement(ALL_CATEGORIES, True, optim_out=True))
         out += [Placement(_kept_first(i), True) for i in range(len(KEEP_ORDER) - 1, -1, -1)]
     return out
@@ -173,25 +173,12 @@ def train_need(fig: MemoryFigures, at_step: bool) -> int:
     return fig.train_other + fig.train_peak + (0 if at_step else fig.optim_created)
 
 
-def pre_step_need(fig: MemoryFigures) -> int:
-    """What the forward and backward need with the optimizer state still on the GPU (optim_out: its copy to
-    the pool runs behind them, and its memory goes only before the step); 0 when the peak was not measured."""
-    if not fig.pre_step_peak:
-        return 0
-    return fig.train_other + fig.pre_step_peak + fig.optim_created
-
-
 def _train_short(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> int:
     """Bytes missing while training with placement p (<= 0: fits). The measured step ran, so its own need
     fits by construction; the margin covers only what is estimated on top of it."""
     if not p.rollout_sleeps:
         return -1                       # counted in _need: the rollout stays awake through training
-    if p.optim_out:
-        before = pre_step_need(fig)
-        if not before:
-            return 1                    # unmeasured: not chosen
-        return max(before + _margin(fig, margin), train_need(fig, True)) - fig.total
-    if "optim" in p.keep:
+    if "optim" in p.keep and not p.optim_out:   # optim_out: the state is in the pool before training starts
         return train_need(fig, False) + _margin(fig, margin) - fig.total
     return train_need(fig, True) - fig.total     # the optimizer state can come back at the step
 
@@ -203,8 +190,8 @@ def reload_at_step(p: Placement, figures: Sequence[MemoryFigures], margin: Optio
         worst = max(figures, key=lambda f: train_need(f, False) - f.total)
         return True, (f"kept through the rollout, Adam's moments ({format_bytes(worst.optim_created)}) would be "
                       f"on the GPU through the optimizer step's peak: {format_bytes(train_need(worst, False))} of "
-                      f"{format_bytes(worst.total)}; they copy to the pool behind the forward and backward (whose "
-                      f"{format_bytes(pre_step_need(worst))} with them fits) and come back inside the step")
+                      f"{format_bytes(worst.total)}; they copy to the pool behind the rollout and come back inside "
+                      "the step")
     if not figures or not p.trainer_moves or "optim" in p.keep:
         return False, ""
     worst = max(figures, key=lambda f: train_need(f, False) + _margin(f, margin) - f.total)
@@ -249,7 +236,7 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
                 why += f"; moves {format_bytes(moved)} of trainer state a step"
             if p.optim_out:
                 why += (f"; moves {format_bytes(int(worst.state.get('optim', 0)))} of optimizer state a step, "
-                        "out behind the forward and backward")
+                        "out behind the rollout")
             if not fits:
                 why += " (does not fit: asked for with offload / rollout_sleep)"
             skipped = [q.label for q in allowed[:allowed.index(p)]]
@@ -268,8 +255,6 @@ def _train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optiona
     """The smallest head room over the GPUs while training with placement p, less `taken`."""
     if not p.rollout_sleeps:
         return _spare(p, figures, margin, taken)
-    if p.optim_out:
-        return min(-_train_short(p, f, margin) for f in figures) - taken
     at_step = reload_at_step(p, figures, margin)[0]
     return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
 
@@ -387,5 +372,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
-           "pre_step_need", "reload_at_step", "state_to_plan", "train_need",
+           "reload_at_step", "state_to_plan", "train_need",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

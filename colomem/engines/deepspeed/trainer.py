@@ -325,6 +325,12 @@ class DeepSpeedTrainer:
             deferred_bytes=strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0)
 
     @property
+    def defers_offload(self) -> bool:
+        """Whether offload(defer=True) is possible (the colomem method): the planner may then send the
+        optimizer state out behind the rollout."""
+        return self.offload_method == "colomem"
+
+    @property
     def offload_pending(self) -> bool:
         s = self._strategies.get("colomem")
         return isinstance(s, ColomemOffload) and s.pending_bytes > 0
