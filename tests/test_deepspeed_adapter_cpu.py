@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import colomem
+from colomem.errors import ColomemError
 from colomem.engines import deepspeed as dsa
 from colomem.engines.deepspeed import state as ds_state
 from colomem.engines.deepspeed.strategies import ColomemOffload, ToOffload
@@ -316,6 +317,51 @@ def test_the_moments_out_behind_training_come_back_inside_the_step_with_their_by
     for t, b in zip(tensors, before):
         assert torch.equal(t, b)
     assert all(m.untyped_storage().nbytes() > 0 for m in moments)
+    s.close()
+
+
+def test_a_deferred_offload_moves_the_rest_before_it_starts_and_a_failed_start_leaves_the_engine_whole(
+        pool, monkeypatch):
+    """The rest of the state is offloaded, and waited for, before the moments start copying: waited for after
+    them it would queue behind their whole copy on the same copy engine. When the moments' copy cannot start,
+    the rest comes back: the engine stays trainable, its bytes unchanged."""
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    before = snapshot(tensors)
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.keep = ("grads", "other")                     # the parameters move first, the rest is deferred
+    calls = []
+    real_off, real_async = type(s.swapset).offload, type(s.late).offload_async
+
+    def offload(self, *a, **kw):
+        calls.append(("offload", self.name))
+        return real_off(self, *a, **kw)
+
+    def offload_async(self, *a, **kw):
+        if self is s.late:                          # (offload() itself goes through offload_async too)
+            calls.append(("async", self.name, s.swapset.state))
+        return real_async(self, *a, **kw)
+    monkeypatch.setattr(type(s.swapset), "offload", offload)
+    monkeypatch.setattr(type(s.late), "offload_async", offload_async)
+    move = s.offload(defer_late=True)
+    assert calls == [("offload", s.swapset.name), ("async", s.late.name, "offloaded")]
+    moved, sizes, pending = move.nbytes, dict(move.state.sizes), s.pending_bytes    # (no tensors in a repr)
+    assert moved == sizes["params"] > 0 and pending == sizes["master"] + sizes["optim"] > 0, (moved, sizes, pending)
+    s.finish_late()
+    s.reload()
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+
+    def refuse(self, *a, **kw):
+        if self is s.late:
+            raise ColomemError("no copy today")
+        return real_async(self, *a, **kw)
+    monkeypatch.setattr(type(s.late), "offload_async", refuse)
+    with pytest.raises(ColomemError, match="no copy today"):
+        s.offload(defer_late=True)
+    assert s.swapset.state == s.late.state == "resident" and s.pending_bytes == 0
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b) and t.untyped_storage().nbytes() > 0
     s.close()
 
 

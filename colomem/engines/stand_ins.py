@@ -190,7 +190,8 @@ class TorchTrainer:
         params = list(self.model.named_parameters())
         by_category = {}
         deferred = 0
-        for s in moving:
+        # the deferred set last: a set waited for after it would queue behind its whole copy on the copy engine
+        for s in sorted(moving, key=lambda s: defer and s.name == OPTIM_SET):
             if defer and s.name == OPTIM_SET:       # read by the next optimizer step only: let it copy
                 self._deferred = (s, s.offload_async())
                 deferred = s.nbytes

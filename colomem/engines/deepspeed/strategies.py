@@ -148,10 +148,13 @@ class ColomemOffload:
         nbytes = 0
         try:
             if defer_late:
+                # the rest first: its wait would otherwise queue behind the whole deferred copy on the same
+                # copy engine (even with nothing of it to move), and the offload would not return before it
+                nbytes += self.swapset.offload(self._timeout).nbytes
                 self._late_pending = self.late.offload_async()
             else:
                 nbytes += self.late.offload(self._timeout).nbytes
-            nbytes += self.swapset.offload(self._timeout).nbytes
+                nbytes += self.swapset.offload(self._timeout).nbytes
         except BaseException:
             if self._late_pending is not None:   # the deferred part ends before it is rolled back
                 self._late_pending = None
@@ -159,8 +162,9 @@ class ColomemOffload:
                     self.late.wait_pending(self._timeout)
                 except ColomemError:
                     pass
-            if self.late.state == "offloaded":    # all or nothing: the engine stays trainable
-                self.late.reload(self._timeout)
+            for s in (self.late, self.swapset):   # all or nothing: the engine stays trainable
+                if s.state == "offloaded":
+                    s.reload(self._timeout)
             self._scratch.regrow()
             self._scratch.forget()
             raise
