@@ -18,7 +18,7 @@ from torch import Tensor
 
 from colomem.errors import ColomemError, CudaOutOfMemoryError
 
-from .state import CATEGORIES, LATE_CATEGORIES, EngineState
+from .state import CATEGORIES, LATE_CATEGORIES, EngineState, release_cached_memory
 
 
 @dataclass
@@ -151,6 +151,10 @@ class ColomemOffload:
                 # the rest first: its wait would otherwise queue behind the whole deferred copy on the same
                 # copy engine (even with nothing of it to move), and the offload would not return before it
                 nbytes += self.swapset.offload(self._timeout).nbytes
+                # what the process holds cached goes back now, while nothing copies: a cudaFree (of cuBLAS's
+                # workspaces too) waits for every copy in flight, so done after the deferred copy started it
+                # would wait for all of it (the caller does not release again while the copy runs)
+                release_cached_memory()
                 self._late_pending = self.late.offload_async()
             else:
                 nbytes += self.late.offload(self._timeout).nbytes

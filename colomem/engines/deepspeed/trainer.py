@@ -298,13 +298,13 @@ class DeepSpeedTrainer:
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
-        release_cached_memory()
         if isinstance(strategy, ColomemOffload) and strategy.pending_bytes:
-            # this stream only: a device-wide synchronize would wait for the deferred copies on colomem's D2H
-            # stream, and the offload would last as long as the whole copy (with the trainer's memory in
-            # expandable segments the release above does not wait for them either)
+            # no release here (the strategy released before the deferred copies started: a cudaFree now would
+            # wait for them) and this stream only: a device-wide synchronize would wait for them too, and the
+            # offload would last as long as the whole copy
             torch.cuda.current_stream(dev).synchronize()
         else:
+            release_cached_memory()
             torch.cuda.synchronize(dev)
         free1 = mem_get_info(dev)[0]
         state = move.state
