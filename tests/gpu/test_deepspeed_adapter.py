@@ -369,12 +369,18 @@ def test_a_deferred_offload_frees_the_optimizer_state_after_finish_and_trains_th
         pool.close()
 
 
+@pytest.mark.parametrize("behind", ["training", "rollout"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_train_the_same(model_dir, ready, stage):
-    """optimizer_out_until_step(): the resident trainer's Adam moments copy to the pool behind the forward and
-    backward, leave before ZeRO's cast and come back inside the optimizer step. Training matches the
-    never-offloaded engine bit for bit, and the training peak stays below the resident one's."""
+def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_train_the_same(model_dir, ready, stage,
+                                                                                          behind):
+    """The resident trainer's Adam moments copy to the pool deferred and come back inside the optimizer step:
+    behind the forward and backward (optimizer_out_until_step(), leaving before ZeRO's cast), or behind a
+    rollout, as the runner's "optimizer state out behind the rollout" does (offload(keep=everything else,
+    defer=True) at the switch, the weights readable where they are, reload() waiting for the copy before
+    training). Training matches the never-offloaded engine bit for bit, and the training peak stays below
+    the resident one's."""
     import colomem
+    from colomem.engines.deepspeed.state import CATEGORIES
 
     ref_losses, ref_state = reference_run(model_dir, stage, False)
     pool = colomem.PinnedPool(0)
@@ -391,7 +397,14 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
                 t.engine.empty_partition_cache()
             settle()
             torch.cuda.reset_peak_memory_stats()
-            t.optimizer_out_until_step()
+            if behind == "training":
+                t.optimizer_out_until_step()
+            else:
+                t.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True)
+                assert t.offload_pending and t.last_offload.deferred_bytes > 0
+                assert all(w.is_cuda for _, w in t.named_weights())        # the sync reads them on the GPU
+                t.reload()                                                 # waits for the copy out first
+                assert not t.offload_pending and t.last_offload.wait_seconds >= 0.0
             assert not t.offloaded and t.last_reload.seconds >= 0.0
             out = t.train_step(make_batch(step))
             peaks.append(torch.cuda.max_memory_allocated())
@@ -400,7 +413,7 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
             losses.append(out["loss"])
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
         assert final_state(t) == ref_state
-        print(f"\n[{stage}] training peak: resident {resident_peak / MiB:.0f} MiB, moments out for the step "
+        print(f"\n[{stage}] training peak: resident {resident_peak / MiB:.0f} MiB, moments out behind the {behind} "
               f"{max(peaks) / MiB:.0f} MiB")
         assert max(peaks) <= resident_peak
     finally:
