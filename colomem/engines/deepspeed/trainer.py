@@ -358,7 +358,7 @@ class DeepSpeedTrainer:
 
     def optimizer_out_until_step(self) -> None:
         """For a trainer that stays whole through the rollout but whose optimizer step cannot hold Adam's
-        moments beside the gradients' fp32 copy (the planner's "optimizer state out for the optimizer step"):
+        moments beside the gradients' fp32 copy (the runner sends them out behind the rollout instead):
         the moments start copying to the pool now, behind the forward and backward that follow; the next
         optimizer step waits for that copy, gives the memory back before ZeRO casts the gradients, and
         brings the moments back inside the step. Colomem offload method only."""
