@@ -577,3 +577,29 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     # the AdamW moments that went out and came back every step are the same bits as the moved ones
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rollout_trains_the_same(
+        job_env, tmp_path, monkeypatch):
+    """An evaluation's awake window sends the moments out behind it too; the next step's offload first brings
+    back the moments no optimizer step took back (the state must be whole before it moves again): the
+    evaluations and the training match a run that moves everything."""
+    from colomem.runner import phase_runner
+
+    f = seven_b(rollout_used=20 * (1 << 30))
+    ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always", eval_every=1),
+                  print_fn=lambda *_: None)
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda *a, **kw: f)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    res = run_job(job(tmp_path / "out", eval_every=1), print_fn=lambda *_: None)
+    assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
+    assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout")
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    evals = lambda out: [{k: v for k, v in x.items() if k.startswith("eval/") and k != "eval/seconds"}  # noqa: E731
+                         for x in lines(out) if any(k.startswith("eval/") for k in x)]
+    assert evals(tmp_path / "out") == evals(tmp_path / "moves") and len(evals(tmp_path / "out")) >= 3
+    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+            for k in ("moves", "out"))
+    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
