@@ -629,3 +629,34 @@ def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
                       old_logprobs=torch.full((2, 8), -4.0) * comp)
     t.train_step(batch)
     assert stack == [root]
+
+
+def test_the_peak_at_the_optimizer_steps_start_is_read_before_an_at_step_reload_and_its_figures_reported(pool):
+    """The step-start hook, registered first, reads the peak before the at-step reload brings the state back
+    (what could come back before the step must fit beside that peak); the reload's copies are timed."""
+    from colomem.engines.deepspeed.step_reload import ReloadAtStep, StepStartPeak, reload_figures
+
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    held = [100]
+    peak = StepStartPeak(opt, lambda: held[0])
+    hook = ReloadAtStep(opt, lambda: held.append(held.pop() + 50) or 7)    # the reload raises what is held
+    hook.arm()
+    w.grad = torch.ones(4)
+    opt.step()
+    assert peak.bytes == 100 and held == [150] and hook.nbytes == 7 and not hook.armed
+    opt.step()                                             # every step, armed or not
+    assert peak.bytes == 150
+    peak.close()
+    hook.close()
+    opt.step()
+    assert peak.bytes == 150
+    assert reload_figures(None) == {}
+    eng = fake_zero2_engine()
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.offload()
+    s.reload(late=False)
+    assert s.reload_late() > 0
+    fig = reload_figures(s.late.last_stats)
+    assert set(fig) == {"optimizer_reload_copy_s", "optimizer_reload_regrow_s"} and all(v >= 0 for v in fig.values())
+    s.close()

@@ -409,6 +409,9 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
             out = t.train_step(make_batch(step))
             peaks.append(torch.cuda.max_memory_allocated())
             assert "optimizer_reload_s" in out and out["reload_wait_s"] >= 0.0, out
+            # where the reload's time went, and the peak with ZeRO's cast, read before the state came back
+            assert out["optimizer_reload_copy_s"] > 0.0 and out["optimizer_reload_regrow_s"] >= 0.0, out
+            assert out["reserved_at_step_start_max"] >= out["reserved_before_step_max"] > 0, out
             assert t.last_offload.by_category.get("optim", 0) > 0 and not t.offload_pending
             losses.append(out["loss"])
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)

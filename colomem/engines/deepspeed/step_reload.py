@@ -72,4 +72,33 @@ class ReloadAtStep:
             self._handle = None
 
 
-__all__ = ["ReloadAtStep", "inner_torch_optimizer"]
+class StepStartPeak:
+    """A step pre-hook that reads the allocator's peak reserved bytes as the inner optimizer's step starts:
+    the forward and backward and ZeRO's gradient cast (the flattened copy, the fp32 one, the gradients still
+    held), before Adam touches its state. Registered before any ReloadAtStep, it runs before the at-step
+    reload brings the state back. What could come back before the step is what fits beside that peak."""
+
+    def __init__(self, optimizer: Any, read: Callable[[], int]):
+        self.bytes = 0
+        self._read_peak = read        # torch.cuda.max_memory_reserved of the trainer's device
+        self._handle: Optional[Any] = inner_torch_optimizer(optimizer).register_step_pre_hook(self._read)
+
+    def _read(self, _optimizer, _args, _kwargs) -> None:
+        self.bytes = int(self._read_peak())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def reload_figures(stats: Any) -> dict[str, float]:
+    """Where an at-step reload's time went, from its SwapStats (timed): the copies on the device and the
+    host's re-growth of the storages; the rest of the hook's seconds is waiting for ZeRO's cast to end and
+    the set's finish."""
+    if stats is None:
+        return {}
+    return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": stats.alloc_ms / 1e3}
+
+
+__all__ = ["ReloadAtStep", "StepStartPeak", "inner_torch_optimizer", "reload_figures"]

@@ -31,7 +31,7 @@ from .config import DeepSpeedConfig, check_lora_spec, check_offload_args, import
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state,
                     left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
 from .model import build_model, check_model_dir, destroy_engine
-from .step_reload import ReloadAtStep
+from .step_reload import ReloadAtStep, StepStartPeak, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
@@ -87,6 +87,7 @@ class DeepSpeedTrainer:
         # gradients (step_reload.py); the placement planner sets it when the step would not fit otherwise
         self.optimizer_reload = config.optimizer_reload
         self._step_reload: Optional[ReloadAtStep] = None
+        self._start_peak: Optional[StepStartPeak] = None
         self._pending = PendingReloads()
         self.deepspeed_version = deepspeed.__version__
         self.last_offload: Optional[SwitchReport] = None
@@ -208,11 +209,16 @@ class DeepSpeedTrainer:
             # the forward and backward's own peak (the caller resets it before training), apart from the step's:
             # what must fit if the optimizer state stayed on the GPU until the step
             before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+            start = self._step_start_peak()
             engine.step()
             self.steps += 1
             out = {"reload_wait_s": waited, "reserved_before_step_max": float(before)}
+            if start is not None:            # with the gradients' cast: what fits beside it could come back early
+                out["reserved_at_step_start_max"] = float(start.bytes)
             if hook is not None and at_step:
                 out["optimizer_reload_s"] = hook.seconds
+                late = getattr(self._strategies.get("colomem"), "late", None)
+                out.update(reload_figures(getattr(late, "last_stats", None)))
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 out["grad_norm"] = float(norm)
@@ -411,7 +417,18 @@ class DeepSpeedTrainer:
             waited += self._step_reload.run()
         return waited
 
+    def _step_start_peak(self) -> Optional[StepStartPeak]:
+        """The hook reading the peak as the optimizer step starts (CUDA only), registered once, before any
+        ReloadAtStep (hooks run in the order they were registered)."""
+        if self.device.type != "cuda":
+            return None
+        if getattr(self, "_start_peak", None) is None:
+            dev = self.device
+            self._start_peak = StepStartPeak(self.engine.optimizer, lambda: torch.cuda.max_memory_reserved(dev))
+        return self._start_peak
+
     def _reload_at_step(self, strategy: ColomemOffload) -> ReloadAtStep:
+        self._step_start_peak()
         if self._step_reload is None:
             self._step_reload = ReloadAtStep(self.engine.optimizer, strategy.reload_late)
         return self._step_reload
@@ -492,10 +509,11 @@ class DeepSpeedTrainer:
                 self.finish_offload()    # a deferred offload's copies end before its set closes
         except Exception as e:           # noqa: BLE001 - closing goes on
             warnings.warn(f"a deferred copy did not finish: {e!r}", RuntimeWarning, stacklevel=2)
-        hook = getattr(self, "_step_reload", None)
-        if hook is not None:
-            hook.close()
-            self._step_reload = None
+        for name in ("_step_reload", "_start_peak"):
+            hook = getattr(self, name, None)
+            if hook is not None:
+                hook.close()
+                setattr(self, name, None)
         for s in self._strategies.values():
             try:
                 s.close()
