@@ -8,14 +8,13 @@ Two ways to build one (the options are those of `DeepSpeedConfig`, same names an
     DeepSpeedTrainer(model_path, config=config, pool=pool, lora=spec, grpo=grpo)
 
 The parts: config.py (options, version check, the DeepSpeed config), model.py (the model it trains),
-state.py (what the engine holds on the GPU), strategies.py (the three offload methods), weights.py (the
-weights for the rollout sync), and the micro-batch loop in colomem.grpo.step (shared with the CPU stand-in).
+state.py (what the engine holds on the GPU), strategies.py (the three offload methods), step_reload.py (the
+optimizer state brought back inside the optimizer step), weights.py (the weights for the rollout sync),
+closing.py (close()), and the micro-batch loop in colomem.grpo.step (shared with the CPU stand-in).
 """
 from __future__ import annotations
 
-import gc
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping, Optional
 
@@ -30,7 +29,8 @@ from colomem.swap import PendingReloads
 from .config import DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed, init_distributed
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state,
                     left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
-from .model import build_model, check_model_dir, destroy_engine
+from .model import build_model, check_model_dir
+from .closing import close_trainer
 from .step_reload import ReloadAtStep, StepStartPeak, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
@@ -499,50 +499,7 @@ class DeepSpeedTrainer:
         if self._closed:
             return
         self._closed = True
-        self._sync = None
-        self._lora_cache = None
-        pending = getattr(self, "_pending", None)       # (absent when __init__ failed before it)
-        try:
-            if pending:
-                pending.wait(self.timeout_s)
-            if getattr(self, "_strategies", None):
-                self.finish_offload()    # a deferred offload's copies end before its set closes
-        except Exception as e:           # noqa: BLE001 - closing goes on
-            warnings.warn(f"a deferred copy did not finish: {e!r}", RuntimeWarning, stacklevel=2)
-        for name in ("_step_reload", "_start_peak"):
-            hook = getattr(self, name, None)
-            if hook is not None:
-                hook.close()
-                setattr(self, name, None)
-        for s in self._strategies.values():
-            try:
-                s.close()
-            except Exception as e:       # noqa: BLE001 - closing goes on
-                warnings.warn(f"closing the {s.method} offload failed: {e!r}", RuntimeWarning, stacklevel=2)
-        self._strategies = {}
-        self._staging.free()
-        engine = getattr(self, "engine", None)
-        opt_ref = None
-        if engine is not None:
-            opt_ref = destroy_engine(engine, getattr(self, "zero_stage", None), self.timeout_s)
-        del engine                         # a local reference would keep it alive through the collection below
-        self.engine = self.model = self._ref_fn = None
-        self.__dict__.pop("_weights", None)   # the weight export holds the model: it would keep the engine alive
-        self._fwd_stack = None
-        if getattr(self, "_holds_linear", False):
-            self._holds_linear = False
-            FUNCTIONAL_LINEAR.release()
-        if self._owns_pool and self._pool is not None and not self._pool.closed:
-            self._pool.close(force=True)
-        self._pool = None
-        gc.collect()
-        if torch.cuda.is_available():
-            release_cached_memory()
-        if opt_ref is not None and opt_ref() is not None:
-            version = getattr(self, "deepspeed_version", "?")
-            warnings.warn(f"the closed trainer's {type(opt_ref()).__name__} is still referenced, so its GPU state "
-                          "stays allocated; drop your references to trainer.engine / .optimizer / .model (with "
-                          f"DeepSpeed {version}: report it if you hold none)", RuntimeWarning, stacklevel=2)
+        close_trainer(self)
 
     def __enter__(self) -> "DeepSpeedTrainer":
         return self
