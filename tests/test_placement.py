@@ -529,7 +529,7 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     from colomem.runner import phase_runner
 
     gib = 1 << 30
-    f = seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib)
+    f = seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib, step_start_peak=100 * gib)
     ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
     seen = []
 
@@ -556,7 +556,8 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     res = run_job(job(tmp_path / "out"), print_fn=said.append)
     assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
     assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout"), said
-    assert "pre_step_peak" in seen[0]           # the forward and backward's peak is reported with the plan
+    assert "pre_step_peak" in seen[0] and "step_start_peak" in seen[0]     # the peaks are reported with the plan
+    assert any("would fit back before the step" in s for s in said), said
     lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     steps = [x for x in lines(tmp_path / "out") if "reward_mean" in x]
     # after the measuring step nothing moves before the rollout; the AdamW state comes back inside the step
@@ -603,3 +604,20 @@ def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rol
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_the_optimizer_state_that_could_come_back_before_the_step_is_what_fits_beside_the_steps_start():
+    """The room beside the peak at the optimizer step's start (the gradients' cast), on the tightest GPU, at
+    most the state the step brings back; nothing when that peak was not measured."""
+    from colomem.runner.placement import early_reload_room
+
+    gib = 1 << 30
+    f = seven_b(step_start_peak=100 * gib)                       # 139.8 - 2 margin - 4 other - 100
+    assert early_reload_room([f], margin=2 * gib) == int(139.8 * gib) - 106 * gib
+    g = seven_b(step_start_peak=110 * gib)
+    assert early_reload_room([f, g], margin=2 * gib) == int(139.8 * gib) - 116 * gib
+    assert early_reload_room([seven_b(step_start_peak=40 * gib)], margin=2 * gib) == 57 * gib    # all of it
+    assert early_reload_room([seven_b(step_start_peak=139 * gib)]) == 0
+    assert early_reload_room([seven_b()]) == early_reload_room([]) == 0
+    assert figures_from_step({"rollout": {"driver_used": 1}, "offload": {"reserved": 0},
+                              "train": {"peak_reserved": 5}}, {}, 10, step_start_peak=4).step_start_peak == 4

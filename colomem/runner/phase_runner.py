@@ -16,12 +16,12 @@ from typing import Any, Callable, Optional, Sequence
 from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
 from colomem.errors import is_oom
-from colomem.units import parse_bytes
+from colomem.units import format_bytes, parse_bytes
 
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
-from .placement import (ALL_CATEGORIES, MemoryFigures, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
+from .placement import (ALL_CATEGORIES, MemoryFigures, early_reload_room, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
                         reload_at_step, state_to_plan)
 from .ranks import Ranks
 from .status import StatusFile
@@ -237,7 +237,8 @@ class PhaseRunner:
         if self._measured_at_step:       # the moments were in the pool through its peak, as if created there
             created = int(now.get("optim", 0) or 0)
         mine = figures_from_step(rec.memory, by_cat, total or 0, optim_created=created,
-                                 pre_step_peak=int(rec.metrics.get("train/reserved_before_step_max") or 0))
+                                 pre_step_peak=int(rec.metrics.get("train/reserved_before_step_max") or 0),
+                                 step_start_peak=int(rec.metrics.get("train/reserved_at_step_start_max") or 0))
         if mine is not None:
             mine.kv_cache, mine.kv_need = self._kv_figures()
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
@@ -306,6 +307,10 @@ class PhaseRunner:
             return
         at_step, why = reload_at_step(self.placement, figs, margin)
         self.trainer.optimizer_reload = "step" if at_step else "overlap"
+        early = early_reload_room(figs, margin) if at_step else 0
+        if early >= 1 << 30:      # reported only: the state comes back whole inside the step
+            why += (f"; beside the peak as the step starts ({format_bytes(max(f.step_start_peak for f in figs))}) "
+                    f"{format_bytes(early)} of it would fit back before the step")
         self.reload_why = why
 
 

@@ -99,6 +99,7 @@ class MemoryFigures:
     kv_need          the most of it the step's rollout can hold (colomem.runner.kv_need; 0: unknown)
     pre_step_peak    the trainer's allocator peak reserved bytes of the forward and backward, read before the
                      optimizer step (0: unknown); reported with the placement, not needed by it
+    step_start_peak  the same as the optimizer step starts: ZeRO's gradient cast included (0: unknown)
     """
     total: int
     rollout_used: int
@@ -110,6 +111,7 @@ class MemoryFigures:
     kv_cache: int = 0
     kv_need: int = 0
     pre_step_peak: int = 0
+    step_start_peak: int = 0
 
     def kept_bytes(self, keep: Sequence[str]) -> int:
         return sum(int(self.state.get(c, 0)) for c in keep)
@@ -202,6 +204,17 @@ def reload_at_step(p: Placement, figures: Sequence[MemoryFigures], margin: Optio
                   f"would be on the GPU through the optimizer step's peak: {format_bytes(early)} + "
                   f"{format_bytes(_margin(worst, margin))} margin of {format_bytes(worst.total)}; inside the step "
                   f"the measured {format_bytes(train_need(worst, True))} fits (the reload is not hidden then)")
+
+
+def early_reload_room(figures: Sequence[MemoryFigures], margin: Optional[int] = None) -> int:
+    """Of optimizer state that comes back inside the step, the bytes that would fit back before it, behind
+    the forward and backward: what every GPU has beside the peak at the step's start (the gradients' cast,
+    the step's first peak), at most the state the step brings back. Later in the step that part was counted
+    already (the measured peak held all of it). 0 when the start's peak was not measured."""
+    if not figures or any(not f.step_start_peak for f in figures):
+        return 0
+    return max(0, min(min(f.total - _margin(f, margin) - f.train_other - f.step_start_peak, f.optim_created)
+                      for f in figures))
 
 
 def _margin(fig: MemoryFigures, margin: Optional[int]) -> int:
@@ -354,10 +367,11 @@ def state_to_plan(offloaded: dict, now: dict) -> dict:
 
 
 def figures_from_step(memory: dict, by_category: dict, total: int, optim_created: int = 0,
-                      pre_step_peak: int = 0) -> Optional[MemoryFigures]:
+                      pre_step_peak: int = 0, step_start_peak: int = 0) -> Optional[MemoryFigures]:
     """The figures of one step's record (memory after each phase) that moved everything; None when the
     step lacks what they need (no GPU, or a phase missing). optim_created: optimizer-state bytes that step's
-    optimizer step created; pre_step_peak: its forward and backward's peak (MemoryFigures)."""
+    optimizer step created; pre_step_peak, step_start_peak: its peaks before and as the step started
+    (MemoryFigures)."""
     roll = memory.get("rollout", {}) or {}
     off = memory.get("offload", {}) or {}
     train = memory.get("train", {}) or {}
@@ -367,10 +381,12 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
     other = max(0, int(train.get("driver_used") or 0) - int(train.get("reserved") or 0))
     return MemoryFigures(total=int(total), rollout_used=int(used), trainer_left=int(left), train_peak=int(peak),
                          state={k: int(v) for k, v in (by_category or {}).items()}, train_other=other,
-                         optim_created=int(optim_created), pre_step_peak=int(pre_step_peak or 0))
+                         optim_created=int(optim_created), pre_step_peak=int(pre_step_peak or 0),
+                         step_start_peak=int(step_start_peak or 0))
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "figures_from_step",
+           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "early_reload_room",
+           "figures_from_step",
            "reload_at_step", "state_to_plan", "train_need",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
