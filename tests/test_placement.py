@@ -493,6 +493,7 @@ def test_a_trainer_that_fits_the_rollout_whole_sends_only_its_moments_out_behind
     f = seven_b(rollout_used=20 * gib)              # 20 + 113 + 4.2 margin < 139.8
     p = choose("auto", "auto", [f])
     assert p.optim_out and p.keep == ALL_CATEGORIES and p.rollout_sleeps and not p.trainer_moves
+    assert p.offload_keep == ("params", "other", "grads", "master")      # what the switch's offload leaves
     assert p.label == "trainer resident, rollout sleeps, optimizer state out behind the rollout"
     assert "out behind the rollout" in p.why and p.to_dict()["optim_out"]
     at, why = reload_at_step(p, [f])

@@ -21,8 +21,8 @@ from colomem.units import format_bytes, parse_bytes
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
-from .placement import (ALL_CATEGORIES, MemoryFigures, early_reload_room, Placement, choose, figures_from_step, kv_hint, micro_batch_hint, needs_measuring,
-                        reload_at_step, state_to_plan)
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
+                        micro_batch_hint, needs_measuring, reload_at_step, state_to_plan)
 from .ranks import Ranks
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
@@ -195,18 +195,15 @@ class PhaseRunner:
     # -- placement ----------------------------------------------------------------------------------------
     def offload_trainer(self) -> None:
         """The trainer's part of the placement: what it does not keep goes to the pool."""
-        if self.placement.trainer_moves and not self.trainer.offloaded:
-            # overlapped: the optimizer state copies out behind the weights' wake, sync and check; not in the
-            # step that measures for the planner (what the trainer left after its offload must be complete)
-            defer = self.cfg.overlap_offload and not self._plan_after_step
-            self.trainer.offload(keep=self.placement.keep, defer=defer)
+        p = self.placement
+        if (p.trainer_moves or p.optim_out) and not self.trainer.offloaded:
+            # overlapped: the optimizer state copies out behind the weights' wake, sync and check (optim_out:
+            # and the rollout; reload_trainer waits for it); not in the step that measures for the planner
+            # (what the trainer left after its offload must be complete)
+            defer = p.optim_out or (self.cfg.overlap_offload and not self._plan_after_step)
+            self.trainer.offload(keep=p.offload_keep, defer=defer)
             self._moved.add("offload")
             self._measure_at_step()
-        elif self.placement.optim_out and not self.trainer.offloaded:
-            # the rollout fits beside the whole trainer: the optimizer state copies out behind the weights'
-            # wake, the sync and the rollout, and is gone (reload_trainer waits) before training starts
-            self.trainer.offload(keep=[c for c in ALL_CATEGORIES if c != "optim"], defer=True)
-            self._moved.add("offload")
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake
             release_cache(self.device)
 

@@ -63,6 +63,12 @@ class Placement:
         return set(self.keep) != set(ALL_CATEGORIES)
 
     @property
+    def offload_keep(self) -> tuple[str, ...]:
+        """What the trainer's offload at the switch leaves on the GPU (optim_out: all but the optimizer state,
+        which the rollout's memory holds only while it copies out)."""
+        return tuple(c for c in self.keep if c != "optim") if self.optim_out else self.keep
+
+    @property
     def label(self) -> str:
         if not self.trainer_moves and not self.rollout_sleeps:
             return "nothing moves"
