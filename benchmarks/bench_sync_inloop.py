@@ -74,7 +74,8 @@ def consumer(address: str) -> None:
             break
         tag = msg.get("tag")
         while True:
-            imp.copy_out(msg, ranges_for(msg, dst, compiled, dev), verify="sampled")
+            verify = "sampled" if msg.get("checksum") is not None else "none"   # a producer may send none
+            imp.copy_out(msg, ranges_for(msg, dst, compiled, dev), verify=verify)
             imp.ack(msg)
             if msg.get("last"):
                 break

@@ -111,6 +111,13 @@ stage() {  # the stages run in the order given on the command line
       --out "$OUT/wall-expandable" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;
     # where the release and re-growth time goes, and whether it overlaps copies (expandable segments in a child)
     diagrelease) run diag_release 120 python3 benchmarks/diag_release.py --out "$OUT/diag_release" ;;
+    # small results read back by a kernel (checksums of the sync), the GPU checksum against the host's
+    readback) run readback_tests 120 python3 -m pytest -q -rs tests/gpu/test_read_back_gpu.py \
+      tests/gpu/test_bridge_ipc.py -k "read_back or small_read or checksum" ;;
+    # whether a long copy on colomem's stream holds up short work on the process's other streams
+    diagqueues) run diag_queues 240 python3 benchmarks/diag_queues.py --out "$OUT/diag_queues" ;;
+    # whether the weight sync waits for the optimizer state still copying out behind it
+    diagbehind) run diag_behind 300 python3 benchmarks/diag_behind.py --out "$OUT/diag_behind" ;;
     slab) run swap_slab_tests 120 python3 -m pytest -q -rs tests/gpu/test_swap_slab_gpu.py ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \

@@ -23,7 +23,7 @@ class CudaError(ColomemError):
 class CudaOutOfMemoryError(CudaError, MemoryError): ...
 class PeerError(ColomemError): ...
 
-__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'unpin_range']
+__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'store_words', 'unpin_range']
 class HostPool:
     """
     Pinned (or plain) host memory, sub-allocated.
@@ -208,9 +208,9 @@ def checksum_buffer(data: typing.Any, stride_words: int = 1) -> int:
     """
     The checksum of a bytes-like object (host memory).
     """
-def checksum_into(ptr: int, nbytes: int, stride_words: int, out: int, stream: int, device: int) -> None:
+def checksum_into(ptr: int, nbytes: int, stride_words: int, out: int, stream: int, device: int, host_out: int = 0) -> None:
     """
-    Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order.
+    Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order, and at `host_out` (page-locked host memory, e.g. a pinned tensor's data_ptr()) too when it is not 0: stored by the kernel, so reading it back never queues behind a copy in flight on a copy engine.
     """
 
 def exponential_rows(q: int, row_stride: int, n_q_rows: int, vocab: int, meta: int, n: int, stream: int = 0,
@@ -242,6 +242,10 @@ def ipc_granularity(device: int) -> int:
     """
 def pin_range(address: int, nbytes: int) -> None:
     ...
+def store_words(src: int, n_words: int, host_out: int, stream: int, device: int) -> None:
+    """
+    Copies n_words 8-byte words of device memory at `src` to page-locked host memory at `host_out` by a kernel on `stream` (asynchronous): a small result read back without a copy engine, so it does not queue behind a long copy in flight. At most 2**20 words.
+    """
 def unpin_range(address: int) -> None:
     ...
 def pointer_is_mapped(ptr: int) -> bool:

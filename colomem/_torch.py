@@ -146,6 +146,28 @@ def mem_get_info(device: torch.device) -> tuple[int, int]:
     return driver_memory(device_index(device)) or (0, 0)
 
 
+def read_back_words(t: torch.Tensor, timeout_s: float = 60.0) -> torch.Tensor:
+    """A CPU copy of a small int64/float64 tensor: on CUDA stored into pinned memory by a kernel in the current
+    stream's order, then waited for (bounded). A copy back through torch (.cpu(), .item()) runs on a copy
+    engine, where it waits behind a long copy this process has in flight in that direction, such as the
+    optimizer state copying out behind the weight sync."""
+    if t.device.type != "cuda":
+        return t.detach().clone()
+    if t.element_size() != 8:
+        raise ValueError(f"read_back_words needs 8-byte elements, got {t.dtype}")
+    src = t.detach().contiguous()
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    if src.numel():
+        stream = torch.cuda.current_stream(src.device)
+        _C.store_words(src.data_ptr(), src.numel(), host.data_ptr(), stream.cuda_stream, device_index(src.device))
+        done = torch.cuda.Event()
+        done.record(stream)
+        from colomem.bridge.buffers import wait_event
+
+        wait_event(done, timeout_s, "a small result read back from the GPU")
+    return host
+
+
 class _CudaArray:
     """Exposes raw device memory through __cuda_array_interface__ so torch can view it without a copy."""
 

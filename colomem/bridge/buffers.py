@@ -263,8 +263,8 @@ class _InFlight:
 
 
 class CudaPacker:
-    """Packs buckets on a side stream of the bridge's GPU. The checksum is computed there too and copied to
-    pinned host memory; both are read once the buffer's event passed (ready())."""
+    """Packs buckets on a side stream of the bridge's GPU. The checksum is computed there too and stored into
+    pinned host memory by its kernel; both are read once the buffer's event passed (ready())."""
 
     def __init__(self, device: torch.device, buffers: list, views: list):
         self.device = device
@@ -288,9 +288,10 @@ class CudaPacker:
             packed = pack_bucket(plan, self._views[i])
             events[1].record(s)
             if stride:
+                # the kernel stores the sum into pinned host memory itself: a copy back would queue on a copy
+                # engine behind whatever the process copies out meanwhile (a deferred optimizer offload)
                 _C.checksum_into(self._buffers[i].ptr, plan.nbytes, stride, self._sums_dev[i:i + 1].data_ptr(),
-                                 s.cuda_stream, self.device.index)
-                self._sums_host[i:i + 1].copy_(self._sums_dev[i:i + 1], non_blocking=True)
+                                 s.cuda_stream, self.device.index, self._sums_host[i:i + 1].data_ptr())
             events[2].record(s)
         # the sources stay alive until the pack finished: the copies read them after this returns
         self._pending[i] = _InFlight(events, plan.sources, plan.nbytes, packed, time.perf_counter() - t0)

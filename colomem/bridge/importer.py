@@ -94,6 +94,7 @@ class BridgeImporter:
         self._next: Optional[tuple] = None  # (version, seq) expected next
         self._reasm = Reassembler()
         self._sum_dev: Optional[torch.Tensor] = None  # the asynchronous checksum's slot
+        self._sum_host: Optional[torch.Tensor] = None  # its value, stored there by the kernel (pinned)
         self._closed = False
 
     @classmethod
@@ -272,12 +273,19 @@ class BridgeImporter:
             return lambda: self._compare(m, got)
         if self._sum_dev is None:
             self._sum_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
-        out = self._sum_dev
-        _C.checksum_into(buf.ptr, m.nbytes, m.checksum_stride, out.data_ptr(),
-                         int(torch.cuda.current_stream(self.device).cuda_stream), self.device.index)
+            self._sum_host = torch.zeros(1, dtype=torch.int64).pin_memory()
+        stream = torch.cuda.current_stream(self.device)
+        host = self._sum_host
+        assert host is not None
+        # the kernel stores the sum into pinned host memory: no copy back that could queue behind a long copy
+        _C.checksum_into(buf.ptr, m.nbytes, m.checksum_stride, self._sum_dev.data_ptr(), int(stream.cuda_stream),
+                         self.device.index, host.data_ptr())
+        done = torch.cuda.Event()
+        done.record(stream)
 
         def check() -> None:
-            self._compare(m, int(out.item()) & U64)
+            _buffers.wait_event(done, self.timeout, f"the checksum of bucket {m.seq}")
+            self._compare(m, int(host[0]) & U64)
 
         return check
 

@@ -135,13 +135,16 @@ void register_checksum(py::module_& m) {
       "that (nothing is left waiting; retry). NaN or negative timeout_s: InvalidArgumentError.");
   m.def(
       "checksum_into",
-      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream, int device) {
+      [](uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream, int device,
+         uintptr_t host_out) {
         py::gil_scoped_release nogil;
-        device_checksum_into(ptr, nbytes, stride_words, out, stream, device);
+        device_checksum_into(ptr, nbytes, stride_words, out, stream, device, host_out);
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("stride_words"), py::arg("out"), py::arg("stream"),
-      py::arg("device"),
-      "Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order.");
+      py::arg("device"), py::arg("host_out") = 0,
+      "Asynchronous GPU checksum: the value (uint64) lands at device address `out` in stream order, and at "
+      "`host_out` (page-locked host memory, e.g. a pinned tensor's data_ptr()) too when it is not 0: stored "
+      "by the kernel, so reading it back never queues behind a copy in flight on a copy engine.");
   m.def(
       "checksum_buffer",
       [](const py::object& obj, size_t stride_words) -> uint64_t {
@@ -157,6 +160,16 @@ void register_checksum(py::module_& m) {
         return host_checksum(p, n, stride_words);
       },
       py::arg("data"), py::arg("stride_words") = 1, "The checksum of a bytes-like object (host memory).");
+  m.def(
+      "store_words",
+      [](uintptr_t src, size_t n_words, uintptr_t host_out, uintptr_t stream, int device) {
+        py::gil_scoped_release nogil;
+        device_store_words(src, n_words, host_out, stream, device);
+      },
+      py::arg("src"), py::arg("n_words"), py::arg("host_out"), py::arg("stream"), py::arg("device"),
+      "Copies n_words 8-byte words of device memory at `src` to page-locked host memory at `host_out` by a "
+      "kernel on `stream` (asynchronous): a small result read back without a copy engine, so it does not "
+      "queue behind a long copy in flight. At most 2**20 words.");
 }
 
 }  // namespace

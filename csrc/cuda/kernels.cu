@@ -41,9 +41,14 @@ __global__ void checksum_sum_kernel(const uint64_t* __restrict__ words, uint64_t
   }
 }
 
-// One thread: adds the off-grid last word and the zero-padded tail, then finishes the value in place.
+// One thread: the sum's start. A kernel, not cudaMemsetAsync: a memset may run on a copy engine, and there it
+// would wait behind a long copy the process has in flight in that direction.
+__global__ void checksum_zero_kernel(unsigned long long* out) { *out = 0; }
+
+// One thread: adds the off-grid last word and the zero-padded tail, then finishes the value in place (and
+// stores it into page-locked host memory when host_out is set: a store over the bus, no copy engine).
 __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned char* base, uint64_t nbytes,
-                                       uint64_t stride) {
+                                       uint64_t stride, unsigned long long* host_out) {
   const uint64_t n_words = nbytes / 8;
   uint64_t sum = *out;
   if (checksum_detail::last_word_extra(n_words, stride))
@@ -54,6 +59,18 @@ __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned c
     sum += checksum_detail::term(n_words, w);
   }
   *out = checksum_detail::finish(sum, nbytes, stride);
+  if (host_out) {
+    *host_out = *out;
+    __threadfence_system();
+  }
+}
+
+// Copies n 8-byte words from device memory to mapped page-locked host memory, the SMs storing over the bus.
+__global__ void store_words_kernel(const unsigned long long* __restrict__ src, uint64_t n,
+                                   unsigned long long* __restrict__ dst) {
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) dst[i] = src[i];
+  __threadfence_system();
 }
 
 // One thread per (seeded row, 4 columns): one Philox block gives the four uniforms.
@@ -120,19 +137,35 @@ cudaStream_t readback_stream(int device) {
   return streams[device];
 }
 
+// The device's address of page-locked host memory (the same address under unified addressing).
+unsigned long long* mapped_host_word(uintptr_t host_out) {
+  require(host_out != 0 && host_out % 8 == 0, "`host_out` must be an 8-byte aligned host address");
+  void* dev = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(host_out), 0);
+  if (err != cudaSuccess || dev == nullptr) {
+    (void)cudaGetLastError();
+    throw InvalidArgument(cat("host_out ", hex(host_out), " is not page-locked host memory mapped for "
+                              "the device (", cudaGetErrorName(err), "); pass a pinned tensor's address "
+                              "(pin_memory()) or 0"));
+  }
+  return static_cast<unsigned long long*>(dev);
+}
+
 }  // namespace
 
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
-                          int device) {
+                          int device, uintptr_t host_out) {
   require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
   require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got ", hex(ptr)));
   require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
   require_device(device);
   DeviceGuard guard(device);
   check_device_pointer(ptr, nbytes, device);
+  unsigned long long* host_word = host_out ? mapped_host_word(host_out) : nullptr;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* result = reinterpret_cast<unsigned long long*>(out);
-  COLOMEM_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(unsigned long long), s));
+  checksum_zero_kernel<<<1, 1, 0, s>>>(result);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
   const uint64_t n_words = nbytes / 8;
   const uint64_t n_samples = n_words == 0 ? 0 : (n_words - 1) / stride_words + 1;
   if (n_samples > 0) {
@@ -145,7 +178,7 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
     COLOMEM_CUDA_CHECK(cudaGetLastError());
   }
   checksum_finish_kernel<<<1, 1, 0, s>>>(result, reinterpret_cast<const unsigned char*>(ptr), nbytes,
-                                         stride_words);
+                                         stride_words, host_word);
   COLOMEM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -164,7 +197,7 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
       if (cudaFreeAsync(p, s) != cudaSuccess) (void)cudaGetLastError();
     }
   } free_scratch{scratch, s};
-  device_checksum_into(ptr, nbytes, stride_words, reinterpret_cast<uintptr_t>(scratch), stream, device);
+  device_checksum_into(ptr, nbytes, stride_words, reinterpret_cast<uintptr_t>(scratch), stream, device, 0);
   cudaEvent_t ready = nullptr;
   COLOMEM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
   struct DestroyEvent {  // destruction of an event still pending is deferred by the runtime: safe on timeout
@@ -182,6 +215,21 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
   COLOMEM_CUDA_CHECK(cudaMemcpyAsync(&value, scratch, sizeof(value), cudaMemcpyDeviceToHost, rb));
   COLOMEM_CUDA_CHECK(cudaStreamSynchronize(rb));  // only this 8-byte copy is on it: its data is ready
   return value;
+}
+
+void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintptr_t stream, int device) {
+  if (n_words == 0) return;
+  require(src != 0 && src % 8 == 0, "store_words: `src` must be an 8-byte aligned device address");
+  require(n_words <= kStoreWordsMax, cat("store_words moves at most ", kStoreWordsMax, " words (small results), got ",
+                                         n_words));
+  require_device(device);
+  DeviceGuard guard(device);
+  check_device_pointer(src, n_words * 8, device);
+  unsigned long long* dst = mapped_host_word(host_out);
+  const unsigned int blocks = static_cast<unsigned int>(std::min<uint64_t>((n_words + kThreads - 1) / kThreads, 64));
+  store_words_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const unsigned long long*>(src), n_words, dst);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,

@@ -17,9 +17,19 @@ constexpr double kChecksumWaitS = 60.0;
 uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device,
                          double timeout_s);
 
-// Same, but asynchronous: writes the value to the 8-byte device location `out` when `stream` gets there.
+// Same, but asynchronous: writes the value to the 8-byte device location `out` when `stream` gets there, and
+// to the page-locked host word `host_out` too when it is not 0 (stored by the kernel: no copy engine is used,
+// so the value does not wait behind a long copy in flight; read it once the stream passed the checksum).
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
-                          int device);
+                          int device, uintptr_t host_out);
+
+// Most words device_store_words moves: it is for small results (checksums, flags), not for data.
+constexpr size_t kStoreWordsMax = 1 << 20;
+
+// Copies n_words 8-byte words from device memory at `src` to page-locked host memory at `host_out`, by a
+// kernel in `stream` order: a small result read back this way never queues behind a long copy the process
+// has in flight on a copy engine (a cudaMemcpy to the host would). Read it once the stream passed it.
+void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintptr_t stream, int device);
 
 // The noise of core/seeded_noise.h for n seeded rows of the float32 tensor at device address q (row_stride
 // elements apart, n_q_rows rows, vocab columns), in one launch on `stream`. meta: a device address of 3 * n

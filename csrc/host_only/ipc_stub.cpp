@@ -28,9 +28,11 @@ int device_by_uuid(const std::string&) { unavailable("device_by_uuid"); }
 size_t ipc_granularity(int) { unavailable("ipc_granularity"); }
 
 uint64_t device_checksum(uintptr_t, size_t, size_t, uintptr_t, int, double) { unavailable("checksum on a CUDA device"); }
-void device_checksum_into(uintptr_t, size_t, size_t, uintptr_t, uintptr_t, int) {
+void device_checksum_into(uintptr_t, size_t, size_t, uintptr_t, uintptr_t, int, uintptr_t) {
   unavailable("checksum on a CUDA device");
 }
+
+void device_store_words(uintptr_t, size_t, uintptr_t, uintptr_t, int) { unavailable("store_words on a CUDA device"); }
 
 void device_exponential_rows(uintptr_t, int64_t, int64_t, int64_t, uintptr_t, int64_t, uintptr_t, int) {
   unavailable("sampling noise on a CUDA device");

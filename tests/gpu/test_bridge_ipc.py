@@ -58,8 +58,12 @@ def test_gpu_checksum_equals_host_checksum(n, stride):
         got = _C.checksum(dev.data_ptr() + off, n, stride, stream.cuda_stream, 0)
         assert got == want
         out = torch.zeros(1, dtype=torch.int64, device="cuda")
+        host = torch.full((1,), -1, dtype=torch.int64).pin_memory()
         _C.checksum_into(dev.data_ptr() + off, n, stride, out.data_ptr(), stream.cuda_stream, 0)
         assert int(out.item()) & ((1 << 64) - 1) == want
+        _C.checksum_into(dev.data_ptr() + off, n, stride, out.data_ptr(), stream.cuda_stream, 0, host.data_ptr())
+        stream.synchronize()
+        assert int(host[0]) & ((1 << 64) - 1) == want == int(out.item()) & ((1 << 64) - 1)
 
 
 def test_gpu_checksum_on_a_vmm_buffer_and_bad_pointers():

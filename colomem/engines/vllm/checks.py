@@ -59,7 +59,9 @@ def finish_checksums(pending: dict) -> dict:
     """{name: checksum} from {name: checksum_parts(...)}, with one copy to the host."""
     if not pending:
         return {}
-    values = torch.stack([p for p, _ in pending.values()]).cpu().tolist()
+    from colomem._torch import read_back_words  # no copy engine: it may be busy with an offload
+
+    values = read_back_words(torch.stack([p for p, _ in pending.values()])).tolist()
     return {name: finish_checksum(v, n) for (name, (_, n)), v in zip(pending.items(), values)}
 
 
