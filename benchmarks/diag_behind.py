@@ -126,6 +126,7 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"command": " ".join(sys.argv), "default": run(a)}
+    torch.cuda.empty_cache()       # the child needs the memory this process's allocator still caches
     if not a.child:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
         sub = os.path.join(a.out, "expandable")

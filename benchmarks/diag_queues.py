@@ -157,7 +157,8 @@ def main() -> None:
                             "--reps", str(a.reps), "--child", name], env={**os.environ, **env}, timeout=300)
         path = os.path.join(a.out, f"{name}.json")
         out[name] = json.load(open(path)) if r.returncode == 0 and os.path.exists(path) else {"rc": r.returncode}
-        worst = {k: max(rep["probes_ms"][k]["max"] for rep in out[name]["reps"] if k in rep["probes_ms"])
+        worst = {k: max((rep["probes_ms"][k]["max"] for rep in out[name]["reps"] if k in rep["probes_ms"]),
+                        default=float("nan"))
                  for k in out[name].get("idle_ms", {})} if "reps" in out[name] else {}
         print(f"[diag_queues] {name}: copy GB/s {[round(r['copy_gbps'], 1) for r in out[name].get('reps', [])]}, "
               f"worst probe ms {json.dumps({k: round(v, 1) for k, v in worst.items()})}", flush=True)

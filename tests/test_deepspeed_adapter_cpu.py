@@ -368,6 +368,56 @@ def test_a_deferred_offload_moves_the_rest_before_it_starts_and_a_failed_start_l
     s.close()
 
 
+def test_a_held_deferred_offload_starts_only_when_asked_and_a_failed_start_leaves_the_moments_whole(
+        pool, monkeypatch):
+    """hold_late: the rest moves, the moments stay where they are (counted as pending, and outstanding for
+    the step's reload) until start_late(); finish_late() starts them itself when nobody did. A start that
+    fails leaves them on the GPU with their bytes, and a reload then has nothing of them to bring back."""
+    eng = fake_zero2_engine()
+    tensors = state_tensors(eng)
+    before = snapshot(tensors)
+    moments = [v for st in eng.optimizer.optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.numel() > 1]
+    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
+    s.keep = ("params", "other", "grads", "master")
+    started = []
+    real_async = type(s.late).offload_async
+
+    def offload_async(self, *a, **kw):
+        if self is s.late:
+            started.append(self.name)
+        return real_async(self, *a, **kw)
+    monkeypatch.setattr(type(s.late), "offload_async", offload_async)
+    for start in (s.start_late, lambda: None):      # started by the caller, then by finish_late() itself
+        move = s.offload(defer_late=True, hold_late=True)
+        assert not started and s.pending_bytes == move.state.sizes["optim"] > 0
+        assert all(m.untyped_storage().nbytes() > 0 for m in moments)   # not copying yet: still there
+        start()
+        s.finish_late()
+        assert started == [s.late.name] and s.pending_bytes == 0
+        assert all(m.untyped_storage().nbytes() == 0 for m in moments)  # copied out, freed
+        s.reload()
+        started.clear()
+        for t, b in zip(tensors, before):
+            assert torch.equal(t, b)
+
+    def refuse(self, *a, **kw):
+        if self is s.late:
+            raise ColomemError("no copy today")
+        return real_async(self, *a, **kw)
+    monkeypatch.setattr(type(s.late), "offload_async", refuse)
+    s.offload(defer_late=True, hold_late=True)
+    s.reload(late=False)
+    assert s.late_outstanding                       # held: the step's hook arms for it
+    with pytest.raises(ColomemError, match="no copy today"):
+        s.reload_late()
+    assert s.pending_bytes == 0 and not s.late_outstanding and s.late.state == "resident"
+    assert s.reload_late() == 0                     # nothing of it left to bring back
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b) and t.untyped_storage().nbytes() > 0
+    s.close()
+
+
 def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
     eng = fake_zero2_engine()
     s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)

@@ -545,13 +545,17 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
         real = getattr(cls, name)
 
         def wrapped(self, *a, **kw):
-            if name != "finish_offload" or self.offload_pending:
+            held = name == "start_offload" and self._deferred is not None and self._deferred[1] is None
+            if (name != "finish_offload" or self.offload_pending) and (name != "start_offload" or held):
                 events.append(label(self, kw) if callable(label) else label)
             return real(self, *a, **kw)
         monkeypatch.setattr(cls, name, wrapped)
-    spy(TorchTrainer, "offload", lambda t, kw: ("offload", tuple(sorted(kw.get("keep", ()))), kw.get("defer")))
+    spy(TorchTrainer, "offload", lambda t, kw: ("offload", tuple(sorted(kw.get("keep", ()))), kw.get("defer"),
+                                                kw.get("hold")))
+    spy(TorchTrainer, "start_offload", "start")
     spy(TorchTrainer, "finish_offload", "finished")
     spy(TorchTrainer, "train_step", "train")
+    spy(HFRollout, "wake_weights", "wake_weights")
     spy(HFRollout, "wake_kv", "wake_kv")
     said = []
     res = run_job(job(tmp_path / "out"), print_fn=said.append)
@@ -566,11 +570,13 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     assert all(x["phase_s"].get("offload", 0) < 0.5 for x in steps[1:])
     assert not any("offload_wait" in x["phase_s"] for x in steps[1:])     # nothing waits before the KV cache
     kept = tuple(sorted(c for c in ALL_CATEGORIES if c != "optim"))
-    cycle = [("offload", kept, True), "wake_kv", "finished", "train"]
+    # the moments start copying out once the weights woke (not beside their wake), nothing waits for them
+    # before the KV cache, the step's reload waits for them
+    cycle = [("offload", kept, True, True), "wake_weights", "start", "wake_kv", "finished", "train"]
     first = events.index(cycle[0])
-    # (the last checkpoint is read from the pool: one more offload, which its save waits for)
+    # (the last checkpoint is read from the pool: one more offload, whose held copy its save starts and waits for)
     assert first > events.index("train") and events[first:] == cycle * (len(steps) - 1) + [cycle[0],
-        "finished"], events
+        "finished", "start"], events
     rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
     assert rewards(tmp_path / "out") == rewards(tmp_path / "moves")
     a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)

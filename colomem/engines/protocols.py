@@ -115,12 +115,18 @@ class Trainer(Protocol):
         both are switch costs the runner takes out of the train phase."""
         ...
 
-    def offload(self, *, keep: Collection[str] = (), defer: bool = False) -> None:
+    def offload(self, *, keep: Collection[str] = (), defer: bool = False, hold: bool = False) -> None:
         """The trainer's GPU state into host memory, but for the state categories in keep ("params", "grads",
         "master", "optim", "other": the placement planner's choice; a trainer without a category ignores
         it); the memory goes back to the driver. Kept "params" are read on the device by named_weights().
         defer: the optimizer state (read only by the next optimizer step) is still copying when this returns,
-        and its memory is freed by finish_offload(); the weights are readable for the sync at once."""
+        and its memory is freed by finish_offload(); the weights are readable for the sync at once.
+        hold (with defer): that copy starts only at start_offload() (or finish_offload()), so that it does
+        not run beside what comes first (the rollout's wake)."""
+        ...
+
+    def start_offload(self) -> None:
+        """Starts the copy an offload(defer=True, hold=True) held back; nothing to do otherwise."""
         ...
 
     @property
@@ -164,4 +170,12 @@ class Checkpointable(Protocol):
         ...
 
 
-__all__ = ["Checkpointable", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]
+def check_hold(defer: bool, hold: bool) -> None:
+    """Trainer.offload's hold: only for a deferred offload (InvalidArgumentError otherwise)."""
+    if hold and not defer:
+        from colomem.errors import InvalidArgumentError
+
+        raise InvalidArgumentError("offload(hold=True) holds back a deferred copy; pass defer=True too")
+
+
+__all__ = ["Checkpointable", "check_hold", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]

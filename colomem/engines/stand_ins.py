@@ -24,6 +24,7 @@ from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model
 from colomem.engines.hf_model import load_model, model_on_base
 from colomem.engines.hf_rollout import HFRollout
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
+from colomem.engines.protocols import check_hold
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, PhaseOrderError
 from colomem.swap import PendingReloads
@@ -172,12 +173,14 @@ class TorchTrainer:
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics
 
-    def offload(self, *, keep: Collection[str] = (), defer: bool = False) -> None:
+    def offload(self, *, keep: Collection[str] = (), defer: bool = False, hold: bool = False) -> None:
         """Parameters (+ grads) and optimizer state into the pool, but for the categories in keep ("params":
         parameters and gradients; "optim": the AdamW state). The weights stay readable for the sync: host
         views of the pool copy (full fine-tune), staged merged copies (LoRA), or the weights themselves when
-        kept. defer: the AdamW state is still copying on return; finish_offload() waits for it."""
+        kept. defer: the AdamW state is still copying on return; finish_offload() waits for it. hold (with
+        defer): it starts copying only at start_offload()."""
         self._check("offload()")
+        check_hold(defer, hold)
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
         if self.shared is not None:         # the base is the rollout's and must stay; the adapter is tiny
             keep = (*keep, "params")
@@ -193,7 +196,7 @@ class TorchTrainer:
         # the deferred set last: a set waited for after it would queue behind its whole copy on the copy engine
         for s in sorted(moving, key=lambda s: defer and s.name == OPTIM_SET):
             if defer and s.name == OPTIM_SET:       # read by the next optimizer step only: let it copy
-                self._deferred = (s, s.offload_async())
+                self._deferred = (s, None if hold else s.offload_async())
                 deferred = s.nbytes
                 continue
             by_category[_CATEGORY[s.name]] = s.offload(timeout=self.swap_timeout_s).nbytes
@@ -218,9 +221,16 @@ class TorchTrainer:
     def offload_pending(self) -> bool:
         return self._deferred is not None
 
+    def start_offload(self) -> None:
+        """Starts the copy an offload(defer=True, hold=True) held back (nothing to do otherwise)."""
+        if self._deferred is not None and self._deferred[1] is None:
+            s = self._deferred[0]
+            self._deferred = (s, s.offload_async())
+
     def finish_offload(self, timeout: Optional[float] = None) -> float:
-        """Waits for the AdamW state an offload(defer=True) left copying; returns the seconds waited. On a
-        timeout the copy goes on and a later call waits again."""
+        """Waits for the AdamW state an offload(defer=True) left copying (starting it first when held);
+        returns the seconds waited. On a timeout the copy goes on and a later call waits again."""
+        self.start_offload()
         if self._deferred is None:
             return 0.0
         s, handle = self._deferred

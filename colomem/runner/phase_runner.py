@@ -57,6 +57,7 @@ class PhaseRunner:
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
+        self._offload_held = False          # the trainer's deferred copy waits for the weights' wake
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -132,6 +133,16 @@ class PhaseRunner:
             with self.timed(rec, "offload_wait"):
                 self.trainer.finish_offload()
 
+    def _start_deferred_offload(self, rec: StepRecord) -> None:
+        """The optimizer state's copy out, held back by offload_trainer until the rollout's weights woke;
+        counted in the offload phase."""
+        if not self._offload_held:
+            return
+        self._offload_held = False
+        t0 = time.perf_counter()
+        self.trainer.start_offload()
+        rec.phase_s["offload"] = rec.phase_s.get("offload", 0.0) + time.perf_counter() - t0
+
     def _sleep_rollout(self) -> None:
         """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
         if self.shared is not None:
@@ -154,6 +165,7 @@ class PhaseRunner:
                 if self.rollout.phase == ASLEEP:
                     self.rollout.wake_weights()
                     self._moved.add("rollout")
+            self._start_deferred_offload(rec)
             current = "sync"
             with self.phase(rec, "sync"):
                 sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
@@ -201,7 +213,10 @@ class PhaseRunner:
             # and the rollout; reload_trainer waits for it); not in the step that measures for the planner
             # (what the trainer left after its offload must be complete)
             defer = p.optim_out or (self.cfg.overlap_offload and not self._plan_after_step)
-            self.trainer.offload(keep=p.offload_keep, defer=defer)
+            # optim_out: nothing waits for that copy before training, so it starts once the rollout's weights
+            # are awake (_start_deferred_offload): their fresh memory mapped beside it ran ~10x slower
+            self._offload_held = p.optim_out
+            self.trainer.offload(keep=p.offload_keep, defer=defer, hold=p.optim_out)
             self._moved.add("offload")
             self._measure_at_step()
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake

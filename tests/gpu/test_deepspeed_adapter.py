@@ -402,8 +402,10 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
             if behind == "training":
                 t.optimizer_out_until_step()
             else:
-                t.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True)
+                # as the runner: held back through the rollout's wake, started before the sync
+                t.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True, hold=True)
                 assert t.offload_pending and t.last_offload.deferred_bytes > 0
+                t.start_offload()
                 assert all(w.is_cuda for _, w in t.named_weights())        # the sync reads them on the GPU
                 t.reload()                                                 # waits for the copy out first
                 assert not t.offload_pending and t.last_offload.wait_seconds >= 0.0

@@ -119,6 +119,7 @@ class ColomemOffload:
         self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
                                          device=device, release=device.type == "cuda")
         self._late_pending: Any = None                                # its SwapHandle while a deferred offload runs
+        self._late_held = 0                                           # its bytes while deferred, not started yet
 
     @property
     def keep(self) -> tuple[str, ...]:
@@ -136,12 +137,13 @@ class ColomemOffload:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of the LATE part still copying after offload(defer_late=True); 0 when none is."""
-        return self.late.nbytes if self._late_pending is not None else 0
+        """Bytes of the LATE part still copying (or held back) after offload(defer_late=True); 0 when none is."""
+        return self.late.nbytes if self._late_pending is not None else self._late_held
 
-    def offload(self, defer_late: bool = False) -> Move:
+    def offload(self, defer_late: bool = False, hold_late: bool = False) -> Move:
         """defer_late: the LATE part is still copying on return (its bytes are not in the Move's); its GPU
-        memory is freed by finish_late()."""
+        memory is freed by finish_late(). hold_late: it starts copying only at start_late() (or
+        finish_late()), not beside what the caller does first."""
         t0 = time.perf_counter()
         state = self._state = self._collect()
         self._scratch.release(state.scratch)
@@ -155,11 +157,16 @@ class ColomemOffload:
                 # workspaces too) waits for every copy in flight, so done after the deferred copy started it
                 # would wait for all of it (the caller does not release again while the copy runs)
                 release_cached_memory()
-                self._late_pending = self.late.offload_async()
+                if hold_late:
+                    self._late_held = sum(n for c, n in state.sizes.items()
+                                          if c in LATE_CATEGORIES and c not in self.keep)
+                else:
+                    self._late_pending = self.late.offload_async()
             else:
                 nbytes += self.late.offload(self._timeout).nbytes
                 nbytes += self.swapset.offload(self._timeout).nbytes
         except BaseException:
+            self._late_held = 0
             if self._late_pending is not None:   # the deferred part ends before it is rolled back
                 self._late_pending = None
                 try:
@@ -174,9 +181,18 @@ class ColomemOffload:
             raise
         return Move(nbytes, time.perf_counter() - t0, state)
 
+    def start_late(self) -> None:
+        """Starts the LATE part's copy an offload(hold_late=True) held back (nothing to do otherwise). If it
+        cannot start, the part stays on the GPU, whole (a reload then has nothing of it to bring back)."""
+        if self._late_held:
+            self._late_held = 0
+            self._late_pending = self.late.offload_async()
+
     def finish_late(self, timeout: Optional[float] = None) -> int:
-        """Waits for the LATE part an offload(defer_late=True) left copying (its storages shrink then; the
-        caller empties the cache); returns its bytes. On a timeout it goes on and a later call waits again."""
+        """Waits for the LATE part an offload(defer_late=True) left copying, starting it first when held (its
+        storages shrink then; the caller empties the cache); returns its bytes. On a timeout it goes on and a
+        later call waits again."""
+        self.start_late()
         if self._late_pending is None:
             return 0
         stats = self._late_pending.wait(self._timeout if timeout is None else timeout)
@@ -213,7 +229,8 @@ class ColomemOffload:
     def late_outstanding(self) -> bool:
         """The LATE part is in the pool, or on its way there (offload(defer_late=True)), after a
         reload(late=False)."""
-        return self._state is None and (self.late.state == "offloaded" or self._late_pending is not None)
+        return self._state is None and (self.late.state == "offloaded" or self._late_pending is not None
+                                        or self._late_held > 0)
 
     def reload_late(self) -> int:
         """Brings the LATE part back (synchronously) after a reload(late=False), waiting first for a deferred

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from colomem._torch import mem_get_info
+from colomem.engines.protocols import check_hold
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
@@ -265,19 +266,22 @@ class DeepSpeedTrainer:
         return s
 
     def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None,
-                keep: Collection[str] = (), defer: bool = False) -> None:
+                keep: Collection[str] = (), defer: bool = False, hold: bool = False) -> None:
         """Moves the engine's GPU state out (see DeepSpeedConfig.offload) and returns the memory to the
         driver. prepare_sync: keep the named weights readable for the weight sync while offloaded (host views
         of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
         method: another offload method for this cycle (benchmarks). keep: state categories (state.CATEGORIES)
         that stay on the GPU, colomem method only; with "params" kept the sync reads the weights there.
         defer (colomem method only): the fp32 masters and Adam moments are still copying on return, read by
-        nobody before the next optimizer step; finish_offload() waits and frees their memory. The report is
-        in `last_offload`."""
+        nobody before the next optimizer step; finish_offload() waits and frees their memory. hold (with
+        defer): that copy starts at start_offload() (or finish_offload()), not beside the rollout's wake that
+        comes first (its mapping of fresh memory ran ~10x slower beside the copy). The report is in
+        `last_offload`."""
         self._check_resident("offload()")
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
         keep = check_offload_args(method, tuple(keep), defer, CATEGORIES)
+        check_hold(defer, hold)
         if self.shared is not None:            # the adapter (a few MB) stays with the base it adapts
             keep = tuple(dict.fromkeys((*keep, "params", "other")))
         strategy = self._strategy(method)
@@ -299,8 +303,10 @@ class DeepSpeedTrainer:
             if self.lora is not None:
                 self._lora_cache = self._weights.lora_tensors(copy=True)
         t_sync = time.perf_counter() - t0
-        move = strategy.offload(defer_late=True) if defer and isinstance(strategy, ColomemOffload) \
-            else strategy.offload()
+        if defer and isinstance(strategy, ColomemOffload):
+            move = strategy.offload(defer_late=True, hold_late=hold)
+        else:
+            move = strategy.offload()
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
@@ -340,6 +346,12 @@ class DeepSpeedTrainer:
     def offload_pending(self) -> bool:
         s = self._strategies.get("colomem")
         return isinstance(s, ColomemOffload) and s.pending_bytes > 0
+
+    def start_offload(self) -> None:
+        """Starts the copy an offload(defer=True, hold=True) held back; nothing to do otherwise."""
+        s = self._strategies.get("colomem")
+        if isinstance(s, ColomemOffload):
+            s.start_late()
 
     def finish_offload(self, timeout: Optional[float] = None) -> float:
         """Waits for what offload(defer=True) left copying and gives its memory to the driver; returns the
