@@ -298,17 +298,23 @@ def test_a_new_placement_gives_the_old_layouts_blocks_back_before_it_offloads():
         pool.close(force=True)
 
 
-def test_the_moments_out_behind_training_come_back_inside_the_step_with_their_bytes(pool):
-    """optimizer_out_until_step's strategy calls: the moments start copying out while the rest stays; the
-    trainer counts them outstanding at once (the step's hook is armed while they still copy), and bringing
-    them back first waits for the copy out."""
+def _moments_only_strategy(pool):
+    """A ZeRO-2 stand-in engine, its state's tensors and their bytes, Adam's moments, and a strategy that moves
+    only those moments (everything else kept)."""
     eng = fake_zero2_engine()
     tensors = state_tensors(eng)
-    before = snapshot(tensors)
     moments = [v for st in eng.optimizer.optimizer.state.values() for v in st.values()
                if torch.is_tensor(v) and v.numel() > 1]
     s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     s.keep = ("params", "other", "grads", "master")
+    return tensors, snapshot(tensors), moments, s
+
+
+def test_the_moments_out_behind_training_come_back_inside_the_step_with_their_bytes(pool):
+    """optimizer_out_until_step's strategy calls: the moments start copying out while the rest stays; the
+    trainer counts them outstanding at once (the step's hook is armed while they still copy), and bringing
+    them back first waits for the copy out."""
+    tensors, before, moments, s = _moments_only_strategy(pool)
     move = s.offload(defer_late=True)
     assert move.nbytes == 0 and s.pending_bytes == move.state.sizes["optim"] > 0     # all of it deferred
     s.reload(late=False)
@@ -319,6 +325,15 @@ def test_the_moments_out_behind_training_come_back_inside_the_step_with_their_by
         assert torch.equal(t, b)
     assert all(m.untyped_storage().nbytes() > 0 for m in moments)
     s.close()
+
+
+def _refuse_late_copies(monkeypatch, s: ColomemOffload, real_async) -> None:
+    """From now on the strategy's LATE set cannot start a copy (the other set still can)."""
+    def refuse(self, *a, **kw):
+        if self is s.late:
+            raise ColomemError("no copy today")
+        return real_async(self, *a, **kw)
+    monkeypatch.setattr(type(s.late), "offload_async", refuse)
 
 
 def test_a_deferred_offload_moves_the_rest_before_it_starts_and_a_failed_start_leaves_the_engine_whole(
@@ -354,12 +369,7 @@ def test_a_deferred_offload_moves_the_rest_before_it_starts_and_a_failed_start_l
     s.reload()
     for t, b in zip(tensors, before):
         assert torch.equal(t, b)
-
-    def refuse(self, *a, **kw):
-        if self is s.late:
-            raise ColomemError("no copy today")
-        return real_async(self, *a, **kw)
-    monkeypatch.setattr(type(s.late), "offload_async", refuse)
+    _refuse_late_copies(monkeypatch, s, real_async)
     with pytest.raises(ColomemError, match="no copy today"):
         s.offload(defer_late=True)
     assert s.swapset.state == s.late.state == "resident" and s.pending_bytes == 0
@@ -373,13 +383,7 @@ def test_a_held_deferred_offload_starts_only_when_asked_and_a_failed_start_leave
     """hold_late: the rest moves, the moments stay where they are (counted as pending, and outstanding for
     the step's reload) until start_late(); finish_late() starts them itself when nobody did. A start that
     fails leaves them on the GPU with their bytes, and a reload then has nothing of them to bring back."""
-    eng = fake_zero2_engine()
-    tensors = state_tensors(eng)
-    before = snapshot(tensors)
-    moments = [v for st in eng.optimizer.optimizer.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.numel() > 1]
-    s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
-    s.keep = ("params", "other", "grads", "master")
+    tensors, before, moments, s = _moments_only_strategy(pool)
     started = []
     real_async = type(s.late).offload_async
 
@@ -400,12 +404,7 @@ def test_a_held_deferred_offload_starts_only_when_asked_and_a_failed_start_leave
         started.clear()
         for t, b in zip(tensors, before):
             assert torch.equal(t, b)
-
-    def refuse(self, *a, **kw):
-        if self is s.late:
-            raise ColomemError("no copy today")
-        return real_async(self, *a, **kw)
-    monkeypatch.setattr(type(s.late), "offload_async", refuse)
+    _refuse_late_copies(monkeypatch, s, real_async)
     s.offload(defer_late=True, hold_late=True)
     s.reload(late=False)
     assert s.late_outstanding                       # held: the step's hook arms for it
