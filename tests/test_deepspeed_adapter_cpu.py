@@ -417,6 +417,26 @@ def test_a_held_deferred_offload_starts_only_when_asked_and_a_failed_start_leave
     s.close()
 
 
+def test_the_trainer_ends_a_held_deferred_offload_in_a_thread_and_waits_for_it_before_going_on(pool):
+    """DeepSpeedTrainer's start_offload / finish_offload(background=True) over the strategy: the held copy
+    starts when asked, its end runs in a thread (the trainer counts it pending meanwhile), and the next
+    finish_offload() waits for it: the moments' storages are freed, their bytes in the pool."""
+    tensors, before, moments, s = _moments_only_strategy(pool)
+    t = bare_trainer(tiny_qwen2(), None, pool)
+    t._strategies = {"colomem": s}
+    t.last_offload = None
+    s.offload(defer_late=True, hold_late=True)
+    assert t.offload_pending
+    t.start_offload()
+    assert t.finish_offload(background=True) == 0.0 and t.offload_pending
+    assert t.finish_offload() >= 0.0 and not t.offload_pending and s.pending_bytes == 0
+    assert all(m.untyped_storage().nbytes() == 0 for m in moments)
+    s.reload()
+    for x, b in zip(tensors, before):
+        assert torch.equal(x, b)
+    s.close()
+
+
 def test_colomem_strategy_close_while_offloaded_gives_the_blocks_back(pool):
     eng = fake_zero2_engine()
     s = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)

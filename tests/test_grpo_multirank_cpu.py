@@ -24,6 +24,7 @@ WORKER = textwrap.dedent(r'''
 
     import torch
 
+    from colomem.engines.background import BackgroundSlot
     from colomem.grpo.batch import Completion, build_batch
     from colomem.grpo.config import GRPOConfig
 
@@ -119,7 +120,8 @@ WORKER = textwrap.dedent(r'''
         t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)        # a shell around the engine: no DeepSpeed, no GPU
         t.__dict__.update(engine=eng, model=eng.module, grpo=grpo, micro_batch=2, world_size=world_size,
                           device=torch.device("cpu"), steps=0, _closed=False, _offloaded=False, _ref_fn=None,
-                          _fwd_stack=None, _pending=PendingReloads(), timeout_s=30.0, _step_reload=None, _strategies={})
+                          _fwd_stack=None, _pending=PendingReloads(), timeout_s=30.0, _step_reload=None, _strategies={},
+                          _finishing=BackgroundSlot())
         grads = []
         record_grads(eng.opt, grads)
         return t, grads

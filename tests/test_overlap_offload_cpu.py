@@ -69,6 +69,59 @@ def test_reload_and_close_finish_a_deferred_offload_first(tiny):  # noqa: F811
     pool.close()
 
 
+def test_a_deferred_offload_ended_in_a_thread_is_waited_for_by_the_trainer_and_its_errors_reach_it(
+        tiny, monkeypatch):  # noqa: F811
+    """finish_offload(background=True) returns at once; the copy's end runs in a thread, and the trainer's
+    next use of its state (reload, the next finish, close) waits for it; the state comes back bit for bit. An
+    error in the thread is raised by that next call, and a timeout leaves the thread to a later call."""
+    import threading
+
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.errors import ColomemError, TransferTimeoutError
+    from colomem.grpo.config import GRPOConfig
+
+    pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, grpo=GRPOConfig(group_size=4), pool=pool)
+    t.train_step(batch_for(0))
+    before = snapshot(t)
+    gate, threads = threading.Event(), []
+    real = TorchTrainer._finish_offload_now
+
+    def gated(self, timeout=None):              # the background end waits for the test's gate
+        if threading.current_thread() is not threading.main_thread():
+            threads.append(threading.current_thread().name)
+            assert gate.wait(30)
+        return real(self, timeout)
+    monkeypatch.setattr(TorchTrainer, "_finish_offload_now", gated)
+    t.offload(defer=True, hold=True)
+    assert t.finish_offload(background=True) == 0.0 and t.offload_pending
+    with pytest.raises(TransferTimeoutError):
+        t.finish_offload(timeout=0.05)          # still gated: the thread goes on
+    assert t.offload_pending
+    gate.set()
+    t.reload()                                  # waits for the thread, which ended the copy
+    assert not t.offload_pending and threads == ["the end of the deferred offload"]
+    t.wait_reload()
+    after = snapshot(t)
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+
+    def broken(self, timeout=None):
+        if threading.current_thread() is threading.main_thread():
+            return real(self, timeout)
+        raise ColomemError("the copy failed")
+    monkeypatch.setattr(TorchTrainer, "_finish_offload_now", broken)
+    t.offload(defer=True)
+    t.finish_offload(background=True)
+    with pytest.raises(ColomemError, match="the copy failed"):
+        t.finish_offload()
+    assert not t._finishing.busy                # collected: the error was the thread's last word
+    monkeypatch.setattr(TorchTrainer, "_finish_offload_now", real)
+    t.close()
+    assert pool.stats()["in_use_bytes"] == 0
+    pool.close()
+
+
 def _job(out, **kw):
     data = {"backend": "cpu", "steps": 3, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
             "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4}, "save_every": 3,

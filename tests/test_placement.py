@@ -553,7 +553,7 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     spy(TorchTrainer, "offload", lambda t, kw: ("offload", tuple(sorted(kw.get("keep", ()))), kw.get("defer"),
                                                 kw.get("hold")))
     spy(TorchTrainer, "start_offload", "start")
-    spy(TorchTrainer, "finish_offload", "finished")
+    spy(TorchTrainer, "finish_offload", lambda t, kw: ("finished", kw.get("background", False)))
     spy(TorchTrainer, "train_step", "train")
     spy(HFRollout, "wake_weights", "wake_weights")
     spy(HFRollout, "wake_kv", "wake_kv")
@@ -571,12 +571,13 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     assert not any("offload_wait" in x["phase_s"] for x in steps[1:])     # nothing waits before the KV cache
     kept = tuple(sorted(c for c in ALL_CATEGORIES if c != "optim"))
     # the moments start copying out once the weights woke (not beside their wake), nothing waits for them
-    # before the KV cache, the step's reload waits for them
-    cycle = [("offload", kept, True, True), "wake_weights", "start", "wake_kv", "finished", "train"]
+    # before the KV cache, their end runs in a thread during the rollout, and the step's reload waits for it
+    cycle = [("offload", kept, True, True), "wake_weights", "start", "wake_kv", ("finished", True),
+             ("finished", False), "train"]
     first = events.index(cycle[0])
     # (the last checkpoint is read from the pool: one more offload, whose held copy its save starts and waits for)
     assert first > events.index("train") and events[first:] == cycle * (len(steps) - 1) + [cycle[0],
-        "finished", "start"], events
+        ("finished", False), "start"], events
     rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
     assert rewards(tmp_path / "out") == rewards(tmp_path / "moves")
     a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)

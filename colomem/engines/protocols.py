@@ -134,9 +134,11 @@ class Trainer(Protocol):
         """Whether a deferred part of the last offload is still copying (finish_offload() ends it)."""
         ...
 
-    def finish_offload(self, timeout: Optional[float] = None) -> float:
+    def finish_offload(self, timeout: Optional[float] = None, *, background: bool = False) -> float:
         """Waits for the deferred part of the last offload and gives its memory back to the driver; returns the
-        seconds waited (0.0 when nothing was deferred)."""
+        seconds waited (0.0 when nothing was deferred). background: in a thread while the caller goes on
+        (0.0 returned; only while nothing else of this process runs on the GPU); every later call that needs
+        the trainer's state waits for it first."""
         ...
 
     def reload(self) -> None:

@@ -20,6 +20,7 @@ from typing import Collection, Iterator, Mapping, Optional
 import torch
 from torch import Tensor
 
+from colomem.engines.background import BackgroundSlot
 from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model, save_torch
 from colomem.engines.hf_model import load_model, model_on_base
 from colomem.engines.hf_rollout import HFRollout
@@ -108,6 +109,7 @@ class TorchTrainer:
         self._sync_source: Optional[list] = None
         self._pending = PendingReloads()       # optimizer state still coming back (overlap_reload)
         self._deferred: Optional[tuple] = None  # (set, handle) of an offload still copying (defer=True)
+        self._finishing = BackgroundSlot()      # finish_offload(background=True) while it runs
         self.pool = pool
         self.offload_mode = "none"
         if pool is not None:
@@ -181,6 +183,7 @@ class TorchTrainer:
         defer): it starts copying only at start_offload()."""
         self._check("offload()")
         check_hold(defer, hold)
+        self.finish_offload()               # a background end of the last offload, if one still runs
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
         if self.shared is not None:         # the base is the rollout's and must stay; the adapter is tiny
             keep = (*keep, "params")
@@ -219,7 +222,7 @@ class TorchTrainer:
 
     @property
     def offload_pending(self) -> bool:
-        return self._deferred is not None
+        return self._deferred is not None or self._finishing.busy
 
     def start_offload(self) -> None:
         """Starts the copy an offload(defer=True, hold=True) held back (nothing to do otherwise)."""
@@ -227,9 +230,19 @@ class TorchTrainer:
             s = self._deferred[0]
             self._deferred = (s, s.offload_async())
 
-    def finish_offload(self, timeout: Optional[float] = None) -> float:
+    def finish_offload(self, timeout: Optional[float] = None, *, background: bool = False) -> float:
         """Waits for the AdamW state an offload(defer=True) left copying (starting it first when held);
-        returns the seconds waited. On a timeout the copy goes on and a later call waits again."""
+        returns the seconds waited. On a timeout the copy goes on and a later call waits again. background:
+        in a thread (DeepSpeedTrainer.finish_offload); any later call waits for it first."""
+        if self._finishing.busy:
+            return self._finishing.collect(self.swap_timeout_s if timeout is None else timeout)
+        if background:
+            if self._deferred is not None:
+                self._finishing.start(self._finish_offload_now, "the end of the deferred offload")
+            return 0.0
+        return self._finish_offload_now(timeout)
+
+    def _finish_offload_now(self, timeout: Optional[float] = None) -> float:
         self.start_offload()
         if self._deferred is None:
             return 0.0

@@ -143,6 +143,15 @@ class PhaseRunner:
         self.trainer.start_offload()
         rec.phase_s["offload"] = rec.phase_s.get("offload", 0.0) + time.perf_counter() - t0
 
+    def _finish_offload_during_rollout(self) -> None:
+        """optim_out: the moments' copy out ends during the rollout, and their memory goes back to the driver
+        then, in a thread (0.14 s of cudaFree on the 7.6B job, off the switch), where vLLM runs in its own
+        process. With vLLM in this process the free's device-wide wait would stall its kernels: reload()
+        ends it then, as it ends it when nothing ran it here."""
+        if self.placement.optim_out and self.cfg.effective_engine == "cross-process" \
+                and self.trainer.offload_pending:
+            self.trainer.finish_offload(background=True)
+
     def _sleep_rollout(self) -> None:
         """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
         if self.shared is not None:
@@ -181,6 +190,7 @@ class PhaseRunner:
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
                     self.rollout.wake_kv()
+            self._finish_offload_during_rollout()
             for name, fn in work:
                 current = name
                 with self.phase(rec, name):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from colomem.engines.background import BackgroundSlot
 from colomem.engines.deepspeed import DeepSpeedTrainer
 from colomem.engines.deepspeed.weights import Staging, WeightExport
 from colomem.swap import PendingReloads
@@ -137,7 +138,8 @@ def bare_trainer(model, lora, pool=None):
                       _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(), _params_kept=False,
                       _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
                       _pending=PendingReloads(), timeout_s=30.0, shared=None, _shared_storages=frozenset(),
-                      optimizer_reload="overlap", _step_reload=None, _strategies={})
+                      optimizer_reload="overlap", _step_reload=None, _strategies={},
+                      _finishing=BackgroundSlot())
     return t
 
 

@@ -407,7 +407,8 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
                 assert t.offload_pending and t.last_offload.deferred_bytes > 0
                 t.start_offload()
                 assert all(w.is_cuda for _, w in t.named_weights())        # the sync reads them on the GPU
-                t.reload()                                                 # waits for the copy out first
+                t.finish_offload(background=True)                          # its end during the "rollout"
+                t.reload()                                                 # waits for that thread first
                 assert not t.offload_pending and t.last_offload.wait_seconds >= 0.0
             assert not t.offloaded and t.last_reload.seconds >= 0.0
             out = t.train_step(make_batch(step))

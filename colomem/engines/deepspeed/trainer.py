@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from colomem._torch import mem_get_info
+from colomem.engines.background import BackgroundSlot
 from colomem.engines.protocols import check_hold
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
@@ -32,12 +33,13 @@ from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, Eng
                     left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
 from .model import build_model, check_model_dir
 from .closing import close_trainer
+from .deferred import DeferredOffload
 from .step_reload import ReloadAtStep, StepStartPeak, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(DeferredOffload):
     """The Trainer of colomem.engines.protocols on DeepSpeed ZeRO-2/3 (bf16).
 
     model_path: a local transformers checkpoint directory (nothing is downloaded), or an already built
@@ -90,6 +92,7 @@ class DeepSpeedTrainer:
         self._step_reload: Optional[ReloadAtStep] = None
         self._start_peak: Optional[StepStartPeak] = None
         self._pending = PendingReloads()
+        self._finishing = BackgroundSlot()   # finish_offload(background=True) while it runs
         self.deepspeed_version = deepspeed.__version__
         self.last_offload: Optional[SwitchReport] = None
         self.last_reload: Optional[SwitchReport] = None
@@ -278,6 +281,7 @@ class DeepSpeedTrainer:
         comes first (its mapping of fresh memory ran ~10x slower beside the copy). The report is in
         `last_offload`."""
         self._check_resident("offload()")
+        self.finish_offload()                  # a background end of the last offload, if one still runs
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
         keep = check_offload_args(method, tuple(keep), defer, CATEGORIES)
@@ -341,34 +345,6 @@ class DeepSpeedTrainer:
         """Whether offload(defer=True) is possible (the colomem method): the planner may then send the
         optimizer state out behind the rollout."""
         return self.offload_method == "colomem"
-
-    @property
-    def offload_pending(self) -> bool:
-        s = self._strategies.get("colomem")
-        return isinstance(s, ColomemOffload) and s.pending_bytes > 0
-
-    def start_offload(self) -> None:
-        """Starts the copy an offload(defer=True, hold=True) held back; nothing to do otherwise."""
-        s = self._strategies.get("colomem")
-        if isinstance(s, ColomemOffload):
-            s.start_late()
-
-    def finish_offload(self, timeout: Optional[float] = None) -> float:
-        """Waits for what offload(defer=True) left copying and gives its memory to the driver; returns the
-        seconds waited (0.0: nothing was deferred)."""
-        s = self._strategies.get("colomem")
-        if not isinstance(s, ColomemOffload) or not s.pending_bytes:
-            return 0.0
-        t0 = time.perf_counter()
-        nbytes = s.finish_late(timeout)
-        release_cached_memory()
-        waited = time.perf_counter() - t0
-        rep = self.last_offload
-        if rep is not None:
-            rep.moved_bytes += nbytes
-            rep.wait_seconds = waited
-            rep.free_bytes = mem_get_info(self.device)[0]
-        return waited
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
