@@ -6,6 +6,7 @@ work and the trainer's own never overlap; an error raised in the thread is raise
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -38,7 +39,8 @@ class Background:
     def result(self, timeout: Optional[float]) -> Any:
         """Waits up to `timeout` s (None: without bound) for the thread; TransferTimeoutError after that (the
         thread goes on, and a later call waits again)."""
-        self._thread.join(timeout)
+        bounded = timeout is not None and math.isfinite(timeout)
+        self._thread.join(timeout if bounded else None)      # (join refuses an infinite timeout)
         if self._thread.is_alive():
             raise TransferTimeoutError(f"{self._name} did not finish within {timeout:g} s; the GPU may be hung "
                                        "or heavily shared. Raise the trainer's timeout or check the device")
