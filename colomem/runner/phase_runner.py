@@ -57,7 +57,6 @@ class PhaseRunner:
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
-        self._offload_held = False          # the trainer's deferred copy waits for the weights' wake
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -134,11 +133,10 @@ class PhaseRunner:
                 self.trainer.finish_offload()
 
     def _start_deferred_offload(self, rec: StepRecord) -> None:
-        """The optimizer state's copy out, held back by offload_trainer until the rollout's weights woke;
-        counted in the offload phase."""
-        if not self._offload_held:
+        """optim_out: the optimizer state's copy out, held back by offload_trainer until the rollout's weights
+        woke (a no-op on a copy already started); counted in the offload phase."""
+        if not (self.placement.optim_out and self.trainer.offload_pending):
             return
-        self._offload_held = False
         t0 = time.perf_counter()
         self.trainer.start_offload()
         rec.phase_s["offload"] = rec.phase_s.get("offload", 0.0) + time.perf_counter() - t0
@@ -225,7 +223,6 @@ class PhaseRunner:
             defer = p.optim_out or (self.cfg.overlap_offload and not self._plan_after_step)
             # optim_out: nothing waits for that copy before training, so it starts once the rollout's weights
             # are awake (_start_deferred_offload): their fresh memory mapped beside it ran ~10x slower
-            self._offload_held = p.optim_out
             self.trainer.offload(keep=p.offload_keep, defer=defer, hold=p.optim_out)
             self._moved.add("offload")
             self._measure_at_step()
