@@ -48,10 +48,9 @@ def _probe_once(torch, stream, src, dst, after=None) -> float:
         dst.copy_(src, non_blocking=True)
         end = torch.cuda.Event()
         end.record(stream)
-    while not end.query():
-        if time.perf_counter() - t0 > PROBE_BOUND_S:
-            raise TimeoutError("a probe did not finish within the bound")
-        time.sleep(20e-6)
+    from colomem.bridge.buffers import wait_event
+
+    wait_event(end, PROBE_BOUND_S, "a probe")
     return (time.perf_counter() - t0) * 1e3
 
 
