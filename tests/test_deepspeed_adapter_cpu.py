@@ -729,3 +729,16 @@ def test_the_peak_at_the_optimizer_steps_start_is_read_before_an_at_step_reload_
     fig = reload_figures(s.late.last_stats)
     assert set(fig) == {"optimizer_reload_copy_s", "optimizer_reload_regrow_s"} and all(v >= 0 for v in fig.values())
     s.close()
+
+
+def test_an_offload_names_what_it_left_only_beyond_what_it_meant_to_keep():
+    """The (slow) scan of live tensors runs when an offload left more allocated than its kept categories and
+    its deferred part, not whenever a placement keeps most of the trainer on the GPU."""
+    mib = 1 << 20
+    sizes = {"params": 900 * mib, "master": 1800 * mib, "optim": 3600 * mib, "grads": 0}
+    kept = ("params", "master")
+    assert not ds_state.worth_naming(2700 * mib, sizes, kept, 0)               # exactly what stays
+    assert not ds_state.worth_naming(6300 * mib, sizes, kept, 3600 * mib)      # the moments still copying out
+    assert ds_state.worth_naming(2700 * mib + 17 * mib, sizes, kept, 0)        # 17 MiB nobody meant to keep
+    assert ds_state.worth_naming(2700 * mib, sizes, (), 0)                     # everything was to go
+    assert not ds_state.worth_naming(8 * mib, sizes, (), 0)

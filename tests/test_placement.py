@@ -570,9 +570,9 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     assert all(x["phase_s"].get("offload", 0) < 0.5 for x in steps[1:])
     assert not any("offload_wait" in x["phase_s"] for x in steps[1:])     # nothing waits before the KV cache
     kept = tuple(sorted(c for c in ALL_CATEGORIES if c != "optim"))
-    # the moments start copying out once the weights woke (not beside their wake), nothing waits for them
-    # before the KV cache, their end runs in a thread during the rollout, and the step's reload waits for it
-    cycle = [("offload", kept, True, True), "wake_weights", "start", "wake_kv", ("finished", True),
+    # the moments start copying out once the rollout is awake (not beside the wakes or the sync), their end
+    # runs in a thread during the rollout, and the step's reload waits for it
+    cycle = [("offload", kept, True, True), "wake_weights", "wake_kv", "start", ("finished", True),
              ("finished", False), "train"]
     first = events.index(cycle[0])
     # (the last checkpoint is read from the pool: one more offload, whose held copy its save starts and waits for)

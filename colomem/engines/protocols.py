@@ -122,7 +122,7 @@ class Trainer(Protocol):
         defer: the optimizer state (read only by the next optimizer step) is still copying when this returns,
         and its memory is freed by finish_offload(); the weights are readable for the sync at once.
         hold (with defer): that copy starts only at start_offload() (or finish_offload()), so that it does
-        not run beside what comes first (the rollout's wake)."""
+        not run beside what comes first (the rollout's wake and the weight sync)."""
         ...
 
     def start_offload(self) -> None:

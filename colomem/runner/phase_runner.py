@@ -133,8 +133,11 @@ class PhaseRunner:
                 self.trainer.finish_offload()
 
     def _start_deferred_offload(self, rec: StepRecord) -> None:
-        """optim_out: the optimizer state's copy out, held back by offload_trainer until the rollout's weights
-        woke (a no-op on a copy already started); counted in the offload phase."""
+        """optim_out: the optimizer state's copy out, held back by offload_trainer until the rollout is
+        awake (a no-op on a copy already started); counted in the offload phase. Nothing of the switch runs
+        beside it then: the weights' and the KV cache's wake map fresh memory, which ran slower beside the
+        copy, and a CUDA call that waits for the whole context (a kernel module loaded on first use, a
+        cudaFree) would wait for all of it. The rollout leaves it seconds to finish before training."""
         if not (self.placement.optim_out and self.trainer.offload_pending):
             return
         t0 = time.perf_counter()
@@ -172,7 +175,6 @@ class PhaseRunner:
                 if self.rollout.phase == ASLEEP:
                     self.rollout.wake_weights()
                     self._moved.add("rollout")
-            self._start_deferred_offload(rec)
             current = "sync"
             with self.phase(rec, "sync"):
                 sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
@@ -188,6 +190,7 @@ class PhaseRunner:
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
                     self.rollout.wake_kv()
+            self._start_deferred_offload(rec)
             self._finish_offload_during_rollout()
             for name, fn in work:
                 current = name
@@ -221,8 +224,8 @@ class PhaseRunner:
             # and the rollout; reload_trainer waits for it); not in the step that measures for the planner
             # (what the trainer left after its offload must be complete)
             defer = p.optim_out or (self.cfg.overlap_offload and not self._plan_after_step)
-            # optim_out: nothing waits for that copy before training, so it starts once the rollout's weights
-            # are awake (_start_deferred_offload): their fresh memory mapped beside it ran ~10x slower
+            # optim_out: nothing waits for that copy before training, so it starts once the rollout is awake
+            # (_start_deferred_offload): fresh memory mapped beside it ran ~10x slower
             self.trainer.offload(keep=p.offload_keep, defer=defer, hold=p.optim_out)
             self._moved.add("offload")
             self._measure_at_step()

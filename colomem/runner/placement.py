@@ -51,8 +51,8 @@ _OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: ma
 class Placement:
     """What moves between phases. keep: trainer categories that stay on the GPU while the rollout runs
     (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains;
-    optim_out: the optimizer state stays in the rollout's memory while it copies to the pool (from the weights'
-    wake on) behind the sync and the rollout; training starts once it is out, and it comes back inside the
+    optim_out: the optimizer state stays in the rollout's memory while it copies to the pool (from the end of
+    the rollout's wake on) behind the rollout; training starts once it is out, and it comes back inside the
     optimizer step."""
     keep: tuple[str, ...]
     rollout_sleeps: bool

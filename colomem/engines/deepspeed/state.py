@@ -341,6 +341,13 @@ def release_cached_memory() -> None:
 LEFT_BEHIND_REPORT_BYTES = 16 << 20   # an offload leaving more than this allocated says what it is
 
 
+def worth_naming(left: int, sizes: dict, keep, pending: int) -> bool:
+    """Whether an offload left more allocated than it meant to (the categories kept and a deferred part still
+    copying out stay by design) by more than LEFT_BEHIND_REPORT_BYTES."""
+    meant = sum(n for c, n in sizes.items() if c in keep) + pending
+    return left - meant > LEFT_BEHIND_REPORT_BYTES
+
+
 def left_behind(device: torch.device, top: int = 6) -> str:
     """'shape dtype MiB' of the largest live tensors on `device` (a diagnosis of what an offload missed)."""
     found, seen = [], set()

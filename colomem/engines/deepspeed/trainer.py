@@ -29,8 +29,8 @@ from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError
 from colomem.swap import PendingReloads
 
 from .config import DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed, init_distributed
-from .state import (CATEGORIES, FUNCTIONAL_LINEAR, LEFT_BEHIND_REPORT_BYTES, EngineState, collect_engine_state,
-                    left_behind, release_cached_memory, trim_module_stack, zero3_global_holders)
+from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_state, left_behind,
+                    release_cached_memory, trim_module_stack, worth_naming, zero3_global_holders)
 from .model import build_model, check_model_dir
 from .closing import close_trainer
 from .deferred import DeferredOffload
@@ -328,9 +328,11 @@ class DeepSpeedTrainer(DeferredOffload):
             raise ColomemError(f"the {method} offload reported no engine state; this is a bug in the DeepSpeed "
                                "adapter (please report it)")
         left = torch.cuda.memory_allocated(dev)
-        # A gc scan of live tensors costs a noticeable share of a second in a big process: name what stayed
-        # once, not on every step's offload (the timed switch of a baseline would carry it every step).
-        diagnose = left > LEFT_BEHIND_REPORT_BYTES and not self._left_behind_named
+        # A gc scan of live tensors costs about a second in a big process: name what stayed once, not on every
+        # step's offload (the timed switch of a baseline would carry it every step), and only what stayed
+        # beyond the categories kept and the part still copying out, which stay by design.
+        pending = strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0
+        diagnose = worth_naming(left, state.sizes, keep, pending) and not self._left_behind_named
         self._left_behind_named |= diagnose
         self.last_offload = SwitchReport(
             method, "offload", time.perf_counter() - t0, moved_bytes=move.nbytes, freed_bytes=free1 - free0,
