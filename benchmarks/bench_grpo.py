@@ -53,6 +53,10 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from grpo_alternate import alternate_figures  # noqa: E402
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
            "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
@@ -60,6 +64,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
+         # the two above in one process, step by step (what differs between launches is the same for both)
+         "alternate": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "alternate"],
          "timesplit": ["--switch", "timesplit"],
          "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
          # the planner's with all of the trainer's memory in expandable segments (releases never wait for copies)
@@ -213,6 +219,9 @@ def analyse(out_dir: Path) -> dict:
         "completion_len_mean": _median([r.get("completion_len_mean") for r in warm]),
         "shared_base": summary.get("shared_base"),
     })
+    alt = alternate_figures(steps)
+    if alt is not None:
+        res["alternate"] = alt
     return res
 
 
@@ -299,6 +308,10 @@ def top_level(report: dict) -> None:
             report[f"{cfg}_switch_fraction"] = frac
             report.setdefault("offload_needed_switch_fraction", frac)     # the 1.5B job's when both ran
             report[f"{cfg}_placement"] = (res(f"{cfg}_colomem").get("placement") or {}).get("label")
+    alt = res("full_alternate").get("alternate") or {}
+    if alt.get("speedup_vs_resident") is not None:     # the layouts in turn in one process
+        report["speedup_vs_resident_alternate"] = alt["speedup_vs_resident"]
+        report["alternate"] = alt
     full7b = over_rounds("full7b", "colomem", "step_s")
     if full7b is not None:
         report["full7b_step_s"] = full7b

@@ -14,7 +14,7 @@ from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 from colomem.runner.loop_memory import grow_sync_bucket
 from colomem.units import format_bytes
-from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, candidates, choose,
+from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, alternate, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
                                       figures_from_step, kv_hint, micro_batch_hint,
                                       needs_measuring, reload_at_step, state_to_plan, train_need)
@@ -375,6 +375,49 @@ def test_a_rollout_that_stays_awake_retires_its_prefix_cache_after_each_rollout(
     seen.clear()
     moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
     assert moved.summary["status"] == "ok" and seen == []
+
+
+def test_alternate_runs_both_resident_layouts_in_turn_and_trains_the_same(job_env, tmp_path):
+    """--rollout-sleep alternate: vLLM sleeps through every even step's training and stays awake through
+    every odd one's; each step says which, and whether its rollout followed a wake. The weights and rewards
+    are those of a run where nothing moves."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "grpo_alternate", Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alternate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    alternate_figures = mod.alternate_figures
+
+    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never", steps=5), print_fn=lambda *_: None)
+    alt = run_job(job(tmp_path / "alt", offload="none", rollout_sleep="alternate", steps=5), print_fn=lambda *_: None)
+    assert still.summary["status"] == alt.summary["status"] == "ok", alt.summary
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    steps = [x for x in lines(tmp_path / "alt") if "reward_mean" in x]
+    assert [x["placement/rollout_sleeps"] for x in steps] == [1, 0, 1, 0, 1]
+    # the first rollout wakes from the start; then a rollout wakes only after a step that slept
+    assert [x["rollout/woke"] for x in steps] == [1, 1, 0, 1, 0]
+    assert [("sleep" in x["phase_s"]) and x["phase_s"]["sleep"] >= 0 for x in steps] == [True] * 5
+    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    assert rewards(tmp_path / "alt") == rewards(tmp_path / "none")
+    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+            for k in ("none", "alt"))
+    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+    fig = alternate_figures(steps)
+    assert [r["step"] for r in fig["steps"]] == [1, 2, 3, 4]
+    assert fig["resident"]["step_s"] > 0 and fig["still"]["step_s"] > 0
+    assert fig["speedup_vs_resident"] == fig["resident"]["step_s"] / fig["still"]["step_s"]
+
+
+def test_alternate_needs_the_trainer_resident():
+    assert candidates("none", "alternate") == [Placement(ALL_CATEGORIES, False)]
+    for offload in ("auto", "all", "optimizer"):
+        with pytest.raises(ConfigError, match="needs offload none"):
+            candidates(offload, "alternate")
+    p = Placement(ALL_CATEGORIES, False)
+    assert [alternate(p, k).rollout_sleeps for k in range(4)] == [True, False, True, False]
+    assert all(alternate(p, k).keep == ALL_CATEGORIES for k in range(4))
 
 
 # ------------------------------------------------------------------------ the optimizer step's own peak

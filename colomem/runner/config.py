@@ -95,9 +95,11 @@ class RunConfig(_Strict):
                             "on the first step: nothing when both fit, else the state that does not fit beside "
                             "the rollout, Adam moments first), all, optimizer (fp32 masters and Adam moments), "
                             "none")
-    rollout_sleep: Literal["auto", "always", "never"] = Field(
+    rollout_sleep: Literal["auto", "always", "never", "alternate"] = Field(
         "auto", description="colomem switch, whether vLLM sleeps while the trainer trains: auto (never when "
-                            "both fit with nothing moving), always, never (needs offload none or auto)")
+                            "both fit with nothing moving), always, never (needs offload none or auto), "
+                            "alternate (a measurement, with offload none: every other step, so both layouts "
+                            "run in one process; each step's metrics say which)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
                                                               "the larger of 2 GiB and 3 percent of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")

@@ -36,6 +36,7 @@ from .inrank import check_group_agrees, rollout_digest
 from .loop_memory import oom_error
 from .phase_runner import PhaseRunner
 from .phases import CYCLE
+from .placement import alternate
 from .ranks import Ranks
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
@@ -122,6 +123,9 @@ class ColocatedRunner(PhaseRunner):
         train_idx = ranks.train_groups(n_groups)
         prompt_ids = [self._encode(samples[i].prompt) for i in gen_idx]
         self._moved = set()
+        if cfg.switch == "colomem" and cfg.rollout_sleep == "alternate":
+            self.placement = alternate(self.placement, k)
+            rec.metrics["placement/rollout_sleeps"] = int(self.placement.rollout_sleeps)
 
         with self.phase(rec, "offload"):
             self.offload_trainer()

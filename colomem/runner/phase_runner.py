@@ -175,6 +175,7 @@ class PhaseRunner:
                 if self.rollout.phase == ASLEEP:
                     self.rollout.wake_weights()
                     self._moved.add("rollout")
+                rec.metrics["rollout/woke"] = int("rollout" in self._moved)   # this window's rollout follows a wake
             current = "sync"
             with self.phase(rec, "sync"):
                 sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)

@@ -43,7 +43,7 @@ def _kept_first(groups: int) -> tuple[str, ...]:
 
 ALL_CATEGORIES = _kept_first(len(KEEP_ORDER))
 OFFLOAD_MODES = ("auto", "all", "optimizer", "none")
-SLEEP_MODES = ("auto", "always", "never")
+SLEEP_MODES = ("auto", "always", "never", "alternate")
 _OPTIMIZER_KEEPS = ("params", "other", "grads")          # offload optimizer: masters and moments go
 
 
@@ -87,6 +87,16 @@ class Placement:
 
 
 EVERYTHING_MOVES = Placement((), True, "everything moves (the first step measures what fits)")
+
+
+def alternate(p: Placement, step: int) -> Placement:
+    """rollout_sleep alternate: step `step`'s layout of the planned (resident, awake) placement p. vLLM sleeps
+    through the training of every even step, and stays awake through that of every odd one, so both layouts
+    run in one process, in turn: what differs between launches (where the processes and their memory land)
+    is the same for both. A step's rollout follows the previous step's layout (it woke or it stayed awake)."""
+    sleeps = step % 2 == 0
+    why = "alternating: vLLM " + ("sleeps through this step's training" if sleeps else "stays awake")
+    return Placement(p.keep, sleeps, why)
 
 
 @dataclass
@@ -139,6 +149,12 @@ def candidates(offload: str, rollout_sleep: str, optim_out: bool = True) -> list
         raise ConfigError(f"offload={offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if rollout_sleep not in SLEEP_MODES:
         raise ConfigError(f"rollout_sleep={rollout_sleep!r}: choose one of {', '.join(SLEEP_MODES)}")
+    if rollout_sleep == "alternate":
+        # a measurement: the two layouts of a resident trainer, step by step in one process (alternate())
+        if offload != "none":
+            raise ConfigError(f"rollout_sleep alternate runs the trainer resident with vLLM awake and asleep, step "
+                              f"by step; it needs offload none, not {offload}")
+        rollout_sleep = "never"
     if rollout_sleep == "never" and offload in ("all", "optimizer"):
         raise ConfigError(f"rollout_sleep never keeps the rollout's memory while the trainer trains, so the "
                           f"trainer's state has nowhere to go: offload {offload} saves nothing; use offload none "
@@ -393,7 +409,7 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "candidates", "choose", "default_margin", "early_reload_room",
+           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step",
            "reload_at_step", "state_to_plan", "train_need",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
