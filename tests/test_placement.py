@@ -22,18 +22,11 @@ from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
 from fakes.deepspeed import bare_trainer, zero2_offload
 from fakes.models import lora_model
+from fakes.placement import GB, figs, job, seven_b
 from fakes.vllm import make, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
-GB = 10 ** 9
 CPU = torch.device("cpu")
-
-
-def figs(total=140, rollout=60, left=1, peak=45, params=3, other=0, grads=6, master=12, optim=24):
-    """One GPU's figures in GB: vLLM awake uses `rollout` (incl. the trainer's `left`), training peaks at `peak`."""
-    return MemoryFigures(total=total * GB, rollout_used=rollout * GB, trainer_left=left * GB, train_peak=peak * GB,
-                         state={"params": params * GB, "other": other * GB, "grads": grads * GB,
-                                "master": master * GB, "optim": optim * GB})
 
 
 # ------------------------------------------------------------------------------------------- decisions
@@ -301,115 +294,6 @@ def test_a_sync_into_an_engine_that_stayed_awake_drops_its_prefix_cache():
     r.close()
 
 
-# ------------------------------------------------------------------------------------ the loop, CPU
-def job(out, **kw):
-    data = {"backend": "cpu", "steps": 3, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
-            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4}, "save_every": 3,
-            **kw}
-    return config_from_dict(data)
-
-
-def test_nothing_moving_trains_exactly_as_moving_everything(job_env, tmp_path):
-    moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
-    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never"), print_fn=lambda *_: None)
-    kept = run_job(job(tmp_path / "opt", offload="optimizer"), print_fn=lambda *_: None)
-    for r in (moved, still, kept):
-        assert r.summary["status"] == "ok"
-    assert still.summary["placement"]["label"] == "nothing moves"
-    assert moved.summary["placement"]["label"] == "trainer offloaded, rollout sleeps"
-    assert kept.summary["placement"]["keep"] == ["params", "other", "grads"]
-    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    # nothing moved: no trainer offload report, and the rollout never slept after its first wake
-    assert not any("trainer_offload/seconds" in x for x in lines(tmp_path / "none"))
-    assert all("trainer_offload/seconds" in x for x in lines(tmp_path / "all") if "reward_mean" in x)
-    moved_bytes = lambda out: [x["trainer_offload/moved_bytes"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
-    # offload optimizer moves the AdamW state only (none before the first step creates it)
-    opt, everything = moved_bytes(tmp_path / "opt"), moved_bytes(tmp_path / "all")
-    assert opt[0] == 0 and 0 < opt[-1] < everything[-1]
-    weights = {k: torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
-               for k in ("all", "none", "opt")}
-    for k in ("none", "opt"):
-        assert all(torch.equal(weights["all"]["model"][n], weights[k]["model"][n]) for n in weights["all"]["model"])
-    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
-    assert rewards(tmp_path / "all") == rewards(tmp_path / "none") == rewards(tmp_path / "opt")
-
-
-def test_auto_on_the_cpu_measures_once_then_says_why_everything_moves(job_env, tmp_path):
-    said = []
-    res = run_job(job(tmp_path / "auto"), print_fn=said.append)
-    assert res.summary["status"] == "ok"
-    assert res.summary["placement"]["label"] == "trainer offloaded, rollout sleeps"
-    assert "CPU backend" in res.summary["placement"]["why"]
-    events = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()
-              if '"placement"' in x and '"event"' in x]
-    assert len(events) == 1 and events[0]["from_step"] == 1
-    assert sum("placement" in s for s in said) == 2          # the first step's, then the plan's
-
-
-def test_the_plan_prints_and_records_the_micro_batch_hint_from_gpu_figures(job_env, tmp_path, monkeypatch):
-    # the CPU loop with GPU-like figures after its first step: the planner's own path, the hint included
-    from colomem.runner import phase_runner
-
-    f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
-    said = []
-    res = run_job(job(tmp_path / "hint", micro_batch=4, placement_margin="2GB"), print_fn=said.append)
-    assert res.summary["status"] == "ok" and res.summary["placement"]["label"] == "nothing moves"
-    line = [s for s in said if s.startswith("[colomem] training: ")]
-    assert len(line) == 1 and "--micro-batch up to 16 (now 4)" in line[0], said
-    event = [json.loads(x) for x in (tmp_path / "hint" / "metrics.jsonl").read_text().splitlines()
-             if '"placement"' in x and '"event"' in x][-1]
-    assert event["micro_batch_hint"] == line[0][len("[colomem] training: "):]
-
-
-def test_a_rollout_that_stays_awake_retires_its_prefix_cache_after_each_rollout(job_env, tmp_path, monkeypatch):
-    # nothing moves: new weights come after every train phase, so the loop lets vLLM drop its prefix cache
-    # while the trainer trains; a rollout that sleeps drops it in its sleep, and is not asked
-    from colomem.engines.hf_rollout import HFRollout
-
-    seen: list = []
-    monkeypatch.setattr(HFRollout, "retire_prefix_cache", lambda self: seen.append(self.phase), raising=False)
-    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never"), print_fn=lambda *_: None)
-    assert still.summary["status"] == "ok" and len(seen) == 3 and set(seen) == {"awake"}
-    seen.clear()
-    moved = run_job(job(tmp_path / "all", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
-    assert moved.summary["status"] == "ok" and seen == []
-
-
-def test_alternate_runs_both_resident_layouts_in_turn_and_trains_the_same(job_env, tmp_path):
-    """--rollout-sleep alternate: vLLM sleeps through every even step's training and stays awake through
-    every odd one's; each step says which, and whether its rollout followed a wake. The weights and rewards
-    are those of a run where nothing moves."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "grpo_alternate", Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alternate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    alternate_figures = mod.alternate_figures
-
-    still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never", steps=5), print_fn=lambda *_: None)
-    alt = run_job(job(tmp_path / "alt", offload="none", rollout_sleep="alternate", steps=5), print_fn=lambda *_: None)
-    assert still.summary["status"] == alt.summary["status"] == "ok", alt.summary
-    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    steps = [x for x in lines(tmp_path / "alt") if "reward_mean" in x]
-    assert [x["placement/rollout_sleeps"] for x in steps] == [1, 0, 1, 0, 1]
-    # the first rollout wakes from the start; then a rollout wakes only after a step that slept
-    assert [x["rollout/woke"] for x in steps] == [1, 1, 0, 1, 0]
-    assert [("sleep" in x["phase_s"]) and x["phase_s"]["sleep"] >= 0 for x in steps] == [True] * 5
-    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
-    assert rewards(tmp_path / "alt") == rewards(tmp_path / "none")
-    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
-            for k in ("none", "alt"))
-    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
-    fig = alternate_figures(steps)
-    assert [r["step"] for r in fig["steps"]] == [1, 2, 3, 4]
-    assert fig["resident"]["step_s"] > 0 and fig["still"]["step_s"] > 0
-    assert fig["speedup_vs_resident"] == fig["resident"]["step_s"] / fig["still"]["step_s"]
-
-
 def test_alternate_needs_the_trainer_resident():
     assert candidates("none", "alternate") == [Placement(ALL_CATEGORIES, False)]
     for offload in ("auto", "all", "optimizer"):
@@ -421,18 +305,6 @@ def test_alternate_needs_the_trainer_resident():
 
 
 # ------------------------------------------------------------------------ the optimizer step's own peak
-def seven_b(**kw):
-    """A 7.6B full fine-tune's figures in GiB, as measured on a 139.8 GiB GPU: the first step's training
-    peaked at 128 with Adam's moments (57) created only after the gradients were freed; vLLM asleep, CUDA
-    contexts and the bridge's buffers take 4 beside the trainer."""
-    gib = 1 << 30
-    f = dict(total=int(139.8 * gib), rollout_used=43 * gib, trainer_left=0, train_peak=128 * gib,
-             state={"params": 14 * gib, "other": 0, "grads": 14 * gib, "master": 28 * gib, "optim": 57 * gib},
-             train_other=4 * gib, optim_created=57 * gib)
-    f.update(kw)
-    return MemoryFigures(**f)
-
-
 def test_a_step_that_fits_only_as_the_first_one_brings_the_optimizer_state_back_inside_it():
     f = seven_b()
     # the first step's peak did not hold the moments: with them on the GPU from the start, 128 + 57 + 4
@@ -474,58 +346,6 @@ def test_hints_and_bucket_growth_count_the_memory_training_takes():
     assert "gpu-memory-utilization up to" in kv_hint(p, [f], utilization=0.25)
 
 
-def test_the_runner_reloads_at_the_step_when_the_plan_says_so_and_trains_the_same(job_env, tmp_path, monkeypatch):
-    from colomem.runner import phase_runner
-
-    ref = run_job(job(tmp_path / "overlap", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: seven_b())
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
-    said = []
-    res = run_job(job(tmp_path / "auto"), print_fn=said.append)
-    assert ref.summary["status"] == res.summary["status"] == "ok"
-    assert any(s.startswith("[colomem] optimizer state: comes back inside the optimizer step") for s in said), said
-    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    event = [x for x in lines(tmp_path / "auto") if x.get("event") == "placement"][-1]
-    assert event["optimizer_reload"] == "step" and "inside the step" in event["optimizer_reload_why"]
-    steps = [x for x in lines(tmp_path / "auto") if "reward_mean" in x]
-    # the first step measures (no state in the pool yet); the later ones reload the AdamW state at the step,
-    # a switch phase of its own
-    assert "reload_step" not in steps[0]["phase_s"] and all(x["phase_s"]["reload_step"] > 0 for x in steps[1:])
-    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
-    assert rewards(tmp_path / "auto") == rewards(tmp_path / "overlap")
-    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
-            for k in ("overlap", "auto"))
-    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
-
-
-def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_step(job_env, tmp_path, monkeypatch):
-    """A resume's first (measuring) step already has Adam's moments: reloaded before the optimizer step, a job
-    that fits only with them reloaded inside it would run out of memory before the planner could choose. So
-    auto brings them back at that step, and the plan counts them as absent from the measured peak."""
-    from colomem.runner import phase_runner
-
-    first = run_job(job(tmp_path / "a", steps=2, save_every=2), print_fn=lambda *_: None)
-    assert first.summary["status"] == "ok"
-    seen = []
-
-    def figures(memory, by_cat, total, **kw):
-        seen.append(kw)
-        # the moments counted as absent from the measured peak (as on the GPU, at their 7.6B size), or not
-        return seven_b() if kw.get("optim_created") else seven_b(optim_created=0)
-    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
-    said = []
-    res = run_job(job(tmp_path / "a", steps=4, save_every=4, resume="auto"), print_fn=said.append)
-    assert res.summary["status"] == "ok", res.summary
-    steps = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
-             if "reward_mean" in x]
-    resumed = [x for x in steps if x.get("step", 0) >= 2]
-    # every resumed step, the measuring one included, reloaded the AdamW state inside the optimizer step
-    assert resumed and all(x["phase_s"].get("reload_step", 0) > 0 for x in resumed), resumed
-    assert len(seen) == 1 and seen[0]["optim_created"] > 0
-    assert any("comes back inside the optimizer step" in s for s in said)
-
-
 # ------------------------------------------------------------- the optimizer state out for the optimizer step
 def test_a_trainer_that_fits_the_rollout_whole_sends_only_its_moments_out_behind_the_rollout():
     """The whole trainer fits beside the awake rollout, but its optimizer step cannot hold the moments: they
@@ -562,99 +382,6 @@ def test_the_training_head_room_of_that_placement_is_the_measured_step_s():
     # the moments are in the pool when training starts and come back inside the step: 4 + 128 + 2 margin
     assert p.optim_out and pl._train_spare(p, [f], 2 * gib, 0) == total - 134 * gib
     assert micro_batch_hint(p, [f], micro_batch=2, rows=4, margin=2 * gib) == ""
-
-
-def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_the_same(job_env, tmp_path,
-                                                                                         monkeypatch):
-    """The moments start copying out at the switch, deferred; the rollout's KV cache wakes while they copy
-    (the plan counted them in the rollout's memory), and training starts only after the copy is over."""
-    from colomem.engines.hf_rollout import HFRollout
-    from colomem.engines.stand_ins import TorchTrainer
-    from colomem.runner import phase_runner
-
-    gib = 1 << 30
-    f = seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib, step_start_peak=100 * gib)
-    ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
-    seen = []
-
-    def figures(memory, by_cat, total, **kw):
-        seen.append(kw)
-        return f
-    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
-    events: list = []
-
-    def spy(cls, name, label):
-        real = getattr(cls, name)
-
-        def wrapped(self, *a, **kw):
-            held = name == "start_offload" and self._deferred is not None and self._deferred[1] is None
-            if (name != "finish_offload" or self.offload_pending) and (name != "start_offload" or held):
-                events.append(label(self, kw) if callable(label) else label)
-            return real(self, *a, **kw)
-        monkeypatch.setattr(cls, name, wrapped)
-    spy(TorchTrainer, "offload", lambda t, kw: ("offload", tuple(sorted(kw.get("keep", ()))), kw.get("defer"),
-                                                kw.get("hold")))
-    spy(TorchTrainer, "start_offload", "start")
-    spy(TorchTrainer, "finish_offload", lambda t, kw: ("finished", kw.get("background", False)))
-    spy(TorchTrainer, "train_step", "train")
-    spy(HFRollout, "wake_weights", "wake_weights")
-    spy(HFRollout, "wake_kv", "wake_kv")
-    said = []
-    res = run_job(job(tmp_path / "out"), print_fn=said.append)
-    assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
-    assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout"), said
-    assert "pre_step_peak" in seen[0] and "step_start_peak" in seen[0]     # the peaks are reported with the plan
-    assert any("would fit back before the step" in s for s in said), said
-    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    steps = [x for x in lines(tmp_path / "out") if "reward_mean" in x]
-    # after the measuring step nothing moves before the rollout; the AdamW state comes back inside the step
-    assert all(x["phase_s"].get("reload_step", 0) > 0 for x in steps[1:]), steps
-    assert all(x["phase_s"].get("offload", 0) < 0.5 for x in steps[1:])
-    assert not any("offload_wait" in x["phase_s"] for x in steps[1:])     # nothing waits before the KV cache
-    kept = tuple(sorted(c for c in ALL_CATEGORIES if c != "optim"))
-    # the moments start copying out once the rollout is awake (not beside the wakes or the sync), their end
-    # runs in a thread during the rollout, and the step's reload waits for it
-    cycle = [("offload", kept, True, True), "wake_weights", "wake_kv", "start", ("finished", True),
-             ("finished", False), "train"]
-    first = events.index(cycle[0])
-    # (the last checkpoint is read from the pool: one more offload, whose held copy its save starts and waits for)
-    assert first > events.index("train") and events[first:] == cycle * (len(steps) - 1) + [cycle[0],
-        ("finished", False), "start"], events
-    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
-    assert rewards(tmp_path / "out") == rewards(tmp_path / "moves")
-    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
-            for k in ("moves", "out"))
-    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
-    # the AdamW moments that went out and came back every step are the same bits as the moved ones
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-
-
-def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rollout_trains_the_same(
-        job_env, tmp_path, monkeypatch):
-    """An evaluation's awake window sends the moments out behind it too; the next step's offload first brings
-    back the moments no optimizer step took back (the state must be whole before it moves again): the
-    evaluations and the training match a run that moves everything."""
-    from colomem.runner import phase_runner
-
-    f = seven_b(rollout_used=20 * (1 << 30))
-    ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always", eval_every=1),
-                  print_fn=lambda *_: None)
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda *a, **kw: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
-    res = run_job(job(tmp_path / "out", eval_every=1), print_fn=lambda *_: None)
-    assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
-    assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout")
-    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    evals = lambda out: [{k: v for k, v in x.items() if k.startswith("eval/") and k != "eval/seconds"}  # noqa: E731
-                         for x in lines(out) if any(k.startswith("eval/") for k in x)]
-    assert evals(tmp_path / "out") == evals(tmp_path / "moves") and len(evals(tmp_path / "out")) >= 3
-    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
-            for k in ("moves", "out"))
-    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 def test_the_optimizer_state_that_could_come_back_before_the_step_is_what_fits_beside_the_steps_start():
