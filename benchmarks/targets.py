@@ -1,0 +1,130 @@
+"""The performance targets in one JSON: each figure read from the committed result file that measured it.
+
+    python3 benchmarks/targets.py --out benchmarks/results/<date>-<host>/targets.json
+
+The top level holds every target's figure (None where no run measured it), `detail` says for each where it
+comes from, its target, whether it is met and what the figure is; a markdown table goes beside the JSON. No
+figure is typed in here: each is read from a result file under benchmarks/results/ (the files name the
+commands that made them in their folder's COMMANDS.md). Runs on a CPU; moving a figure to a newer run is a
+change of its `source` below."""
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    op: str                       # ">=" or "<="
+    target: Optional[float]       # None: a figure to report, no threshold
+    source: str                   # a result file, relative to benchmarks/results/
+    read: Callable[[Any], Optional[float]]
+    what: str
+
+
+def key(name: str) -> Callable[[Any], Optional[float]]:
+    return lambda d: d.get(name)
+
+
+def median_of(*names: str) -> Callable[[Any], Optional[float]]:
+    """The median of a figure over the runs of one result file (e.g. two launches)."""
+    def read(d):
+        vals = [d[n]["speedup_vs_resident"] for n in names if d.get(n, {}).get("speedup_vs_resident") is not None]
+        return statistics.median(vals) if vals else None
+    return read
+
+
+TARGETS = [
+    Target("speedup_vs_trl", ">=", 1.8, "2026-12-02-h200/grpobench/grpo_bench.json", key("speedup_vs_trl"),
+           "1.5B full fine-tune, CUDA graphs: TRL 1.16 GRPOTrainer colocate's step over colomem's (planner)"),
+    Target("speedup_vs_all_resident", ">=", 1.0, "2026-12-03-h200/call7/grpobench/grpo_bench.json",
+           key("speedup_vs_all_resident"),
+           "the same job: nothing moving, forced, over the planner's (which chose nothing moving); separate launches"),
+    Target("speedup_vs_resident", ">=", 1.0, "2026-12-04-h200/call24/grpobench/alternate_figures.json",
+           lambda d: median_of("full_alternate", "full_alternate_r2")(d["runs"]),
+           "the same job: trainer resident with vLLM sleeping over nothing moving, both in one process step by "
+           "step (--rollout-sleep alternate), median of two launches"),
+    Target("switch_overhead_fraction_graphs", "<=", 0.005, "2026-12-03-h200/call3/grpobench/grpo_bench.json",
+           key("switch_overhead_fraction"), "the same job: the planner's switch over its step (nothing moves)"),
+    Target("offload_needed_switch_fraction", "<=", 0.02, "2026-12-04-h200/call23/grpobench/grpo_bench.json",
+           key("offload_needed_switch_fraction"),
+           "a job that does not fit with nothing moving: the 7.6B full fine-tune (the moments out behind the "
+           "rollout, back inside the optimizer step)"),
+    Target("bigkv_switch_fraction", "<=", 0.02, "2026-12-04-h200/call23/grpobench/grpo_bench.json",
+           key("bigkv_switch_fraction"),
+           "the 1.5B full fine-tune beside a 112.5 GiB KV cache (vLLM's own KV wake and sleep are 0.037-0.039)"),
+    Target("full7b_step_s", "<=", None, "2026-12-04-h200/call20/grpobench/grpo_bench.json", key("full7b_step_s"),
+           "Qwen2-7B-shaped full fine-tune on one H200 (fp32 masters and Adam on the GPU), seconds a step"),
+    Target("lora7b_speedup_vs_trl", ">=", 1.5, "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json",
+           key("lora7b_shared_speedup_vs_trl"), "7B LoRA job, one copy of the base, against TRL colocate LoRA"),
+    Target("lora7b_switch_fraction", "<=", 0.005, "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json",
+           key("lora7b_shared_switch_fraction"), "the same 7B LoRA job's switch over its step"),
+    Target("offload_wall_vs_peak", ">=", 0.97, "2026-12-03-h200/call5/wall/transfer.json",
+           key("offload_wall_vs_peak_worst"),
+           "wall clock (release and re-growth included), worst of three shapes, median of cycles with the first"),
+    Target("reload_wall_vs_peak", ">=", 0.97, "2026-12-03-h200/call5/wall/transfer.json",
+           key("reload_wall_vs_peak_worst"), "the same, reloads"),
+    Target("reload_wall_vs_peak_first_cycle", ">=", 0.97, "2026-12-03-h200/call5/wall/transfer.json",
+           key("reload_wall_vs_peak_first_cycle_worst"), "the process's very first reload, worst shape"),
+    Target("small_tensors_wall_vs_peak", ">=", 0.8, "2026-12-02-h200/fifth-session/call4/small/transfer.json",
+           key("small_tensors_wall_vs_peak"), "20,000 small tensors (1.39 GB, mixed dtypes), both directions"),
+    Target("sync_inloop_vs_peak", ">=", 0.9, "2026-12-02-h200/syncinloop/bench_sync_inloop.json",
+           key("sync_inloop_best_bucket_vs_peak"),
+           "the loop's weight sync from the pool's host copies (1.5B set), the loop's bucket size"),
+]
+
+
+def evaluate(results: Path = RESULTS) -> dict:
+    """{key: figure, ..., "detail": {key: {...}}} for every target."""
+    out: dict = {}
+    detail: dict = {}
+    for t in TARGETS:
+        path = results / t.source
+        value, error = None, None
+        try:
+            value = t.read(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        met = None
+        if value is not None and t.target is not None:
+            met = {">=": operator.ge, "<=": operator.le}[t.op](value, t.target)
+        out[t.key] = value
+        detail[t.key] = {"value": value, "target": None if t.target is None else f"{t.op} {t.target}", "met": met,
+                         "source": f"benchmarks/results/{t.source}", "what": t.what,
+                         **({"error": error} if error else {})}
+    out["detail"] = detail
+    return out
+
+
+def markdown(report: dict) -> str:
+    rows = ["| figure | value | target | met | source |", "| --- | --- | --- | --- | --- |"]
+    for k, d in report["detail"].items():
+        v = d["value"]
+        shown = "-" if v is None else f"{v:.4g}"
+        met = {True: "yes", False: "no", None: "-"}[d["met"]]
+        rows.append(f"| `{k}` | {shown} | {d['target'] or '-'} | {met} | `{d['source']}` |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write (a .md table goes beside it)")
+    a = ap.parse_args(argv)
+    report = evaluate()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    a.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""benchmarks/targets.py: every performance target's figure is read from a committed result file."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _targets():
+    spec = importlib.util.spec_from_file_location("targets", REPO / "benchmarks" / "targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["targets"] = mod       # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_target_reads_a_figure_from_its_result_file():
+    t = _targets()
+    report = t.evaluate()
+    for k, d in report["detail"].items():
+        assert "error" not in d, (k, d)
+        assert isinstance(report[k], float), (k, report[k])
+        assert (REPO / d["source"]).is_file()
+        if d["target"] is not None:
+            assert d["met"] in (True, False)
+    # the figures are those of the files, not typed in
+    first = t.TARGETS[0]
+    assert report[first.key] == json.loads((t.RESULTS / first.source).read_text())["speedup_vs_trl"]
+
+
+def test_a_missing_file_leaves_the_figure_empty_and_says_why(tmp_path):
+    report = _targets().evaluate(tmp_path)
+    assert all(v is None for k, v in report.items() if k != "detail")
+    assert all("error" in d and d["met"] is None for d in report["detail"].values())
+
+
+def test_the_table_lists_every_target(tmp_path):
+    t = _targets()
+    assert t.main(["--out", str(tmp_path / "t.json")]) == 0
+    table = (tmp_path / "t.md").read_text()
+    assert all(f"`{x.key}`" in table for x in t.TARGETS)
+    assert json.loads((tmp_path / "t.json").read_text()).keys() >= {x.key for x in t.TARGETS}
