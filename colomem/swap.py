@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, cast
+from typing import Optional, cast
 
 import torch
 
@@ -272,57 +272,6 @@ class SwapSet:
         if self.state not in (RESIDENT, DISCARDED):
             raise PhaseOrderError(f"{self.name}: offload while {self.state}; reload it (or wait) first"
                                   f"{self._busy_hint()}")
-
-    def _submit(self, direction: str, copies: list, nbytes: int, undo: Callable[[], None], **kw):
-        """Submits the copies, registered with the pool so it is not closed under them; -> (transfer, token).
-
-        A failed submission runs `undo` (which gives blocks back or shrinks storages) only once none of its
-        copies runs: at once, or, when the core reports copies it had queued still running (the error's
-        `.transfer`), when those are done. Until then the set stays mid-transition and the error carries a
-        handle as `.handle`: its wait() (or wait_pending()) waits for them, undoes, and raises the error."""
-        device = cast(torch.device, self._device)
-        what = f"SwapSet {self.name!r} {'offload' if direction == 'd2h' else 'reload'} of {format_bytes(nbytes)}"
-        try:
-            eng = _torch.engine_for(device)
-            token = self._pool._copies.begin(self._pool, what)
-        except BaseException:
-            undo()
-            raise
-        try:
-            transfer = eng.submit(direction, copies, **kw)
-        except BaseException as exc:
-            running = getattr(exc, "transfer", None)
-            if running is None:
-                self._pool._copies.end(token)
-                undo()
-            else:
-                self._pool._copies.attach(token, running)  # pool.close() waits for those copies too
-                self._undo_when_done(direction, exc, running, token, undo)
-            raise
-        self._pool._copies.attach(token, transfer)
-        return transfer, token
-
-    def _undo_when_done(self, direction: str, exc: BaseException, running, token: int,
-                        undo: Callable[[], None]) -> None:
-        """Parks a failed submission whose queued copies still run (see _submit) behind a handle."""
-        before = self.state
-        self.state = OFFLOADING if direction == "d2h" else RELOADING
-
-        def finish() -> SwapStats:  # called once, under the set's lock, after those copies completed
-            self._pool._copies.end(token)
-            self._pending = None
-            undo()
-            self.state = before
-            raise exc
-
-        handle = SwapHandle(self, running, finish, time.perf_counter())
-        self._pending = handle
-        setattr(exc, "handle", handle)
-        add_note = getattr(exc, "add_note", None)  # Python 3.11+; .handle carries the same on older ones
-        if add_note is not None:
-            add_note(f"{self.name}: copies queued before this failure were still running, so the set keeps its "
-                     "pool blocks and storages until they finish: wait_pending() (or this error's .handle.wait()) "
-                     "waits for them, then raises this error again and the set is usable")
 
     def offload_async(self, *, timing: bool = False) -> SwapHandle:
         """Starts copying the set to the pool. GPU memory is freed when the handle's wait() returns."""

@@ -29,6 +29,7 @@ import torch
 from colomem import _torch
 from colomem.pool import Block
 from colomem.swap_handles import DEFAULT_TIMEOUT_S
+from colomem.swap_submit import park_failed, submit_copies
 from colomem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -215,10 +216,10 @@ def span_ms(*transfers) -> float:
 def submit(s: "SwapSet", direction: str, layout: Layout, undo: Callable[[], None], *, ordered: bool = True,
            timing: bool = False):
     """Submits an offload ('d2h') or reload ('h2d') of the set's entries; -> (transfer, token), as
-    SwapSet._submit (which moves a set without chunks, or one whose staging buffer does not fit).
+    swap_submit.submit_copies (which moves a set without chunks, or one whose staging buffer does not fit).
 
     A failure part way (a chunk's submission, a gather or scatter) runs `undo` once nothing that was queued
-    still runs: at once, or through the handle SwapSet._undo_when_done parks on the error."""
+    still runs: at once, or through the handle swap_submit.park_failed parks on the error."""
     device = s._device
     assert device is not None
     d2h = direction == "d2h"
@@ -239,7 +240,7 @@ def submit(s: "SwapSet", direction: str, layout: Layout, undo: Callable[[], None
             raise
         else:
             return _submit_chunks(s, eng, lane, direction, layout, undo, nbytes, cur, ordered, timing)
-    return s._submit(direction, _direct_copies(s._entries, d2h), nbytes, undo, wait_stream=cur,
+    return submit_copies(s, direction, _direct_copies(s._entries, d2h), nbytes, undo, wait_stream=cur,
                      signal_stream=cur if ordered and not d2h else 0, timing=timing)
 
 
@@ -296,7 +297,7 @@ def _submit_chunks(s: "SwapSet", eng, lane, direction: str, layout: Layout, undo
                 layout.release_staging()
                 undo()
 
-            s._undo_when_done(direction, exc, both, token, undo_after)
+            park_failed(s, direction, exc, both, token, undo_after)
         raise
     # On CUDA the memory goes back in the engine stream's order (see submit); on the host every chunk copy
     # was waited for above.

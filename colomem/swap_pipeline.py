@@ -28,6 +28,7 @@ import torch
 from colomem import _torch
 from colomem.errors import TransferTimeoutError
 from colomem.swap_coalesce import FAILURE_WAIT_S, Transfers, _direct_copies, _done, _settle
+from colomem.swap_submit import park_failed
 from colomem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
                   oom_error: Callable[[BaseException], BaseException]):
     """Grows and submits piece by piece; -> (transfer, token, grow_ms: the host time spent growing, most of it
     behind the copies). On failure the grown storages are shrunk (at once or, while queued copies still run,
-    through the handle SwapSet._undo_when_done parks on the error) and the error raised: an out-of-memory
+    through the handle swap_submit.park_failed parks on the error) and the error raised: an out-of-memory
     from the allocator as `oom_error(exc)`."""
     device = s._device
     assert device is not None
@@ -122,7 +123,7 @@ def _fail(s: "SwapSet", exc: BaseException, err: BaseException, parts: list, gro
         return
     both = Transfers(running, 0)
     s._pool._copies.attach(token, both)
-    s._undo_when_done("h2d", err, both, token, shrink)
+    park_failed(s, "h2d", err, both, token, shrink)
 
 
 # -- offload: each piece's memory freed as soon as its copy ended ----------------------------------------------
@@ -147,7 +148,7 @@ def offload_applies(s: "SwapSet", layout) -> bool:
 
 def submit_offload(s: "SwapSet", layout, undo: Callable[[], None], *, timing: bool):
     """One engine submission per piece; -> (transfer, token, the pieces). A failed submission runs `undo`
-    once nothing queued still runs (at once, or behind the handle SwapSet._undo_when_done parks)."""
+    once nothing queued still runs (at once, or behind the handle swap_submit.park_failed parks)."""
     device = s._device
     assert device is not None
     pool = s._pool
@@ -180,7 +181,7 @@ def submit_offload(s: "SwapSet", layout, undo: Callable[[], None], *, timing: bo
         else:
             both = Transfers(running, 0)
             pool._copies.attach(token, both)
-            s._undo_when_done("d2h", exc, both, token, undo)
+            park_failed(s, "d2h", exc, both, token, undo)
         raise
     transfer = Transfers(parts, nbytes)
     pool._copies.attach(token, transfer)
