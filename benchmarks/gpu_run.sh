@@ -76,7 +76,11 @@ run() {  # run NAME TIMEOUT CMD...
   wait "$sid"
   local rc=$?
   pkill -9 -s "$sid" 2>/dev/null; kill -9 -- "-$sid" 2>/dev/null
-  gpu_idle 60 || echo "[gpu_run] $name: GPU processes still running 60 s after the stage: $(gpu_pids)"
+  # up to 60 s for the stage's processes to leave the GPU, never past the call's end (the pack must fit)
+  local idle=$((CALL_S - (SECONDS - t0) - 10))
+  [ "$idle" -gt 60 ] && idle=60
+  [ "$idle" -lt 1 ] && idle=1
+  gpu_idle "$idle" || echo "[gpu_run] $name: GPU processes still running $idle s after the stage: $(gpu_pids)"
   if [ -n "$packer" ]; then kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null; fi
   tail -${TAIL:-15} "$OUT/$name.log"
   stamp "$name rc=$rc"
