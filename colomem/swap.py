@@ -107,6 +107,7 @@ class SwapSet:
             raise InvalidArgumentError(f"pack_small must be bytes >= 0, got {pack_small!r}")
         self._packer = swap_slab.Packer(pack_small) if pack_small else None
         self._layout: Optional[swap_coalesce.Layout] = None  # how the last offload grouped the storages
+        self._memo = swap_sources.PlanMemo()                  # the last plan, while its storages stay
         self.state = RESIDENT
         self._entries: list[_Entry] = []
         self._kept: list[Block] = []
@@ -202,9 +203,22 @@ class SwapSet:
 
     def _plan(self, source=None, groups: Optional[dict] = None) -> list[_Entry]:
         """One entry per storage to move. source: the source already read (default: read it now); groups:
-        filled with the set's tensors by storage data pointer (for swap_slab)."""
+        filled with the set's tensors by storage data pointer (for swap_slab). A set read from its own source
+        reuses its last plan while the tensors sit on the same storages (swap_sources.PlanMemo)."""
+        items = list(swap_sources.iter_named(self._source if source is None else source))
+        memo = self._memo if source is None and groups is None else None
+        if memo is not None:
+            same = memo.lookup(items)
+            if same is not None:
+                return [_Entry(e.name, e.storage, e.nbytes) for e in same]
+        planned = self._plan_items(items, groups)
+        if memo is not None:
+            memo.remember(items, planned)
+        return planned
+
+    def _plan_items(self, items: list, groups: Optional[dict]) -> list[_Entry]:
         entries: dict[int, _Entry] = {}
-        for name, t in swap_sources.iter_named(self._source if source is None else source):
+        for name, t in items:
             if not self._check_tensor(name, t):
                 continue
             st = t.untyped_storage()
@@ -462,6 +476,7 @@ class SwapSet:
             self._give_back_blocks()
             self._drop_kept()
             self._entries, self._layout = [], None
+            self._memo.forget()
             self.state = DISCARDED
 
     # -- lifetime -----------------------------------------------------------------------------------------
@@ -473,3 +488,4 @@ class SwapSet:
                                       f"no data is lost by accident{self._busy_hint()}")
             self._drop_kept()
             self._entries, self._layout = [], None
+            self._memo.forget()
