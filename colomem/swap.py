@@ -183,21 +183,22 @@ class SwapSet:
     def _check_tensor(self, name: str, t) -> bool:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{self.name}: {name} is a {type(t).__name__}, not a torch.Tensor")
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        if t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise InvalidArgumentError(f"{self.name}: {name} has layout {t.layout} on {t.device}; only dense "
                                        "strided tensors can be swapped")
+        dev = t.device      # read once: each read builds a new torch.device (the plan's costliest check)
         if self._device is None:
-            if t.device.type != "cuda" and self.skip_other_devices:
+            if dev.type != "cuda" and self.skip_other_devices:
                 return False  # e.g. Adam's CPU `step` scalars ahead of the CUDA state
-            if t.device.type != "cuda":
+            if dev.type != "cuda":
                 raise DeviceMismatchError(
-                    f"{self.name}: {name} is on {t.device}; offload moves CUDA tensors to host memory. For the "
+                    f"{self.name}: {name} is on {dev}; offload moves CUDA tensors to host memory. For the "
                     "host path (CPU-only runs and tests) create the set with device='cpu'")
-            self._device = t.device
-        if t.device != self._device:
+            self._device = dev
+        if dev != self._device:
             if self.skip_other_devices:
                 return False
-            raise DeviceMismatchError(f"{self.name}: {name} is on {t.device} but the set moves tensors of "
+            raise DeviceMismatchError(f"{self.name}: {name} is on {dev} but the set moves tensors of "
                                       f"{self._device}; make one set per device")
         return True
 
