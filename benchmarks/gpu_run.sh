@@ -122,6 +122,8 @@ stage() {  # the stages run in the order given on the command line
     diagqueues) run diag_queues 240 python3 benchmarks/diag_queues.py --out "$OUT/diag_queues" ;;
     # whether the weight sync waits for the optimizer state still copying out behind it
     diagbehind) run diag_behind 300 python3 benchmarks/diag_behind.py --out "$OUT/diag_behind" ;;
+    # memory filled right after another process (or this one) gave it back: the switch's handovers
+    diaghandover) run diag_handover 200 python3 benchmarks/diag_handover.py --out "$OUT/diag_handover" ${DIAGHANDOVER_ARGS:-} ;;
     slab) run swap_slab_tests 120 python3 -m pytest -q -rs tests/gpu/test_swap_slab_gpu.py ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \
