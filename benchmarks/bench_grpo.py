@@ -57,6 +57,7 @@ from colomem.runner.timeline import median as _median  # noqa: E402  (the runner
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from grpo_alternate import alternate_figures  # noqa: E402
+from grpo_table import table  # noqa: E402
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
            "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
@@ -229,44 +230,6 @@ def _gib(n):
     return None if not n else round(n / GiB, 3)
 
 
-def _fmt(x, spec=".3f", scale=1.0, suffix=""):
-    return "-" if x is None else f"{x * scale:{spec}}{suffix}"
-
-
-def _config_shape(cfg: str) -> str:
-    """The model shape a config names (for a run stopped before it wrote its summary)."""
-    try:
-        import yaml
-
-        return str(yaml.safe_load((ROOT / CONFIGS[cfg]).read_text()).get("model_shape", "?"))
-    except (KeyError, OSError, ImportError, AttributeError):
-        return "?"
-
-
-def table(runs: dict) -> str:
-    head = ("| job | mode | placement | step s (spread) | first step s | switch s | switch share | offload s | reload s "
-            "| wake+sync+check s | sleep s | GPU used, both asleep | trainer left after offload "
-            "| GPU used in rollout / train | status |")
-    lines = [head, "|" + " --- |" * 15]
-    for name in sorted(runs):
-        r = runs[name].get("result", {})
-        ph = r.get("phase_s") or {}
-        wake = sum(ph.get(p) or 0 for p in ("wake_weights", "sync", "check", "wake_kv")) if ph else None
-        cfg, _, mode = name.partition("_")
-        shape = r.get("model_shape") or _config_shape(cfg)
-        lines.append(
-            f"| {shape} {cfg} | {mode} | {(r.get('placement') or {}).get('label', '-')} | "
-            f"{_fmt(r.get('step_s'), '.2f')} ({'-'.join(_fmt(x, '.2f') for x in r.get('step_s_spread') or [])}) | "
-            f"{_fmt(r.get('first_step_s'), '.2f')} | {_fmt(r.get('switch_s'), '.3f')} | "
-            f"{_fmt(r.get('switch_overhead_fraction'), '.2f', 100, ' %')} | {_fmt(ph.get('offload'))} | "
-            f"{_fmt(ph.get('reload'))} | {_fmt(wake)} | {_fmt(ph.get('sleep'))} | "
-            f"{_fmt(r.get('gpu_used_both_asleep_gib'), '.2f', 1, ' GiB')} | "
-            f"{_fmt(r.get('trainer_reserved_after_offload_gib'), '.2f', 1, ' GiB')} | "
-            f"{_fmt(r.get('gpu_used_in_rollout_gib'), '.1f')} / {_fmt(r.get('gpu_used_in_train_gib'), '.1f')} GiB | "
-            f"{r.get('status') or runs[name].get('rc')} |")
-    return "\n".join(lines)
-
-
 def top_level(report: dict) -> None:
     runs = report["runs"]
 
@@ -437,7 +400,7 @@ def main(argv=None) -> int:
 
     def save():
         top_level(report)
-        report["table_markdown"] = table(report["runs"])
+        report["table_markdown"] = table(report["runs"], lambda cfg: ROOT / CONFIGS[cfg])
         jpath.write_text(json.dumps(report, indent=1, default=str) + "\n")
         (out / "grpo_bench.md").write_text(
             "# Colocated GRPO: colomem vs time-split (1.5B-shaped model)\n\n"
