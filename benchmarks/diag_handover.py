@@ -33,16 +33,21 @@ GiB = 1 << 30
 EXPANDABLE = "expandable_segments:True"
 
 
-def _take_and_give_back(nbytes: int, done) -> None:
-    """The other process: takes nbytes, touches every byte, gives them back to the driver, says so."""
-    import torch
-
+def _touch_and_give_back(torch, nbytes: int) -> None:
+    """Takes nbytes on the GPU, touches every byte, gives them back to the driver."""
     t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     t.fill_(1)
     torch.cuda.synchronize()
     del t
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
+
+
+def _take_and_give_back(nbytes: int, done) -> None:
+    """The other process's turn: the same, then it says so."""
+    import torch
+
+    _touch_and_give_back(torch, nbytes)
     done.send(True)
     done.close()
 
@@ -110,12 +115,7 @@ def run(a) -> dict:
     for rnd in range(a.rounds):
         for cond in ("own", "other"):
             if cond == "own":
-                t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-                t.fill_(1)
-                torch.cuda.synchronize()
-                del t
-                torch.cuda.empty_cache()
-                torch.cuda.synchronize()
+                _touch_and_give_back(torch, nbytes)
             else:
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_take_and_give_back, args=(nbytes, send))
