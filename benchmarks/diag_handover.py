@@ -26,9 +26,6 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the checkout's colomem
-
 GiB = 1 << 30
 EXPANDABLE = "expandable_segments:True"
 
