@@ -314,7 +314,9 @@ class DeepSpeedTrainer(DeferredOffload):
         self._offloaded, self._offloaded_by = True, method
         if prepare_sync:
             self._sync = SyncSource(merged, self._weights.resolve_sync(plan, strategy))
-        if isinstance(strategy, ColomemOffload) and strategy.pending_bytes:
+        # the deferred part's bytes, still on the GPU (copying out, or held back until start_offload())
+        pending = strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0
+        if pending:
             # no release here (the strategy released before the deferred copies started: a cudaFree now would
             # wait for them) and this stream only: a device-wide synchronize would wait for them too, and the
             # offload would last as long as the whole copy
@@ -331,7 +333,6 @@ class DeepSpeedTrainer(DeferredOffload):
         # A gc scan of live tensors costs about a second in a big process: name what stayed once, not on every
         # step's offload (the timed switch of a baseline would carry it every step), and only what stayed
         # beyond the categories kept and the part still copying out, which stay by design.
-        pending = strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0
         diagnose = worth_naming(left, state.sizes, keep, pending) and not self._left_behind_named
         self._left_behind_named |= diagnose
         self.last_offload = SwitchReport(
@@ -340,7 +341,7 @@ class DeepSpeedTrainer(DeferredOffload):
             by_category=dict(state.sizes), unlisted=list(state.unlisted),
             kept_bytes=sum(n for _, n in state.skipped), move_seconds=move.seconds, collect_seconds=state.seconds,
             sync_seconds=t_sync, staged_bytes=staged, left_behind=left_behind(dev) if diagnose else "",
-            deferred_bytes=strategy.pending_bytes if isinstance(strategy, ColomemOffload) else 0)
+            deferred_bytes=pending)
 
     @property
     def defers_offload(self) -> bool:
