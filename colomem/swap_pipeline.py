@@ -66,6 +66,20 @@ def applies(s: "SwapSet", layout) -> bool:
     return s._device is not None and not layout.chunks and len(pieces(layout.direct)) > 1
 
 
+# Above what the driver reports free, a reload's growth also needs each storage rounded up to the allocator's
+# 2 MiB granule and room for the allocator's own rounding of large blocks.
+RELEASE_MARGIN_BYTES = 64 * MiB
+
+
+def release_first(device: torch.device, nbytes: int) -> bool:
+    """Whether a pipelined reload of `nbytes` should give the allocator's cache back before its first piece:
+    on a CUDA device whose memory is in torch's default (cudaMalloc'd) segments, when the driver reports less
+    free than the set needs. With expandable segments a release unmaps without waiting for the copies."""
+    if device.type != "cuda" or _torch.process_expandable():
+        return False
+    return _torch.mem_get_info(device)[0] < nbytes + RELEASE_MARGIN_BYTES
+
+
 def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
                   oom_error: Callable[[BaseException], BaseException]):
     """Grows and submits piece by piece; -> (transfer, token, grow_ms: the host time spent growing, most of it
@@ -79,6 +93,13 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
     nbytes = sum(e.nbytes for e in entries)
     cur = _torch.stream_handle(device)
     eng = _torch.engine_for(device)
+    # Memory the process holds cached in torch's default segments goes back to the driver now, before any
+    # piece is queued, when the driver alone cannot give the set's bytes: otherwise a later piece's growth
+    # finds no room, the allocator frees its cache (a cudaFree, which waits for every copy in flight) and that
+    # piece and every one after it start only once the pieces before them copied. Here it waits for the
+    # current stream's work only, which the first piece's copies wait for anyway.
+    if release_first(device, nbytes):
+        _torch.release_cached(device)
     token = pool._copies.begin(pool, f"SwapSet {s.name!r} reload of {format_bytes(nbytes)}")
     parts: list = []
     grown: list["_Entry"] = []

@@ -221,6 +221,39 @@ def test_an_offload_in_pieces_releases_the_cached_memory_before_its_first_copy(p
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
 
 
+def test_a_reload_releases_the_cache_first_only_when_the_driver_cannot_give_the_set(monkeypatch):
+    cuda = torch.device("cuda", 0)     # a device object only: the decision reads the driver's figures
+    free = {"bytes": 0}
+    monkeypatch.setattr(_torch, "mem_get_info", lambda device: (free["bytes"], 80 << 30))
+    monkeypatch.setattr(_torch, "process_expandable", lambda: False)
+    need = 10 << 30
+    free["bytes"] = need + swap_pipeline.RELEASE_MARGIN_BYTES
+    assert not swap_pipeline.release_first(cuda, need)          # the driver has room: keep the cache
+    free["bytes"] = need + swap_pipeline.RELEASE_MARGIN_BYTES - 1
+    assert swap_pipeline.release_first(cuda, need)              # a piece would make the allocator free it
+    assert not swap_pipeline.release_first(torch.device("cpu"), need)
+    monkeypatch.setattr(_torch, "process_expandable", lambda: True)
+    assert not swap_pipeline.release_first(cuda, need)          # unmaps do not wait for the copies
+
+
+def test_a_reload_short_of_driver_memory_releases_the_cache_before_its_first_piece(pool, small_pieces,
+                                                                                    monkeypatch):
+    ts = tensors(7)
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    s = colomem.SwapSet(ts, pool, device="cpu")
+    s.offload()
+    order: list = []
+    real = _torch.engine_for(torch.device("cpu"))
+    monkeypatch.setattr(_torch, "engine_for", lambda device: _EngineRecording(real, order))
+    monkeypatch.setattr(_torch, "release_cached", lambda device: order.append("release"))
+    asked: list = []
+    monkeypatch.setattr(swap_pipeline, "release_first", lambda device, n: asked.append(n) or True)
+    s.reload()
+    assert asked == [s.nbytes] and order[0] == "release" and order.count("release") == 1
+    assert order.count("submit") == len(swap_pipeline.pieces(s._layout.direct)) > 1
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+
+
 def test_a_failed_piece_copy_puts_the_freed_pieces_back_from_the_pool(pool, small_pieces, monkeypatch):
     ts = tensors(5)
     want = {k: as_bytes(v) for k, v in ts.items()}

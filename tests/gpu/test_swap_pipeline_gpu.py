@@ -2,8 +2,9 @@
 to the driver while offloaded; a kernel queued on the current stream right after reload() (without waiting
 for the handle) reads every piece's bytes, the last piece's included; a reload that finds memory for only
 part of the set raises the typed error, leaves the set offloaded with no memory held, and a later reload
-restores every byte; a reload re-grows the set in expandable segments, the process's allocator setting back
-after it, and that memory goes back to the driver at the next offload."""
+restores every byte; a reload short of the driver's memory gives the allocator's cache back before its first
+piece, not between its copies; a reload re-grows the set in expandable segments, the process's allocator
+setting back after it, and that memory goes back to the driver at the next offload."""
 
 import pytest
 import torch
@@ -89,4 +90,28 @@ def test_a_reload_regrows_in_expandable_segments_and_puts_the_setting_back(pool)
     assert driver_free() - before >= sum(v.nbytes for v in ts.values()) - 64 * MiB
     s.reload()  # and comes back whole from the pool
     assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    s.close()
+
+
+@pytest.mark.skipif(_torch.process_expandable(), reason="the process's memory is in expandable segments")
+def test_a_reload_into_memory_the_allocator_holds_cached_never_frees_it_behind_its_own_copies(pool):
+    # The driver has room for less than the set; the rest is cached by torch in 16 MiB cudaMalloc'd blocks no
+    # storage of the set fits in. The reload gives that cache back before its first piece, so no piece's
+    # growth has to (the allocator's free-and-retry, a cudaFree that waits for the pieces already copying).
+    ts = make(4, count=6, mib=96)                          # ~576 MiB in storages of 91-101 MiB: 3+ pieces
+    want = {k: as_bytes(v) for k, v in ts.items()}
+    nbytes = sum(v.nbytes for v in ts.values())
+    s = colomem.SwapSet.from_tensors(ts, pool, name="cached", expandable=False)
+    s.offload()
+    torch.cuda.empty_cache()
+    hog = torch.empty(max(0, driver_free() - nbytes - 512 * MiB), dtype=torch.uint8, device="cuda")
+    blocks = [torch.empty(16 * MiB, dtype=torch.uint8, device="cuda") for _ in range((nbytes + 256 * MiB) // (16 * MiB))]
+    del blocks                                             # cached by the allocator, not with the driver
+    assert driver_free() < nbytes
+    assert swap_pipeline.release_first(torch.device("cuda"), nbytes)
+    retries = torch.cuda.memory_stats()["num_alloc_retries"]
+    s.reload()
+    assert torch.cuda.memory_stats()["num_alloc_retries"] == retries
+    assert all(torch.equal(as_bytes(v), want[k]) for k, v in ts.items())
+    del hog
     s.close()

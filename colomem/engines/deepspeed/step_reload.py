@@ -101,4 +101,12 @@ def reload_figures(stats: Any) -> dict[str, float]:
     return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": stats.alloc_ms / 1e3}
 
 
-__all__ = ["ReloadAtStep", "StepStartPeak", "inner_torch_optimizer", "reload_figures"]
+def alloc_retries(device: torch.device) -> int:
+    """How often the caching allocator has freed its cache to retry an allocation on `device` so far (0 on
+    the host): a step that made it do so waited there for every copy in flight."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+__all__ = ["ReloadAtStep", "StepStartPeak", "alloc_retries", "inner_torch_optimizer", "reload_figures"]

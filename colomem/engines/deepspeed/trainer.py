@@ -34,7 +34,7 @@ from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_s
 from .model import build_model, check_model_dir
 from .closing import close_trainer
 from .deferred import DeferredOffload
-from .step_reload import ReloadAtStep, StepStartPeak, reload_figures
+from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
@@ -214,9 +214,11 @@ class DeepSpeedTrainer(DeferredOffload):
             # what must fit if the optimizer state stayed on the GPU until the step
             before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
             start = self._step_start_peak()
+            retries = alloc_retries(self.device)
             engine.step()
             self.steps += 1
-            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before)}
+            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),   # retries: each waited
+                   "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}  # for all copies
             if start is not None:            # with the gradients' cast: what fits beside it could come back early
                 out["reserved_at_step_start_max"] = float(start.bytes)
             if hook is not None and at_step:
