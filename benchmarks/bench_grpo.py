@@ -58,6 +58,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from grpo_alternate import alternate_figures  # noqa: E402
 from grpo_table import table  # noqa: E402
+from stage_deadline import run_bound  # noqa: E402
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
            "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
@@ -371,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout-s", type=float, default=480.0, help="bound on each run of a peer's mode (trl)")
     ap.add_argument("--run-default", action="store_true", help="also run the default tiny job (40 steps)")
     ap.add_argument("--default-run", help="an existing default run (directory or metrics.jsonl) to report")
+    ap.add_argument("--figures-only", action="store_true", help="run nothing: read the figures of the runs "
+                    "already under --out (one folder each) into its report, e.g. after a call cut a run short")
     a = ap.parse_args(argv)
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -393,10 +396,6 @@ def main(argv=None) -> int:
                                                     "first_run": earlier.get("first_run"),
                                                     "runs": sorted(earlier["runs"])}]), *report.get("calls", [])]
         report["continued_from"] = str(a.continue_from)
-    report["environment"] = _env()
-    this_call: list = []
-    report.setdefault("calls", []).append({"environment": report["environment"], "first_run": None,
-                                           "runs": this_call})
 
     def save():
         top_level(report)
@@ -406,6 +405,20 @@ def main(argv=None) -> int:
             "# Colocated GRPO: colomem vs time-split (1.5B-shaped model)\n\n"
             f"Command: `python3 benchmarks/bench_grpo.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             + report["table_markdown"] + "\n")
+
+    if a.figures_only:
+        for d in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").is_file()):
+            info = report["runs"].setdefault(d.name, {"rc": "unknown (read after the call)"})
+            info["result"] = {**analyse(d), "run_wall_s": info.get("wall_s")}
+        save()
+        print(json.dumps({k: v for k, v in report.items() if k not in ("runs", "table_markdown")}, indent=1,
+                         default=str))
+        return 0
+
+    report["environment"] = _env()
+    this_call: list = []
+    report.setdefault("calls", []).append({"environment": report["environment"], "first_run": None,
+                                           "runs": this_call})
 
     if a.run_default:
         d = out / "default"
@@ -434,8 +447,12 @@ def main(argv=None) -> int:
     for cfg in configs:
         # the config-built model goes into the cache before any timed run: no mode pays for building it (the
         # first run of a call still fills vLLM's compile cache, which later runs load: `first_run` says which)
+        bound = run_bound(a.run_timeout_s)
+        if bound is None:
+            print(f"[bench] {cfg}: skipped, too little time left in the stage", flush=True)
+            continue
         prep = run_one(f"{cfg}_prepare", ["--config", str(ROOT / CONFIGS[cfg]), *a.extra.split(), "--prepare-only"],
-                       out / f"{cfg}_prepare", a.run_timeout_s)
+                       out / f"{cfg}_prepare", bound)
         report.setdefault("prepare", {})[cfg] = {"rc": prep["rc"], "wall_s": prep["wall_s"]}
         for rnd in range(first_round, first_round + a.rounds):
             for mode in modes:
@@ -443,10 +460,14 @@ def main(argv=None) -> int:
                 args = ["--config", str(ROOT / CONFIGS[cfg]), *MODES[mode], "--steps", str(a.steps)]
                 args += a.extra.split()
                 d = out / name
+                bound = run_bound(a.peer_timeout_s if mode in PEER_SCRIPTS else a.run_timeout_s)
+                if bound is None:       # the stage ends before a run could: what finished is saved
+                    print(f"[bench] {name}: skipped, too little time left in the stage", flush=True)
+                    continue
                 if mode in PEER_SCRIPTS:
-                    info = run_peer(mode, name, args, d, a.peer_timeout_s)
+                    info = run_peer(mode, name, args, d, bound)
                 else:
-                    info = run_one(name, args, d, a.run_timeout_s)
+                    info = run_one(name, args, d, bound)
                     info["result"] = analyse(d)
                     info["result"]["run_wall_s"] = info["wall_s"]
                 report["runs"][name] = info

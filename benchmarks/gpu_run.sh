@@ -71,7 +71,8 @@ run() {  # run NAME TIMEOUT CMD...
   if [ "${PACK_EVERY:-0}" -gt 0 ]; then (while sleep "$PACK_EVERY"; do pack; done) & packer=$!; fi
   # its own session, so what a stage cut by its bound leaves running (vLLM's engine process, a runner in
   # its teardown) is killed with it and cannot hold GPU memory through the next stage's baselines
-  setsid timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  # STAGE_DEADLINE_EPOCH: the stage's end, so a bench bounds its runs to finish (and write) before it
+  STAGE_DEADLINE_EPOCH=$(($(date +%s) + limit)) setsid timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
   local sid=$!
   wait "$sid"
   local rc=$?

@@ -1,0 +1,60 @@
+"""A bench inside a bounded GPU stage: each run's bound ends before the stage does, with time left to write
+the report, and a run that would have too little time is skipped (benchmarks/stage_deadline.py); a call cut
+short still gets its report, read from the runs' folders (bench_grpo --figures-only)."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sd = _load("stage_deadline")
+
+
+def test_a_run_is_bounded_to_end_before_the_stage_with_time_to_write(monkeypatch):
+    monkeypatch.delenv("STAGE_DEADLINE_EPOCH", raising=False)
+    assert sd.deadline() is None and sd.run_bound(480.0) == 480.0          # no stage bound: as asked
+    now = 1_000_000.0
+    assert sd.run_bound(480.0, end=now + 2000, now=now) == 480.0             # room enough: as asked
+    left = 300.0 - sd.FINISH_MARGIN_S
+    assert sd.run_bound(480.0, end=now + 300, now=now) == pytest.approx(left)  # cut to end before the stage
+    assert sd.run_bound(480.0, end=now + sd.FINISH_MARGIN_S + sd.MIN_RUN_S - 1, now=now) is None   # skipped
+    monkeypatch.setenv("STAGE_DEADLINE_EPOCH", "1234.5")
+    assert sd.deadline() == 1234.5
+    for bad in ("", "soon", "0", "-5"):
+        monkeypatch.setenv("STAGE_DEADLINE_EPOCH", bad)
+        assert sd.deadline() is None
+
+
+def _step(i, step_s, switch_s):
+    return {"step": i, "step_s": step_s, "switch_s": switch_s,
+            "phase_s": {"rollout": 4.0, "train": step_s - 4.0 - switch_s, "reload_step": switch_s - 0.3}}
+
+
+def test_figures_only_reads_a_cut_run_into_the_report(tmp_path):
+    run = tmp_path / "full7b_colomem"
+    run.mkdir()
+    lines = [{"event": "start", "time": 0.0}, _step(0, 34.0, 2.3), _step(1, 27.0, 1.6), _step(2, 29.0, 1.6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "full7b_prepare").mkdir()            # a folder without step lines is not a run
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--out", str(tmp_path),
+                        "--figures-only"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    report = json.loads((tmp_path / "grpo_bench.json").read_text())
+    assert sorted(report["runs"]) == ["full7b_colomem"]
+    res = report["runs"]["full7b_colomem"]["result"]
+    assert res["steps_done"] == 3 and res["step_s"] == pytest.approx(28.0)     # the first step left out
+    assert report["offload_needed_switch_fraction"] == pytest.approx((1.6 / 27.0 + 1.6 / 29.0) / 2)
+    assert report["full7b_step_s"] == pytest.approx(28.0)
+    assert "--figures-only" in (tmp_path / "grpo_bench.md").read_text()
