@@ -1,25 +1,18 @@
 """A bench inside a bounded GPU stage: each run's bound ends before the stage does, with time left to write
 the report, and a run that would have too little time is skipped (benchmarks/stage_deadline.py); a call cut
 short still gets its report, read from the runs' folders (bench_grpo --figures-only)."""
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_module import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sd = _load("stage_deadline")
+sd = load_benchmark("stage_deadline")
 
 
 def test_a_run_is_bounded_to_end_before_the_stage_with_time_to_write(monkeypatch):

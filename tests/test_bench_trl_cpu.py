@@ -1,22 +1,18 @@
 """The TRL baseline's harness (benchmarks/bench_trl.py) on the CPU: TRL's GRPOTrainer on the runner's tiny
 job (its model, prompts and rewards), without vLLM; and how bench_grpo runs it as one more mode."""
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_module import load_benchmark
 from child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_benchmark
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,11 @@
 """benchmarks/diag_handover.py on a CPU: its summary of the rows, its refusals, and no run without a GPU."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from bench_module import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("diag_handover", REPO / "benchmarks" / "diag_handover.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["diag_handover"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("diag_handover")
 
 
 def test_the_summary_gives_each_condition_its_medians_over_the_ceiling():

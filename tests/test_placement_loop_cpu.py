@@ -1,11 +1,10 @@
 """The placement planner's choices run through the CPU loop: what moves and when, and that every placement
 trains exactly as moving everything does."""
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
+from bench_module import load_benchmark
 from colomem.runner import run_job
 from colomem.runner.placement import ALL_CATEGORIES
 from fakes.placement import figs, job, seven_b
@@ -84,11 +83,7 @@ def test_alternate_runs_both_resident_layouts_in_turn_and_trains_the_same(job_en
     """--rollout-sleep alternate: vLLM sleeps through every even step's training and stays awake through
     every odd one's; each step says which, and whether its rollout followed a wake. The weights and rewards
     are those of a run where nothing moves."""
-    spec = importlib.util.spec_from_file_location(
-        "grpo_alternate", Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alternate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    alternate_figures = mod.alternate_figures
+    alternate_figures = load_benchmark("grpo_alternate").alternate_figures
 
     still = run_job(job(tmp_path / "none", offload="none", rollout_sleep="never", steps=5), print_fn=lambda *_: None)
     alt = run_job(job(tmp_path / "alt", offload="none", rollout_sleep="alternate", steps=5), print_fn=lambda *_: None)

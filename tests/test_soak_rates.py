@@ -1,12 +1,8 @@
 """The soak's leak test: the RSS slope over the second half of the steps keeps a leak's rate and sees a
 warm-up that flattened as flat."""
-import importlib.util
-from pathlib import Path
+from bench_module import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
-soak = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(soak)
+soak = load_benchmark("soak")
 
 
 def test_a_leak_keeps_its_rate_and_a_warm_up_is_flat():

@@ -1,18 +1,14 @@
 """benchmarks/targets.py: every performance target's figure is read from a committed result file."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from bench_module import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _targets():
-    spec = importlib.util.spec_from_file_location("targets", REPO / "benchmarks" / "targets.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["targets"] = mod       # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("targets")
 
 
 def test_every_target_reads_a_figure_from_its_result_file():
