@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
+from stage_deadline import run_bound  # noqa: E402  (beside this script: its folder is first on sys.path)
 ENGINES = {"inrank": "in-rank", "crossproc": "cross-process"}
 JOBS = {"default": [], "1p5b": ["--config", "configs/grpo_1p5b_full.yaml"]}
 DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -102,8 +103,14 @@ def main(argv=None) -> int:
         steps = args.default_steps if job == "default" else args.steps_1p5b
         for key, engine in ENGINES.items():
             d = out / f"{job}_{key}"
-            run = run_job(engine, JOBS[job], steps, d, args.run_timeout_s, [])
+            bound = run_bound(args.run_timeout_s)      # ends before the gpu_run stage does, or is skipped
+            if bound is None:
+                print(f"[bench] {job}_{key}: skipped, too little time left in the stage", flush=True)
+                continue
+            run = run_job(engine, JOBS[job], steps, d, bound, [])
             report["runs"][f"{job}_{key}"] = {**run, **figures(d)}
+            out.mkdir(parents=True, exist_ok=True)     # on disk after every run: a later cut keeps it
+            (out / "inrank_bench.json").write_text(json.dumps(report, indent=2))
     runs = report["runs"]
     ok = lambda name: name in runs and not runs[name]["problems"]  # noqa: E731
     if ok("default_inrank") and ok("default_crossproc"):

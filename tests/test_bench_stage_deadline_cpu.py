@@ -1,13 +1,16 @@
 """A bench inside a bounded GPU stage: each run's bound ends before the stage does, with time left to write
-the report, and a run that would have too little time is skipped (benchmarks/stage_deadline.py); a call cut
-short still gets its report, read from the runs' folders (bench_grpo --figures-only)."""
+the report, and a run that would have too little time is skipped, the report written all the same
+(benchmarks/stage_deadline.py); a call cut short still gets its report, read from the runs' folders
+(bench_grpo --figures-only)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from bench_module import load_benchmark
+from child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +45,7 @@ def test_figures_only_reads_a_cut_run_into_the_report(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "full7b_prepare").mkdir()            # a folder without step lines is not a run
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--out", str(tmp_path),
-                        "--figures-only"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        "--figures-only"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads((tmp_path / "grpo_bench.json").read_text())
     assert sorted(report["runs"]) == ["full7b_colomem"]
@@ -51,3 +54,12 @@ def test_figures_only_reads_a_cut_run_into_the_report(tmp_path):
     assert report["offload_needed_switch_fraction"] == pytest.approx((1.6 / 27.0 + 1.6 / 29.0) / 2)
     assert report["full7b_step_s"] == pytest.approx(28.0)
     assert "--figures-only" in (tmp_path / "grpo_bench.md").read_text()
+
+
+def test_a_bench_at_its_stage_end_skips_its_runs_and_still_writes_its_report(tmp_path):
+    env = {**child_env(), "STAGE_DEADLINE_EPOCH": str(int(time.time()))}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_inrank.py"), "--out", str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("skipped, too little time left in the stage") == 4
+    assert json.loads((tmp_path / "inrank_bench.json").read_text())["runs"] == {}
