@@ -153,7 +153,9 @@ def wall_clock(key: str, shape, reps: int) -> dict:
             raise SystemExit(f"set {key} ({name}): bytes changed across offload/reload; refusing to report")
         log(f"  {name}: offload {run['offload_wall_gbps']:.1f} GB/s wall, reload {run['reload_wall_gbps']:.1f} "
             f"GB/s wall (copies {run['offload_gbps']:.1f} / {run['reload_gbps']:.1f}; re-growth "
-            f"{run['reload_alloc_ms_median']:.2f} ms)")
+            f"{run['reload_alloc_ms_median']:.2f} ms; beyond the copies, outside / inside the set's clock: "
+            f"offload {run['offload_outside_ms_median']:.2f} / {run['offload_around_ms_median']:.2f} ms, reload "
+            f"{run['reload_outside_ms_median']:.2f} / {run['reload_around_ms_median']:.2f} ms)")
         out[name] = run
     del tensors
     torch.cuda.empty_cache()

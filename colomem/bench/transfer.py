@@ -179,12 +179,21 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
         in_wall = time.perf_counter() - t0
         cyc.append({"offload_ms": out.device_ms, "offload_wall_ms": off_wall * 1e3,
                     "reload_ms": inn.device_ms, "reload_wall_ms": in_wall * 1e3, "freed_bytes": freed,
-                    "reload_alloc_ms": inn.alloc_ms})  # host time re-growing (pipelined: mostly behind copies)
+                    "reload_alloc_ms": inn.alloc_ms,   # host time re-growing (pipelined: mostly behind copies)
+                    # where the wall clock beyond the copies goes: the host's work outside the set's own clock
+                    # (the plan, the layout, the pool blocks; the reload's final synchronize), and inside it
+                    # beyond the copies' span on the device (submission, the first piece's growth, the
+                    # release after the last copy, the wait's wake-up)
+                    "offload_outside_ms": (off_wall - out.seconds) * 1e3,
+                    "offload_around_ms": out.seconds * 1e3 - out.device_ms,
+                    "reload_outside_ms": (in_wall - inn.seconds) * 1e3,
+                    "reload_around_ms": inn.seconds * 1e3 - inn.device_ms})
         if i == 0:
             res["correct_after_first_cycle"] = fingerprint(tensors) == before
     res["correct_after_all_cycles"] = fingerprint(tensors) == before
     res["first_cycle"] = cyc[0]
-    for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms", "reload_alloc_ms"):
+    for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms", "reload_alloc_ms", "offload_outside_ms",
+              "offload_around_ms", "reload_outside_ms", "reload_around_ms"):
         res[k + "_median"] = statistics.median(c[k] for c in cyc)
     res["offload_gbps"] = nbytes / (res["offload_ms_median"] / 1e3) / 1e9
     res["reload_gbps"] = nbytes / (res["reload_ms_median"] / 1e3) / 1e9
