@@ -96,8 +96,8 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
     # Memory the process holds cached in torch's default segments goes back to the driver now, before any
     # piece is queued, when the driver alone cannot give the set's bytes: otherwise a later piece's growth
     # finds no room, the allocator frees its cache (a cudaFree, which waits for every copy in flight) and that
-    # piece and every one after it start only once the pieces before them copied. Here it waits for the
-    # current stream's work only, which the first piece's copies wait for anyway.
+    # piece and every one after it start only once the pieces before them copied. Here it waits only for the
+    # work already queued, none of this reload's copies among it.
     if release_first(device, nbytes):
         _torch.release_cached(device)
     token = pool._copies.begin(pool, f"SwapSet {s.name!r} reload of {format_bytes(nbytes)}")

@@ -217,8 +217,8 @@ class DeepSpeedTrainer(DeferredOffload):
             retries = alloc_retries(self.device)
             engine.step()
             self.steps += 1
-            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),   # retries: each waited
-                   "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}  # for all copies
+            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),
+                   "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}
             if start is not None:            # with the gradients' cast: what fits beside it could come back early
                 out["reserved_at_step_start_max"] = float(start.bytes)
             if hook is not None and at_step:
