@@ -34,12 +34,17 @@ def key(name: str) -> Callable[[Any], Optional[float]]:
     return lambda d: d.get(name)
 
 
-def median_of(*names: str) -> Callable[[Any], Optional[float]]:
-    """The median of a figure over the runs of one result file (e.g. two launches)."""
+def median_of(figure: str, *names: str) -> Callable[[Any], Optional[float]]:
+    """The median of `figure` over the runs `names` of one result file (e.g. two launches)."""
     def read(d):
-        vals = [d[n]["speedup_vs_resident"] for n in names if d.get(n, {}).get("speedup_vs_resident") is not None]
+        vals = [d[n][figure] for n in names if d.get(n, {}).get(figure) is not None]
         return statistics.median(vals) if vals else None
     return read
+
+
+# result files several targets read
+LORA7B_RUN = "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json"
+WALL_RUN = "2026-12-04-h200/call25/wall/transfer.json"
 
 
 TARGETS = [
@@ -49,7 +54,7 @@ TARGETS = [
            key("speedup_vs_all_resident"),
            "the same job: nothing moving, forced, over the planner's (which chose nothing moving); separate launches"),
     Target("speedup_vs_resident", ">=", 1.0, "2026-12-04-h200/call24/grpobench/alternate_figures.json",
-           lambda d: median_of("full_alternate", "full_alternate_r2")(d["runs"]),
+           lambda d: median_of("speedup_vs_resident", "full_alternate", "full_alternate_r2")(d["runs"]),
            "the same job: trainer resident with vLLM sleeping over nothing moving, both in one process step by "
            "step (--rollout-sleep alternate), median of two launches"),
     Target("switch_overhead_fraction_graphs", "<=", 0.005, "2026-12-03-h200/call3/grpobench/grpo_bench.json",
@@ -63,16 +68,16 @@ TARGETS = [
            "the 1.5B full fine-tune beside a 112.5 GiB KV cache (vLLM's own KV wake and sleep are 0.037-0.039)"),
     Target("full7b_step_s", "<=", None, "2026-12-04-h200/call20/grpobench/grpo_bench.json", key("full7b_step_s"),
            "Qwen2-7B-shaped full fine-tune on one H200 (fp32 masters and Adam on the GPU), seconds a step"),
-    Target("lora7b_speedup_vs_trl", ">=", 1.5, "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json",
+    Target("lora7b_speedup_vs_trl", ">=", 1.5, LORA7B_RUN,
            key("lora7b_shared_speedup_vs_trl"), "7B LoRA job, one copy of the base, against TRL colocate LoRA"),
-    Target("lora7b_switch_fraction", "<=", 0.005, "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json",
+    Target("lora7b_switch_fraction", "<=", 0.005, LORA7B_RUN,
            key("lora7b_shared_switch_fraction"), "the same 7B LoRA job's switch over its step"),
-    Target("offload_wall_vs_peak", ">=", 0.97, "2026-12-04-h200/call25/wall/transfer.json",
+    Target("offload_wall_vs_peak", ">=", 0.97, WALL_RUN,
            key("offload_wall_vs_peak_worst"),
            "wall clock (release and re-growth included), worst of three shapes, median of cycles with the first"),
-    Target("reload_wall_vs_peak", ">=", 0.97, "2026-12-04-h200/call25/wall/transfer.json",
+    Target("reload_wall_vs_peak", ">=", 0.97, WALL_RUN,
            key("reload_wall_vs_peak_worst"), "the same, reloads"),
-    Target("reload_wall_vs_peak_first_cycle", ">=", 0.97, "2026-12-04-h200/call25/wall/transfer.json",
+    Target("reload_wall_vs_peak_first_cycle", ">=", 0.97, WALL_RUN,
            key("reload_wall_vs_peak_first_cycle_worst"), "the process's very first reload, worst shape"),
     Target("small_tensors_wall_vs_peak", ">=", 0.8, "2026-12-02-h200/fifth-session/call4/small/transfer.json",
            key("small_tensors_wall_vs_peak"), "20,000 small tensors (1.39 GB, mixed dtypes), both directions"),
