@@ -58,7 +58,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from grpo_alternate import alternate_figures  # noqa: E402
 from grpo_table import table  # noqa: E402
-from stage_deadline import run_bound  # noqa: E402
+from stage_deadline import bound_or_skip  # noqa: E402
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
            "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
@@ -447,9 +447,8 @@ def main(argv=None) -> int:
     for cfg in configs:
         # the config-built model goes into the cache before any timed run: no mode pays for building it (the
         # first run of a call still fills vLLM's compile cache, which later runs load: `first_run` says which)
-        bound = run_bound(a.run_timeout_s)
+        bound = bound_or_skip(cfg, a.run_timeout_s)
         if bound is None:
-            print(f"[bench] {cfg}: skipped, too little time left in the stage", flush=True)
             continue
         prep = run_one(f"{cfg}_prepare", ["--config", str(ROOT / CONFIGS[cfg]), *a.extra.split(), "--prepare-only"],
                        out / f"{cfg}_prepare", bound)
@@ -460,9 +459,8 @@ def main(argv=None) -> int:
                 args = ["--config", str(ROOT / CONFIGS[cfg]), *MODES[mode], "--steps", str(a.steps)]
                 args += a.extra.split()
                 d = out / name
-                bound = run_bound(a.peer_timeout_s if mode in PEER_SCRIPTS else a.run_timeout_s)
+                bound = bound_or_skip(name, a.peer_timeout_s if mode in PEER_SCRIPTS else a.run_timeout_s)
                 if bound is None:       # the stage ends before a run could: what finished is saved
-                    print(f"[bench] {name}: skipped, too little time left in the stage", flush=True)
                     continue
                 if mode in PEER_SCRIPTS:
                     info = run_peer(mode, name, args, d, bound)

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.runner.timeline import median as _median  # noqa: E402  (the runner's median: one figure per median)
-from stage_deadline import run_bound  # noqa: E402  (beside this script: its folder is first on sys.path)
+from stage_deadline import bound_or_skip  # noqa: E402  (beside this script: its folder is first on sys.path)
 ENGINES = {"inrank": "in-rank", "crossproc": "cross-process"}
 JOBS = {"default": [], "1p5b": ["--config", "configs/grpo_1p5b_full.yaml"]}
 DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -103,9 +103,8 @@ def main(argv=None) -> int:
         steps = args.default_steps if job == "default" else args.steps_1p5b
         for key, engine in ENGINES.items():
             d = out / f"{job}_{key}"
-            bound = run_bound(args.run_timeout_s)      # ends before the gpu_run stage does, or is skipped
+            bound = bound_or_skip(f"{job}_{key}", args.run_timeout_s)   # ends before the gpu_run stage does
             if bound is None:
-                print(f"[bench] {job}_{key}: skipped, too little time left in the stage", flush=True)
                 continue
             run = run_job(engine, JOBS[job], steps, d, bound, [])
             report["runs"][f"{job}_{key}"] = {**run, **figures(d)}

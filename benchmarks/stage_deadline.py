@@ -34,3 +34,11 @@ def run_bound(requested_s: float, end: Optional[float] = None, now: Optional[flo
     if left < MIN_RUN_S:
         return None
     return min(requested_s, left)
+
+
+def bound_or_skip(name: str, requested_s: float) -> Optional[float]:
+    """run_bound for the run `name`, saying so when it is skipped."""
+    bound = run_bound(requested_s)
+    if bound is None:
+        print(f"[bench] {name}: skipped, too little time left in the stage", flush=True)
+    return bound
