@@ -23,7 +23,7 @@ class CudaError(ColomemError):
 class CudaOutOfMemoryError(CudaError, MemoryError): ...
 class PeerError(ColomemError): ...
 
-__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'store_words', 'unpin_range']
+__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'MappedRange', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'store_words', 'unpin_range']
 class HostPool:
     """
     Pinned (or plain) host memory, sub-allocated.
@@ -102,6 +102,62 @@ class CopyEngine:
         ...
     @property
     def device(self) -> int:
+        ...
+class MappedRange:
+    """
+    Memory mapped chunk by chunk inside one reserved address range (CUDA VMM on a GPU, anonymous mappings on the host): unmapped chunks give their memory back and keep their addresses. Reading an unmapped chunk faults.
+    """
+    def __init__(self, device: int, nbytes: int, chunk_bytes: int) -> None:
+        """
+        device -1: host memory. chunk_bytes is rounded up to the mapping granularity; nothing is mapped yet.
+        """
+    def chunk_offset(self, i: int) -> int:
+        ...
+    def chunk_size(self, i: int) -> int:
+        ...
+    def close(self, timeout_s: float = 60.0) -> None:
+        """
+        Waits up to timeout_s (inf: no bound) for the work queued on the device, then unmaps every chunk and frees the addresses. TransferTimeoutError if that work still runs (nothing changed: close again). Idempotent.
+        """
+    def is_mapped(self, i: int) -> bool:
+        ...
+    def map(self, first: int, count: int) -> int:
+        """
+        Maps the unmapped chunks of [first, first + count); returns how many. On failure (out of memory) the chunks this call mapped are unmapped again before the error is raised.
+        """
+    def unmap(self, first: int, count: int) -> int:
+        """
+        Unmaps the mapped chunks of [first, first + count); returns how many. Does not wait for the device: nothing queued may still use them.
+        """
+    @property
+    def chunk_bytes(self) -> int:
+        ...
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def device(self) -> int:
+        ...
+    @property
+    def granularity(self) -> int:
+        ...
+    @property
+    def mapped_bytes(self) -> int:
+        ...
+    @property
+    def mapped_chunks(self) -> int:
+        ...
+    @property
+    def nbytes(self) -> int:
+        ...
+    @property
+    def nchunks(self) -> int:
+        ...
+    @property
+    def ptr(self) -> int:
+        ...
+    @property
+    def reserved_bytes(self) -> int:
         ...
 class UnixConnection:
     """

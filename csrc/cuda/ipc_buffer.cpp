@@ -8,10 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
-#include <thread>
 
 #include "core/copy_engine.h"  // wait_bound
 #include "cuda/cuda_check.h"
+#include "cuda/device_drain.h"
 #include "cuda/driver_api.h"
 
 namespace colomem {
@@ -87,70 +87,7 @@ bool shutting_down(CUresult r) { return r == CUDA_ERROR_DEINITIALIZED; }
 
 // ---------------------------------------------------------------------------------------------------------
 
-// cudaDeviceSynchronize has no timeout, so it runs on a helper thread the caller can stop waiting for; the
-// thread holds only this state and ends when the device drains, however long after the caller gave up.
-struct DeviceDrain {
-  using Clock = std::chrono::steady_clock;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  cudaError_t status = cudaSuccess;
-
-  static std::shared_ptr<DeviceDrain> start(int device) {
-    auto d = std::make_shared<DeviceDrain>();
-    std::thread([d, device] {
-      cudaError_t st = cudaSetDevice(device);
-      if (st == cudaSuccess) st = cudaDeviceSynchronize();
-      (void)cudaGetLastError();
-      std::lock_guard<std::mutex> lk(d->mu);
-      d->done = true;
-      d->status = st;
-      d->cv.notify_all();
-    }).detach();
-    return d;
-  }
-
-  // True once the device drained; false when the deadline (none: no bound) passed first.
-  bool wait_until(std::optional<Clock::time_point> deadline) {
-    std::unique_lock<std::mutex> lk(mu);
-    if (!deadline) {
-      cv.wait(lk, [&] { return done; });
-      return true;
-    }
-    return cv.wait_until(lk, *deadline, [&] { return done; });
-  }
-};
-
-namespace {
-
 using Clock = DeviceDrain::Clock;
-
-// Whether the process is tearing CUDA down: the driver reclaims every mapping, nothing is left to wait for.
-bool cuda_unloading() {
-  int current = 0;
-  cudaError_t state = cudaGetDevice(&current);
-  if (state == cudaErrorCudartUnloading || state == cudaErrorInitializationError) {
-    (void)cudaGetLastError();
-    return true;
-  }
-  return false;
-}
-
-// Waits until the work queued on `device` before this call completed: true, or false at the deadline. A
-// drain left running by an earlier wait that gave up (`pending`) is waited for first, so a buffer whose
-// close() is retried under a hung device keeps one blocked thread, not one per try; then a fresh drain
-// covers the work queued since.
-bool drain_device(std::shared_ptr<DeviceDrain>& pending, int device, std::optional<Clock::time_point> deadline) {
-  if (pending && !pending->wait_until(deadline)) return false;
-  pending = DeviceDrain::start(device);
-  if (!pending->wait_until(deadline)) return false;
-  if (pending->status != cudaSuccess && pending->status != cudaErrorCudartUnloading)
-    warn(cat("cudaDeviceSynchronize before unmapping an IPC buffer failed: ", cudaGetErrorString(pending->status)));
-  pending.reset();
-  return true;
-}
-
-}  // namespace
 
 IpcBuffer::~IpcBuffer() {
   std::unique_lock<std::mutex> lock(mu_);
