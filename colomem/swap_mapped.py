@@ -1,0 +1,336 @@
+"""MappedSet: tensors moved into memory colomem maps itself, offloaded and reloaded one chunk at a time.
+
+A SwapSet moves storages the caching allocator owns: each comes back as one allocation, grown whole before
+its first byte is copied, and leaves whole once its copy ended. Here the tensors are copied once into a
+MappedMemory (colomem/mapped.py) and live there from then on: an offload frees each chunk (cuMemUnmap +
+cuMemRelease) as soon as its copy out ended, while later chunks still copy; a reload maps each chunk right
+before its copy back, the next chunk's mapping behind the copy before it; and a reload may stop at a byte
+budget, so part of a tensor comes back early (behind the forward and backward, as far as the memory left
+beside them allows) and the rest later (at the optimizer's step).
+
+Each chunk is either on the device (mapped, its bytes authoritative) or in the pool (its bytes in its pool
+block; unmapped once nothing queued touches it). A copy that fails leaves its chunk where its bytes are still
+whole, so after any error the set is a mix of the two that a later offload or reload completes. The memory is
+outside torch's caching allocator: torch's memory figures do not count it (`resident_bytes` does).
+
+The tensors must not be read or written while any chunk is in the pool: a kernel that touches an unmapped
+chunk faults. The owner (the trainer) reloads in full before the optimizer reads its state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from colomem import _torch
+from colomem.errors import DeviceMismatchError, InvalidArgumentError
+from colomem.mapped import CHUNK_BYTES_DEFAULT, MappedMemory, layout
+from colomem.pool import Block, PinnedPool, default_pool
+from colomem.swap_coalesce import Transfers, _done, _settle
+from colomem.swap_handles import DEFAULT_TIMEOUT_S, wait_seconds
+from colomem.units import format_bytes
+
+DEVICE, POOL = "device", "pool"
+
+
+@dataclass
+class MappedStats:
+    direction: str
+    nbytes: int
+    chunks: int
+    seconds: float          # host wall time from the call to the end of the wait
+    map_ms: float = 0.0     # reload: host ms spent mapping chunks (most of it behind the copies)
+    device_ms: float = 0.0  # device ms from the first copy's start to the last copy's end, when timed
+
+
+class MappedHandle:
+    """An offload or reload in flight. wait() finishes it: an offload's chunks are unmapped as their copies
+    end (so the memory goes back chunk by chunk while later chunks still copy)."""
+
+    def __init__(self, s: "MappedSet", direction: str, chunks: list[int], parts: list, token: Optional[int],
+                 t0: float, map_ms: float, timing: bool):
+        self.s, self.direction, self.chunks, self.parts = s, direction, chunks, parts
+        self.nbytes = sum(s.memory.chunk_span(i)[1] for i in chunks)
+        self._token, self._t0, self._map_ms, self._timing = token, t0, map_ms, timing
+        self._settled = 0  # chunks whose outcome was applied, in order
+        self.stats: Optional[MappedStats] = None
+        # An earlier reload this ordered one was queued behind: finished first by wait().
+        self.before: Optional[MappedHandle] = None
+
+    def done(self) -> bool:
+        return self.stats is not None
+
+    def wait(self, timeout: Optional[float] = None) -> MappedStats:
+        """Waits up to `timeout` seconds (None: the default bound; inf: none). TransferTimeoutError if copies
+        still run then (they keep running: wait again)."""
+        seconds = wait_seconds(timeout)
+        deadline = time.monotonic() + seconds
+        with self.s._lock:
+            if self.before is not None:
+                self.before.wait(timeout)
+                self.before = None
+            while self._settled < len(self.parts):
+                k = self._settled
+                left = seconds if seconds == float("inf") else max(0.0, deadline - time.monotonic())
+                try:
+                    self.parts[k].wait(left)
+                except Exception as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    self._fail(k)
+                    raise
+                self._apply(k)
+                self._settled = k + 1
+            if self.stats is None:
+                self._finish()
+            return self.stats  # type: ignore[return-value]
+
+    def _apply(self, k: int) -> None:
+        i = self.chunks[k]
+        if self.direction == "d2h":
+            self.s.memory.unmap(i, 1)  # its copy ended: nothing queued reads it any more
+            self.s._where[i] = POOL
+        else:
+            self.s._where[i] = DEVICE
+
+    def _fail(self, k: int) -> None:
+        """Copy k failed: chunks before it are settled; those from it on stay where their bytes are whole (an
+        offload's on the device, a reload's in the pool, unmapped once their queued copies ended)."""
+        rest = self.parts[k:]
+        _settle(rest)
+        if self.direction == "h2d":
+            for j, p in enumerate(rest):
+                i = self.chunks[k + j]
+                self.s._where[i] = POOL
+                if _done(p):
+                    self.s.memory.unmap(i, 1)
+        self._settled = len(self.parts)
+        if all(_done(p) for p in rest):
+            self._end_token()
+        self.stats = MappedStats(self.direction, 0, 0, time.perf_counter() - self._t0)
+        self.s._pending = None
+
+    def _finish(self) -> None:
+        self._end_token()
+        device_ms = 0.0
+        if self._timing and self.parts:
+            device_ms = Transfers(self.parts, self.nbytes).elapsed_ms()
+        self.stats = MappedStats(self.direction, self.nbytes, len(self.chunks), time.perf_counter() - self._t0,
+                                 self._map_ms, device_ms)
+        if self.s._pending is self:
+            self.s._pending = None
+
+    def _end_token(self) -> None:
+        if self._token is not None:
+            self.s._pool._copies.end(self._token)
+            self._token = None
+
+
+class MappedSet:
+    """Tensors (name, tensor) on one device, copied into one MappedMemory at construction; `tensors` holds
+    the new tensors in the same order, same dtypes and shapes, for the caller to use in place of the old
+    ones (which it then drops). The copy runs on the current stream."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], pool: Optional[PinnedPool] = None, *,
+                 name: str = "mapped", chunk_bytes: int = CHUNK_BYTES_DEFAULT):
+        items = list(tensors)
+        if not items:
+            raise InvalidArgumentError(f"MappedSet {name!r} needs at least one tensor")
+        device = items[0][1].device
+        for n, t in items:
+            if t.device != device:
+                raise DeviceMismatchError(f"MappedSet {name!r}: {n} is on {t.device}, the others on {device}")
+        self.name = name
+        self.names = [n for n, _ in items]
+        self.device = device
+        self._pool = pool if pool is not None else default_pool()
+        self.offsets, total = layout([t.numel() * t.element_size() for _, t in items])
+        self.memory = MappedMemory(total, device, chunk_bytes)
+        self.memory.map()
+        self.tensors: list[torch.Tensor] = []
+        for (_, t), off in zip(items, self.offsets):
+            new = self.memory.tensor_at(off, t)
+            new.copy_(t)
+            self.tensors.append(new)
+        self._where = [DEVICE] * self.memory.nchunks
+        self._blocks: list[Optional[Block]] = [None] * self.memory.nchunks
+        self._pending: Optional[MappedHandle] = None
+        self._lock = threading.RLock()
+
+    # -- where the bytes are ---------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.memory.range.reserved_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the chunks whose bytes are on the device (a reload in flight counts once it was waited for)."""
+        return sum(self.memory.chunk_span(i)[1] for i, w in enumerate(self._where) if w == DEVICE)
+
+    @property
+    def resident(self) -> bool:
+        """Every chunk on the device and nothing in flight: the tensors may be used."""
+        return self._pending is None and all(w == DEVICE for w in self._where)
+
+    @property
+    def pending(self) -> Optional[MappedHandle]:
+        return self._pending
+
+    # -- moving ----------------------------------------------------------------------------------------------
+    def offload(self, *, timing: bool = False) -> MappedHandle:
+        """Queues the copy out of every chunk on the device, each after the current stream's work (the copies
+        read what it wrote); the handle's wait() unmaps each chunk as its copy ends. A transfer still in
+        flight is finished first."""
+        with self._lock:
+            self._finish_pending()
+            t0 = time.perf_counter()
+            for i, w in enumerate(self._where):
+                if w == POOL:  # mapped but not filled by a reload that failed: nothing queued uses it now
+                    self.memory.unmap(i, 1)
+            chunks = [i for i, w in enumerate(self._where) if w == DEVICE]
+            cur = _torch.stream_handle(self.device)
+            eng = _torch.engine_for(self.device)
+            token = self._begin("offload", chunks)
+            parts: list = []
+            try:
+                for i in chunks:
+                    off, size = self.memory.chunk_span(i)
+                    block = self._block(i, size)
+                    parts.append(eng.submit("d2h", [(block.address, self.memory.range.ptr + off, size)],
+                                            wait_stream=cur, timing=timing))
+            except BaseException as exc:
+                self._abandon(parts, token, exc)
+                raise
+            return self._start("d2h", chunks[:len(parts)], parts, token, t0, 0.0, timing)
+
+    def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True,
+               timing: bool = False) -> MappedHandle:
+        """Maps the chunks in the pool, in order, and queues each one's copy back as soon as it is mapped (the
+        next one is mapped behind it), stopping before the chunks brought back would pass `budget_bytes`
+        (None: all of them). With `ordered`, work queued on the current stream after this call sees every
+        chunk on the device, this reload's and an earlier one's. A transfer still in flight is finished first,
+        unless it is a reload and this one is ordered: then the current stream waits for both."""
+        with self._lock:
+            earlier = self._pending
+            if earlier is not None and not (earlier.direction == "h2d" and ordered):
+                self._finish_pending()
+                earlier = None
+            t0 = time.perf_counter()
+            todo = [i for i, w in enumerate(self._where) if w == POOL and not self._in_flight(i)]
+            if budget_bytes is not None:
+                todo = _within(todo, [self.memory.chunk_span(i)[1] for i in todo], budget_bytes)
+            if not todo:
+                if earlier is not None:
+                    earlier.wait()  # nothing to order the stream behind: the host waits for the earlier copies
+                return self._start("h2d", [], [], None, t0, 0.0, timing)
+            cur = _torch.stream_handle(self.device)
+            eng = _torch.engine_for(self.device)
+            token = self._begin("reload", todo)
+            parts: list = []
+            map_s = 0.0
+            try:
+                for n, i in enumerate(todo):
+                    t = time.perf_counter()
+                    self.memory.map(i, 1)
+                    map_s += time.perf_counter() - t
+                    off, size = self.memory.chunk_span(i)
+                    block = self._blocks[i]
+                    assert block is not None
+                    last = n == len(todo) - 1
+                    parts.append(eng.submit("h2d", [(self.memory.range.ptr + off, block.address, size)],
+                                            signal_stream=cur if ordered and last else 0, timing=timing))
+            except BaseException as exc:
+                # Mapped, or not, with no copy of theirs left running: their bytes are the pool's still.
+                self._abandon(parts, token, exc, unmap=todo[len(parts):])
+                raise
+            handle = self._start("h2d", todo, parts, token, t0, map_s * 1e3, timing)
+            handle.before = earlier
+            return handle
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[MappedStats]:
+        """Finishes the transfer in flight, if any (an earlier reload an ordered one was queued behind first)."""
+        with self._lock:
+            h = self._pending
+            return None if h is None else h.wait(timeout)
+
+    def close(self) -> None:
+        """Finishes what is in flight, unmaps the memory (the tensors are gone) and gives the pool blocks back."""
+        with self._lock:
+            self._finish_pending()
+            self.memory.close()
+            for i, b in enumerate(self._blocks):
+                if b is not None:
+                    b.release()
+                    self._blocks[i] = None
+            self.tensors = []
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            self.wait(DEFAULT_TIMEOUT_S)
+
+    def _in_flight(self, i: int) -> bool:
+        """Whether chunk i is being copied back by the reload in flight or one it was queued behind."""
+        h = self._pending
+        while h is not None:
+            if h.direction == "h2d" and not h.done() and i in h.chunks:
+                return True
+            h = h.before
+        return False
+
+    def _block(self, i: int, size: int) -> Block:
+        b = self._blocks[i]
+        if b is None:
+            b = self._blocks[i] = self._pool.alloc(size)
+        return b
+
+    def _begin(self, what: str, chunks: list[int]) -> int:
+        nbytes = sum(self.memory.chunk_span(i)[1] for i in chunks)
+        return self._pool._copies.begin(self._pool, f"MappedSet {self.name!r} {what} of {format_bytes(nbytes)}")
+
+    def _start(self, direction: str, chunks: list[int], parts: list, token: Optional[int], t0: float,
+               map_ms: float, timing: bool) -> MappedHandle:
+        h = MappedHandle(self, direction, chunks, parts, token, t0, map_ms, timing)
+        if token is not None:
+            self._pool._copies.attach(token, Transfers(parts, h.nbytes))
+        if parts:
+            self._pending = h
+        else:
+            h._finish()
+        return h
+
+    def _abandon(self, parts: list, token: int, exc: BaseException, unmap: Iterable[int] = ()) -> None:
+        """A submission failed: the copies already queued (and those the failed one queued, `exc.transfer`)
+        are waited for, bounded; the chunks they moved stay where their bytes are whole (the pool's for a
+        reload, the device's for an offload). `unmap`: chunks to unmap once nothing queued writes them."""
+        queued = getattr(exc, "transfer", None)
+        running = parts + ([queued] if queued is not None else [])
+        _settle(running)
+        idle = all(_done(p) for p in running)
+        if idle:
+            self._pool._copies.end(token)
+        else:
+            self._pool._copies.attach(token, Transfers(running, 0))
+        for n, i in enumerate(unmap):
+            if n == 0 and not idle and queued is not None:
+                continue  # the failed submission's own chunk: its queued copies may still write it
+            if self._where[i] == POOL:
+                self.memory.unmap(i, 1)
+
+
+def _within(chunks: list[int], sizes: list[int], budget: int) -> list[int]:
+    """The leading chunks whose sizes sum to at most `budget`."""
+    out, total = [], 0
+    for i, n in zip(chunks, sizes):
+        if total + n > budget:
+            break
+        out.append(i)
+        total += n
+    return out
+
+
+__all__ = ["MappedHandle", "MappedSet", "MappedStats"]

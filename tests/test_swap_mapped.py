@@ -1,0 +1,162 @@
+"""MappedSet and MappedOptimizerState on the host path (the core's host mappings, the host copy engine, real
+torch): bytes round-trip through the pool chunk by chunk; an offload unmaps every chunk; a reload within a
+budget brings back only the leading chunks that fit, and a later one the rest; the tensors keep their
+addresses; a failure leaves every chunk where its bytes are whole; and an Adam optimizer whose moments live
+in mapped memory steps bit for bit as one that never moved, across offloads, a checkpoint and a load."""
+
+import pytest
+import torch
+
+from colomem.errors import ColomemError, DeviceMismatchError, PoolClosedError, PoolExhaustedError
+from colomem.optim_mapped import MappedOptimizerState
+from colomem.pool import PinnedPool
+from colomem.swap_mapped import POOL, MappedSet
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    p = PinnedPool(pin=False)
+    yield p
+    p.close(force=True)
+
+
+def tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [("a", torch.randn(1000, 1000, generator=g)),
+            ("b", torch.randint(-2**62, 2**62, (1_500_001,), dtype=torch.int64, generator=g)),
+            ("c", torch.randn(7, generator=g).to(torch.bfloat16)),
+            ("d", torch.randn(3, 333, 17, generator=g).to(torch.float16))]
+
+
+def equal(got, want):
+    return all(g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_bytes_round_trip_chunk_by_chunk(pool):
+    ts = tensors()
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    assert s.memory.nchunks > 4 and equal(s.tensors, want) and s.resident
+    ptrs = [t.data_ptr() for t in s.tensors]
+    stats = s.offload(timing=True).wait()
+    assert stats.chunks == s.memory.nchunks and stats.nbytes == s.nbytes
+    assert s.memory.mapped_bytes == 0 and s.resident_bytes == 0 and not s.resident
+    assert s.reload().wait().chunks == s.memory.nchunks
+    assert s.resident and s.memory.all_mapped
+    assert equal(s.tensors, want) and [t.data_ptr() for t in s.tensors] == ptrs
+    for t in s.tensors:  # written on the device between cycles: the next offload carries the new bytes
+        t.zero_()
+    s.offload().wait()
+    s.reload().wait()
+    assert all(not t.any() for t in s.tensors)
+    s.close()
+
+
+def test_a_reload_within_a_budget_takes_the_leading_chunks_and_a_later_one_the_rest(pool):
+    ts = tensors(1)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    chunk = s.memory.chunk_span(0)[1]
+    h = s.reload(budget_bytes=3 * chunk + chunk // 2, ordered=False)
+    h.wait()
+    assert h.chunks == [0, 1, 2] and s.resident_bytes == 3 * chunk
+    assert [s.memory.range.is_mapped(i) for i in range(s.memory.nchunks)] == [True] * 3 + [False] * (
+        s.memory.nchunks - 3)
+    assert s.reload(budget_bytes=chunk // 2).chunks == []  # under one chunk: nothing comes back
+    first = s.reload(budget_bytes=2 * chunk, ordered=False)
+    rest = s.reload()  # queued behind the one in flight, not over its chunks
+    assert set(first.chunks).isdisjoint(rest.chunks)
+    assert sorted(first.chunks + rest.chunks) == list(range(3, s.memory.nchunks))
+    s.wait()
+    assert first.done() and s.resident and equal(s.tensors, want)
+    s.close()
+
+
+def test_a_set_on_two_devices_or_empty_is_refused(pool):
+    with pytest.raises(ColomemError):
+        MappedSet([], pool)
+    if torch.cuda.is_available():
+        with pytest.raises(DeviceMismatchError):
+            MappedSet([("a", torch.zeros(4)), ("b", torch.zeros(4, device="cuda"))], pool)
+
+
+def test_an_offload_the_pool_cannot_hold_leaves_the_set_whole_on_the_device():
+    small = PinnedPool(max_bytes=4 * MiB, segment_bytes=4 * MiB, pin=False)
+    ts = tensors(2)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, small, chunk_bytes=2 * MiB)
+    with pytest.raises(PoolExhaustedError):
+        s.offload()
+    assert s.resident and s.memory.all_mapped and equal(s.tensors, want)
+    small.close(force=True)
+    with pytest.raises(PoolClosedError):
+        s.offload()
+    assert s.resident and equal(s.tensors, want)
+    s.memory.close()
+
+
+def test_a_reload_from_a_closed_pool_leaves_the_chunks_in_the_pool(pool):
+    p = PinnedPool(pin=False)
+    s = MappedSet(tensors(3), p, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    p.close(force=True)
+    with pytest.raises(PoolClosedError):
+        s.reload()
+    assert all(w == POOL for w in s._where) and s.memory.mapped_bytes == 0
+    s.memory.close()
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+
+def _step(model, opt, i):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(16, 64, generator=g)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def test_adam_with_mapped_moments_steps_bit_for_bit_through_offloads_a_checkpoint_and_a_load(pool, tmp_path):
+    ref, mod = _model(0), _model(0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    with pytest.raises(ColomemError, match="first optimizer step"):
+        MappedOptimizerState(opt, pool=pool)
+    _step(ref, ref_opt, 0)
+    _step(mod, opt, 0)
+    mapped = MappedOptimizerState(opt, pool=pool, chunk_bytes=16 << 10)
+    assert mapped.set.memory.nchunks > 2
+    ptr = opt.state[next(iter(mod.parameters()))]["exp_avg"].data_ptr()
+    for i in range(1, 4):
+        mapped.offload().wait()
+        if i == 2:
+            mapped.reload(budget_bytes=mapped.nbytes // 2, ordered=False).wait()  # part back early
+        _step(ref, ref_opt, i)
+        _step(mod, opt, i)  # the step's hook brings the rest back before Adam reads it
+        assert mapped.set.resident
+    assert opt.state[next(iter(mod.parameters()))]["exp_avg"].data_ptr() == ptr
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+    mapped.offload().wait()
+    saved = opt.state_dict()  # its hook brings the state back first
+    assert mapped.set.resident
+    torch.save(saved, tmp_path / "opt.pt")
+    opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    assert not mapped.active  # the loaded tensors are the optimizer's now
+    with pytest.raises(ColomemError, match="let go"):
+        mapped.offload()
+    for i in range(4, 6):
+        _step(ref, ref_opt, i)
+        _step(mod, opt, i)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+    again = MappedOptimizerState(opt, pool=pool)
+    again.offload().wait()
+    again.close()  # the state back in torch tensors the optimizer owns
+    _step(ref, ref_opt, 6)
+    _step(mod, opt, 6)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
