@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -245,7 +245,7 @@ class MappedSet:
                                             signal_stream=cur if ordered and last else 0, timing=timing))
             except BaseException as exc:
                 # Mapped, or not, with no copy of theirs left running: their bytes are the pool's still.
-                self._abandon(parts, token, exc, unmap=todo[len(parts):])
+                self._abandon(parts, token, exc, unmap=todo[len(parts):], chunks=todo)
                 raise
             handle = self._start("h2d", todo, parts, token, t0, map_s * 1e3, timing)
             handle.before = earlier
@@ -303,10 +303,12 @@ class MappedSet:
             h._finish()
         return h
 
-    def _abandon(self, parts: list, token: int, exc: BaseException, unmap: Iterable[int] = ()) -> None:
-        """A submission failed: the copies already queued (and those the failed one queued, `exc.transfer`)
-        are waited for, bounded; the chunks they moved stay where their bytes are whole (the pool's for a
-        reload, the device's for an offload). `unmap`: chunks to unmap once nothing queued writes them."""
+    def _abandon(self, parts: list, token: int, exc: BaseException, unmap: Iterable[int] = (),
+                 chunks: Sequence[int] = ()) -> None:
+        """A submission failed. The copies already queued (and those the failed one queued, `exc.transfer`)
+        are waited for, bounded. A reload's chunks whose copies completed (`chunks`, in the order of `parts`)
+        are on the device now; the others stay where their bytes are whole (the pool's for a reload, the
+        device's for an offload). `unmap`: chunks to unmap once nothing queued writes them."""
         queued = getattr(exc, "transfer", None)
         running = parts + ([queued] if queued is not None else [])
         _settle(running)
@@ -315,11 +317,23 @@ class MappedSet:
             self._pool._copies.end(token)
         else:
             self._pool._copies.attach(token, Transfers(running, 0))
+        for i, p in zip(chunks, parts):
+            if _succeeded(p):
+                self._where[i] = DEVICE
+            elif _done(p):
+                self.memory.unmap(i, 1)  # its copy failed: the pool's bytes are the chunk's
         for n, i in enumerate(unmap):
             if n == 0 and not idle and queued is not None:
                 continue  # the failed submission's own chunk: its queued copies may still write it
             if self._where[i] == POOL:
                 self.memory.unmap(i, 1)
+
+
+def _succeeded(p) -> bool:
+    try:
+        return bool(p.done())
+    except Exception:  # noqa: B036  (the copy failed)
+        return False
 
 
 def _within(chunks: list[int], sizes: list[int], budget: int) -> list[int]:
