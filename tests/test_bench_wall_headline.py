@@ -33,3 +33,15 @@ def test_the_worst_set_against_the_best_ceiling():
 
 def test_only_wall_is_an_option():
     assert parse_args(["--only", "wall"]).only == "wall"
+
+
+def test_the_mapped_sets_figures_are_reported_beside_the_default():
+    res = result()
+    assert not any(k.startswith("mapped_") for k in _wall_headline(res))  # a run without the mapped variant
+    res["wall"]["big"]["mapped"] = run(55e9, 1010, 1030, first_rel_ms=1100)
+    res["wall"]["small"]["mapped"] = run(5.5e9, 104, 106, first_off_ms=108)
+    h = _wall_headline(res)
+    assert abs(h["mapped_offload_wall_vs_peak_worst"] - (5.5 / 0.104) / 55.0) < 1e-9  # the worse of two sets
+    assert abs(h["mapped_reload_first_wall_vs_peak_worst"] - (55 / 1.1) / 53.0) < 1e-9  # big's first reload
+    assert abs(h["mapped_offload_first_wall_vs_peak_worst"] - (5.5 / 0.108) / 55.0) < 1e-9
+    assert h["wall_worst_set"] == "small"  # the default's figures are unchanged by it

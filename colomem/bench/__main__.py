@@ -24,6 +24,7 @@ import torch
 
 import colomem
 from colomem import swap_coalesce, swap_pipeline, swap_slab
+from colomem.bench import mapped as bench_mapped
 from colomem.bench import transfer
 from colomem.bench.shapes import SHAPES
 
@@ -124,6 +125,9 @@ def run_gpu(a) -> dict:
 WALL_VARIANTS = {"pipelined": ({}, None), "grow_first": ({"pipeline": False, "expandable": False}, None),
                  "pipelined_plain": ({"expandable": False}, None), "first16": ({}, (16 * MiB, 4)),
                  "first16_growth2": ({}, (16 * MiB, 2)), "pipelined_again": ({}, None)}
+# The set held in memory colomem maps itself (colomem/bench/mapped.py): name -> chunk bytes. Run between the
+# SwapSet variants and the default's second run.
+WALL_MAPPED = {"mapped": 256 * MiB, "mapped64": 64 * MiB}
 
 
 @contextlib.contextmanager
@@ -146,16 +150,24 @@ def wall_clock(key: str, shape, reps: int) -> dict:
     tensors = transfer.make_set(shape, "cuda")
     log(f"set {key}: {len(shape.tensors())} tensors, {shape.nbytes() / GB:.2f} GB, by the wall clock")
     out = {}
-    for name, (kw, sizes) in WALL_VARIANTS.items():
-        with piece_sizes(sizes):
-            run = transfer.colomem_swaps(tensors, reps, **kw)
+    order = [n for n in WALL_VARIANTS if n != "pipelined_again"] + list(WALL_MAPPED) + ["pipelined_again"]
+    for name in order:
+        if name in WALL_MAPPED:
+            run = bench_mapped.mapped_swaps(tensors, reps, WALL_MAPPED[name])
+            beyond = (f"mapping {run['reload_alloc_ms_median']:.2f} ms; beyond the copies: offload "
+                      f"{run['offload_around_ms_median']:.2f} ms, reload {run['reload_around_ms_median']:.2f} ms")
+        else:
+            kw, sizes = WALL_VARIANTS[name]
+            with piece_sizes(sizes):
+                run = transfer.colomem_swaps(tensors, reps, **kw)
+            beyond = (f"re-growth {run['reload_alloc_ms_median']:.2f} ms; beyond the copies, outside / inside the "
+                      f"set's clock: offload {run['offload_outside_ms_median']:.2f} / "
+                      f"{run['offload_around_ms_median']:.2f} ms, reload {run['reload_outside_ms_median']:.2f} / "
+                      f"{run['reload_around_ms_median']:.2f} ms")
         if not (run["correct_after_first_cycle"] and run["correct_after_all_cycles"]):
             raise SystemExit(f"set {key} ({name}): bytes changed across offload/reload; refusing to report")
         log(f"  {name}: offload {run['offload_wall_gbps']:.1f} GB/s wall, reload {run['reload_wall_gbps']:.1f} "
-            f"GB/s wall (copies {run['offload_gbps']:.1f} / {run['reload_gbps']:.1f}; re-growth "
-            f"{run['reload_alloc_ms_median']:.2f} ms; beyond the copies, outside / inside the set's clock: "
-            f"offload {run['offload_outside_ms_median']:.2f} / {run['offload_around_ms_median']:.2f} ms, reload "
-            f"{run['reload_outside_ms_median']:.2f} / {run['reload_around_ms_median']:.2f} ms)")
+            f"GB/s wall (copies {run['offload_gbps']:.1f} / {run['reload_gbps']:.1f}; {beyond})")
         out[name] = run
     del tensors
     torch.cuda.empty_cache()
@@ -186,11 +198,16 @@ def _wall_headline(res: dict) -> dict:
     pick = {k: {**v["pipelined"], "reload": max(v["pipelined"]["reload"], v["pipelined_again"]["reload"])}
             for k, v in by_set.items()}  # the better of the two runs of the default reload (drift shows in both)
     worst = min(pick, key=lambda k: min(pick[k]["offload"], pick[k]["reload"]))
-    return {"wall_ceiling_d2h_gbps": d2h, "wall_ceiling_h2d_gbps": h2d, "wall_worst_set": worst,
-            "offload_wall_vs_peak_worst": min(v["offload"] for v in pick.values()),
-            "reload_wall_vs_peak_worst": min(v["reload"] for v in pick.values()),
-            "reload_wall_vs_peak_first_cycle_worst": min(v["reload_first"] for v in pick.values()),
-            "wall_vs_peak_by_set": by_set}
+    out = {"wall_ceiling_d2h_gbps": d2h, "wall_ceiling_h2d_gbps": h2d, "wall_worst_set": worst,
+           "offload_wall_vs_peak_worst": min(v["offload"] for v in pick.values()),
+           "reload_wall_vs_peak_worst": min(v["reload"] for v in pick.values()),
+           "reload_wall_vs_peak_first_cycle_worst": min(v["reload_first"] for v in pick.values()),
+           "wall_vs_peak_by_set": by_set}
+    mapped = {k: v["mapped"] for k, v in by_set.items() if "mapped" in v}
+    if mapped:  # the same figures for the set held in mapped memory
+        for fig in ("offload", "reload", "offload_first", "reload_first"):
+            out[f"mapped_{fig}_wall_vs_peak_worst"] = min(v[fig] for v in mapped.values())
+    return out
 
 
 SMALL_MODES = ("slab", "coalesced", "per_tensor")  # the SwapSet ways of moving the small-tensor set
