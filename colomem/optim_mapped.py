@@ -44,12 +44,18 @@ def state_tensors(optimizer: torch.optim.Optimizer, keys: Sequence[str]) -> list
 class MappedOptimizerState:
     """The optimizer's state tensors named `keys` (default: Adam's moments) moved into one MappedSet.
 
+    move_out=False: the state is copied into mapped memory now (on the current stream; for a moment both
+    copies are on the device) and the optimizer uses the mapped tensors at once. move_out=True: the state's
+    bytes copy straight to the pool (no GPU memory beyond theirs, the state offloaded from the start):
+    `moving` is the copy's handle, and the optimizer keeps its old tensors until finish_move() waited for
+    it, then uses the mapped ones (its old tensors' memory is freed then).
+
     Raises ColomemError when the optimizer has none of them yet (Adam makes its state at its first step:
     map after it) or when they are not on one device."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, keys: Sequence[str] = MOMENTS,
                  pool: Optional[PinnedPool] = None, *, chunk_bytes: int = CHUNK_BYTES_DEFAULT,
-                 name: str = "optimizer state"):
+                 name: str = "optimizer state", move_out: bool = False):
         found = state_tensors(optimizer, keys)
         if not found:
             raise ColomemError(f"{type(optimizer).__name__} has no state named {', '.join(keys)} yet; it is made "
@@ -60,16 +66,54 @@ class MappedOptimizerState:
                                "mapped state lives on one")
         self.optimizer = optimizer
         self.keys = tuple(keys)
-        self.set = MappedSet([(f"{i}.{k}", t) for i, (_, k, t) in enumerate(found)], pool, name=name,
-                             chunk_bytes=chunk_bytes)
         self._refs = [(p, k) for p, k, _ in found]
+        items = [(f"{i}.{k}", t) for i, (_, k, t) in enumerate(found)]
+        self.active = False
+        self.closed = False
+        self._hooks: list = []
+        self.moving: Optional[MappedHandle] = None
+        self._old: list[torch.Tensor] = []
+        if move_out:
+            self.set, self.moving = MappedSet.moving_out(items, pool, name=name, chunk_bytes=chunk_bytes)
+            self._old = [t for _, _, t in found]
+            return
+        self.set = MappedSet(items, pool, name=name, chunk_bytes=chunk_bytes)
+        del found, items  # the old tensors go with their last reference: their memory back to the allocator
+        self._install()
+
+    def _install(self) -> None:
+        """The optimizer uses the mapped tensors from now on; hooks keep it from reading unmapped memory."""
         for (p, k), new in zip(self._refs, self.set.tensors):
-            optimizer.state[p][k] = new
-        del found  # the old tensors go with the last reference: their memory back to the allocator
+            self.optimizer.state[p][k] = new
         self.active = True
-        self._hooks = [optimizer.register_step_pre_hook(self._before_read),
-                       optimizer.register_state_dict_pre_hook(self._before_read),
-                       optimizer.register_load_state_dict_post_hook(self._after_load)]
+        opt = self.optimizer
+        self._hooks = [opt.register_step_pre_hook(self._before_read),
+                       opt.register_state_dict_pre_hook(self._before_read),
+                       opt.register_load_state_dict_post_hook(self._after_load)]
+
+    def finish_move(self, timeout: Optional[float] = None) -> int:
+        """Waits for a move_out copy (nothing to do otherwise), then makes the optimizer use the mapped
+        tensors and frees its old ones; returns the bytes moved (0 when none was moving). On a timeout the copy
+        goes on: call again. If the copy failed, the optimizer keeps its old tensors and this state is let go."""
+        h = self.moving
+        if h is None:
+            return 0
+        try:
+            stats = h.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.moving, self._old = None, []
+            self._let_go()
+            raise
+        self.moving = None
+        self._install()
+        for t in self._old:  # nobody reads them any more: their memory goes back at once, even if referenced
+            st = t.untyped_storage()
+            if st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0:
+                st.resize_(0)
+        self._old = []
+        return stats.nbytes
 
     @property
     def device(self) -> torch.device:
@@ -108,8 +152,10 @@ class MappedOptimizerState:
 
     def close(self) -> None:
         """Brings the state back into torch tensors the optimizer then owns, and frees the mapped memory."""
-        if not self.active:
+        if self.closed:
             return
+        if self.moving is not None:
+            self.finish_move(DEFAULT_TIMEOUT_S)
         self.ensure_resident()
         self.set.wait(DEFAULT_TIMEOUT_S)
         for (p, k), t in zip(self._refs, self.set.tensors):
@@ -130,8 +176,11 @@ class MappedOptimizerState:
         self._hooks = []
         self.active = False
         self.set.close()
+        self.closed = True
 
     def _check_active(self) -> None:
+        if self.moving is not None:
+            raise ColomemError("the optimizer state is still moving out to the pool; finish_move() first")
         if not self.active:
             raise ColomemError("this mapped optimizer state was let go (closed, or the optimizer loaded a state "
                                "dict); map the optimizer's state again")

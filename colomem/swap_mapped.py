@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from colomem import _torch
-from colomem.errors import DeviceMismatchError, InvalidArgumentError
+from colomem.errors import ColomemError, DeviceMismatchError, InvalidArgumentError
 from colomem.mapped import CHUNK_BYTES_DEFAULT, MappedMemory, layout
 from colomem.pool import Block, PinnedPool, default_pool
 from colomem.swap_coalesce import Transfers, _done, _settle
@@ -60,6 +60,7 @@ class MappedHandle:
         self.stats: Optional[MappedStats] = None
         # An earlier reload this ordered one was queued behind: finished first by wait().
         self.before: Optional[MappedHandle] = None
+        self.filling = False  # MappedSet.moving_out's copy: a failure leaves the set without whole bytes
 
     def done(self) -> bool:
         return self.stats is not None
@@ -102,6 +103,8 @@ class MappedHandle:
         offload's on the device, a reload's in the pool, unmapped once their queued copies ended)."""
         rest = self.parts[k:]
         _settle(rest)
+        if self.filling:
+            self.s._broken = "its first copy out failed"
         if self.direction == "h2d":
             for j, p in enumerate(rest):
                 i = self.chunks[k + j]
@@ -136,7 +139,7 @@ class MappedSet:
     ones (which it then drops). The copy runs on the current stream."""
 
     def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], pool: Optional[PinnedPool] = None, *,
-                 name: str = "mapped", chunk_bytes: int = CHUNK_BYTES_DEFAULT):
+                 name: str = "mapped", chunk_bytes: int = CHUNK_BYTES_DEFAULT, _on_device: bool = True):
         items = list(tensors)
         if not items:
             raise InvalidArgumentError(f"MappedSet {name!r} needs at least one tensor")
@@ -150,16 +153,56 @@ class MappedSet:
         self._pool = pool if pool is not None else default_pool()
         self.offsets, total = layout([t.numel() * t.element_size() for _, t in items])
         self.memory = MappedMemory(total, device, chunk_bytes)
-        self.memory.map()
+        if _on_device:
+            self.memory.map()
         self.tensors: list[torch.Tensor] = []
         for (_, t), off in zip(items, self.offsets):
             new = self.memory.tensor_at(off, t)
-            new.copy_(t)
+            if _on_device:
+                new.copy_(t)
             self.tensors.append(new)
-        self._where = [DEVICE] * self.memory.nchunks
+        self._where = [DEVICE if _on_device else POOL] * self.memory.nchunks
         self._blocks: list[Optional[Block]] = [None] * self.memory.nchunks
         self._pending: Optional[MappedHandle] = None
+        self._broken = ""  # why the set's bytes are not whole (a failed moving_out): nothing can come back
         self._lock = threading.RLock()
+
+    @classmethod
+    def moving_out(cls, tensors: Iterable[tuple[str, torch.Tensor]], pool: Optional[PinnedPool] = None, *,
+                   name: str = "mapped", chunk_bytes: int = CHUNK_BYTES_DEFAULT,
+                   timing: bool = False) -> tuple["MappedSet", MappedHandle]:
+        """A set made offloaded, without mapping anything: the tensors' bytes copy from where they are straight
+        into the set's pool blocks (after the current stream's work), so moving them into mapped memory costs
+        no GPU memory beyond theirs. The set's `tensors` view the unmapped range: put them in place of the old
+        ones only once the handle's wait() returned; the old ones may go then. If the copy fails, the set
+        cannot be reloaded (the old tensors still hold the bytes): close it."""
+        items = list(tensors)
+        for n, t in items:
+            if not t.is_contiguous():
+                raise InvalidArgumentError(f"MappedSet {name!r}: {n} is not contiguous; its bytes cannot be copied "
+                                           "out as they lie")
+        s = cls(items, pool, name=name, chunk_bytes=chunk_bytes, _on_device=False)
+        with s._lock:
+            t0 = time.perf_counter()
+            chunks = list(range(s.memory.nchunks))
+            cur = _torch.stream_handle(s.device)
+            eng = _torch.engine_for(s.device)
+            token = s._begin("move out", chunks)
+            parts: list = []
+            try:
+                for i in chunks:
+                    off, size = s.memory.chunk_span(i)
+                    block = s._block(i, size)
+                    parts.append(eng.submit("d2h", _pieces_into(block.address, off, size, items, s.offsets),
+                                            wait_stream=cur, timing=timing))
+            except BaseException as exc:
+                s._broken = f"its first copy out failed ({exc})"
+                if s._abandon(parts, token, exc):
+                    s.close()  # nothing of it runs any more: its pool blocks go back
+                raise
+            h = s._start("d2h", chunks, parts, token, t0, 0.0, timing)
+            h.filling = True
+            return s, h
 
     # -- where the bytes are ---------------------------------------------------------------------------------
     @property
@@ -215,6 +258,9 @@ class MappedSet:
         chunk on the device, this reload's and an earlier one's. A transfer still in flight is finished first,
         unless it is a reload and this one is ordered: then the current stream waits for both."""
         with self._lock:
+            if self._broken:
+                raise ColomemError(f"MappedSet {self.name!r} cannot come back: {self._broken}; its old tensors still "
+                                   "hold the bytes, close this set")
             earlier = self._pending
             if earlier is not None and not (earlier.direction == "h2d" and ordered):
                 self._finish_pending()
@@ -304,11 +350,12 @@ class MappedSet:
         return h
 
     def _abandon(self, parts: list, token: int, exc: BaseException, unmap: Iterable[int] = (),
-                 chunks: Sequence[int] = ()) -> None:
+                 chunks: Sequence[int] = ()) -> bool:
         """A submission failed. The copies already queued (and those the failed one queued, `exc.transfer`)
         are waited for, bounded. A reload's chunks whose copies completed (`chunks`, in the order of `parts`)
         are on the device now; the others stay where their bytes are whole (the pool's for a reload, the
-        device's for an offload). `unmap`: chunks to unmap once nothing queued writes them."""
+        device's for an offload). `unmap`: chunks to unmap once nothing queued writes them. -> whether nothing
+        queued runs any more."""
         queued = getattr(exc, "transfer", None)
         running = parts + ([queued] if queued is not None else [])
         _settle(running)
@@ -327,6 +374,7 @@ class MappedSet:
                 continue  # the failed submission's own chunk: its queued copies may still write it
             if self._where[i] == POOL:
                 self.memory.unmap(i, 1)
+        return idle
 
 
 def _succeeded(p) -> bool:
@@ -334,6 +382,19 @@ def _succeeded(p) -> bool:
         return bool(p.done())
     except Exception:  # noqa: B036  (the copy failed)
         return False
+
+
+def _pieces_into(address: int, chunk_off: int, size: int, items: list, offsets: list[int]) -> list:
+    """(dst, src, nbytes) copies of the parts of the tensors that fall in the chunk at chunk_off (its bytes at
+    `address`), each tensor laid out at its offset."""
+    out = []
+    end = chunk_off + size
+    for (_, t), off in zip(items, offsets):
+        n = t.numel() * t.element_size()
+        lo, hi = max(off, chunk_off), min(off + n, end)
+        if lo < hi:
+            out.append((address + lo - chunk_off, t.data_ptr() + lo - off, hi - lo))
+    return out
 
 
 def _within(chunks: list[int], sizes: list[int], budget: int) -> list[int]:

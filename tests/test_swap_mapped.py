@@ -160,3 +160,43 @@ def test_adam_with_mapped_moments_steps_bit_for_bit_through_offloads_a_checkpoin
     _step(ref, ref_opt, 6)
     _step(mod, opt, 6)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+
+
+def test_moving_out_copies_straight_to_the_pool_and_the_optimizer_switches_only_once_it_ended(pool):
+    ref, mod = _model(1), _model(1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    _step(ref, ref_opt, 0)
+    _step(mod, opt, 0)
+    first = next(iter(mod.parameters()))
+    old = opt.state[first]["exp_avg"]
+    mapped = MappedOptimizerState(opt, pool=pool, chunk_bytes=16 << 10, move_out=True)
+    assert mapped.set.memory.mapped_bytes == 0 and not mapped.active
+    assert opt.state[first]["exp_avg"] is old  # the optimizer keeps its own until the copy ended
+    with pytest.raises(ColomemError, match="finish_move"):
+        mapped.offload()
+    assert mapped.finish_move() == mapped.nbytes
+    assert mapped.active and opt.state[first]["exp_avg"] is not old
+    assert old.untyped_storage().nbytes() == 0  # its memory went back
+    assert mapped.set.memory.mapped_bytes == 0 and mapped.resident_bytes == 0  # offloaded from the start
+    for i in range(1, 4):
+        _step(ref, ref_opt, i)
+        _step(mod, opt, i)  # the first brings the moments back from the pool
+        mapped.offload().wait()
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+    mapped.close()
+    assert mapped.closed and not mapped.active
+
+
+def test_a_moving_out_that_cannot_copy_leaves_the_optimizer_its_own_state():
+    small = PinnedPool(max_bytes=64 << 10, segment_bytes=64 << 10, pin=False)
+    mod = _model(2)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    _step(mod, opt, 0)
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(PoolExhaustedError):
+        MappedOptimizerState(opt, pool=small, chunk_bytes=16 << 10, move_out=True)
+    for p, st in opt.state.items():
+        assert all(torch.equal(v, before[id(p)][k]) for k, v in st.items())
+    assert small.stats()["in_use_bytes"] == 0  # the blocks of the chunks that were copied went back
+    small.close(force=True)
