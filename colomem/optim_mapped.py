@@ -91,7 +91,7 @@ class MappedOptimizerState:
                        opt.register_state_dict_pre_hook(self._before_read),
                        opt.register_load_state_dict_post_hook(self._after_load)]
 
-    def finish_move(self, timeout: Optional[float] = None) -> int:
+    def finish_move(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> int:
         """Waits for a move_out copy (nothing to do otherwise), then makes the optimizer use the mapped
         tensors and frees its old ones; returns the bytes moved (0 when none was moving). On a timeout the copy
         goes on: call again. If the copy failed, the optimizer keeps its old tensors and this state is let go."""
@@ -162,12 +162,39 @@ class MappedOptimizerState:
             self.optimizer.state[p][k] = t.clone()
         self._let_go()
 
+    def discard(self) -> None:
+        """Lets the state go without bringing it back: the moments leave the optimizer's state (a later step
+        would start them from zero) and the mapped memory is freed. For an optimizer that is being closed."""
+        if self.closed:
+            return
+        if self.moving is not None:
+            try:
+                self.finish_move(DEFAULT_TIMEOUT_S)
+            except Exception:  # noqa: B036  (the old tensors stay the optimizer's: nothing mapped to let go of)
+                return
+        for p, k in self._refs:
+            self.optimizer.state.get(p, {}).pop(k, None)
+        self._let_go()
+
     # -- hooks -----------------------------------------------------------------------------------------------
     def _before_read(self, *_args: Any) -> None:
         self.ensure_resident()
 
     def _after_load(self, *_args: Any) -> None:
-        """load_state_dict() put new tensors in the state: the mapped ones are no longer the optimizer's."""
+        """load_state_dict() put new tensors in the state: the mapped ones are no longer the optimizer's. A
+        state dict read from this optimizer in the same process holds the mapped tensors themselves, and torch
+        loads a tensor already of the right dtype and device as it is: those are cloned out of the mapped
+        memory before it goes."""
+        lo = self.set.memory.range.ptr
+        hi = lo + self.set.memory.range.reserved_bytes
+        aliased = [(st, k) for st in self.optimizer.state.values() for k, t in st.items()
+                   if isinstance(t, torch.Tensor) and lo <= t.data_ptr() < hi]
+        if aliased:
+            self.active = True  # so that ensure_resident brings every chunk back first
+            self.ensure_resident()
+            self.set.wait(DEFAULT_TIMEOUT_S)
+            for st, k in aliased:
+                st[k] = st[k].clone()
         self._let_go()
 
     def _let_go(self) -> None:

@@ -110,8 +110,8 @@ class PendingReloads:
 
     @property
     def nbytes(self) -> int:
-        """Bytes still pending."""
-        return sum(h._set.nbytes for h in self._handles)
+        """Bytes still pending (a SwapHandle's set's; a handle that knows its own bytes, its own)."""
+        return sum(h._set.nbytes if getattr(h, "nbytes", None) is None else h.nbytes for h in self._handles)
 
     def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> float:
         """Blocks until every pending reload finished; returns the seconds it blocked (0.0 when none)."""

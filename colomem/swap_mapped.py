@@ -65,9 +65,9 @@ class MappedHandle:
     def done(self) -> bool:
         return self.stats is not None
 
-    def wait(self, timeout: Optional[float] = None) -> MappedStats:
-        """Waits up to `timeout` seconds (None: the default bound; inf: none). TransferTimeoutError if copies
-        still run then (they keep running: wait again)."""
+    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> MappedStats:
+        """Waits up to `timeout` seconds (None or inf: no bound). TransferTimeoutError if copies still run then
+        (they keep running: wait again)."""
         seconds = wait_seconds(timeout)
         deadline = time.monotonic() + seconds
         with self.s._lock:
@@ -297,7 +297,7 @@ class MappedSet:
             handle.before = earlier
             return handle
 
-    def wait(self, timeout: Optional[float] = None) -> Optional[MappedStats]:
+    def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> Optional[MappedStats]:
         """Finishes the transfer in flight, if any (an earlier reload an ordered one was queued behind first)."""
         with self._lock:
             h = self._pending

@@ -200,3 +200,26 @@ def test_a_moving_out_that_cannot_copy_leaves_the_optimizer_its_own_state():
         assert all(torch.equal(v, before[id(p)][k]) for k, v in st.items())
     assert small.stats()["in_use_bytes"] == 0  # the blocks of the chunks that were copied went back
     small.close(force=True)
+
+
+def test_loading_a_state_dict_read_from_the_same_optimizer_keeps_the_moments_it_aliases(pool):
+    """A state dict read in the same process holds the mapped tensors themselves (torch loads a tensor of the
+    right dtype and device as it is): loading it back, even after the state went out again, leaves the
+    optimizer with its moments' bytes in its own memory, not in the mapped memory let go."""
+    ref, mod = _model(3), _model(3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    for i in range(2):
+        _step(ref, ref_opt, i)
+        _step(mod, opt, i)
+    mapped = MappedOptimizerState(opt, pool=pool, chunk_bytes=16 << 10)
+    saved = opt.state_dict()
+    mapped.offload().wait()
+    opt.load_state_dict(saved)
+    assert mapped.closed
+    for _, st in opt.state.items():
+        assert all(t.untyped_storage().nbytes() > 0 for t in st.values())
+    for i in range(2, 4):
+        _step(ref, ref_opt, i)
+        _step(mod, opt, i)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))

@@ -21,12 +21,13 @@ class IPGBucket:                       # the shape of DeepSpeed's stage_1_and_2.
     params: list = field(default_factory=list)
 
 
-def fake_zero2_engine(seed=0):
+def fake_zero2_engine(seed=0, hidden=4):
     """bf16 params as views into one flat buffer, fp32 master partition, AdamW state after one step, an
-    ipg bucket (scratch) and one tensor only the safety-net walk can find."""
+    ipg bucket (scratch) and one tensor only the safety-net walk can find. hidden: the width between its two
+    layers (larger: state of many pages)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    module = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 2)).to(torch.bfloat16)
     module.register_buffer("inv_freq", torch.rand(5, generator=g))
     params = list(module.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params]).clone()

@@ -98,7 +98,11 @@ def reload_figures(stats: Any) -> dict[str, float]:
     the set's finish."""
     if stats is None:
         return {}
-    return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": stats.alloc_ms / 1e3}
+    # a SwapSet's reload re-grows storages (alloc_ms); a MappedSet's maps chunks (map_ms)
+    grow_ms = getattr(stats, "alloc_ms", None)
+    if grow_ms is None:
+        grow_ms = getattr(stats, "map_ms", 0.0)
+    return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": grow_ms / 1e3}
 
 
 def alloc_retries(device: torch.device) -> int:

@@ -18,7 +18,9 @@ from torch import Tensor
 
 from colomem.errors import ColomemError, CudaOutOfMemoryError
 
-from .state import CATEGORIES, LATE_CATEGORIES, EngineState, release_cached_memory
+from .mapped_moments import MappedMoments
+from .state import (CATEGORIES, LATE_CATEGORIES, EngineState, release_cached_memory, storage_key,
+                    storage_nbytes)
 
 
 @dataclass
@@ -98,7 +100,8 @@ class ColomemOffload:
     on the GPU (the placement planner's choice); the rest moves."""
     method = "colomem"
 
-    def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float):
+    def __init__(self, collect: Callable[[], EngineState], pool, device: torch.device, timeout_s: float,
+                 moments: Optional[MappedMoments] = None):
         from colomem.swap import SwapSet
 
         self._collect = collect
@@ -106,17 +109,28 @@ class ColomemOffload:
         self._scratch = ScratchBuffers()
         self._timeout = timeout_s
         self._keep: tuple[str, ...] = ()     # categories the next offload leaves on the GPU
+        # Adam's moments in memory colomem maps itself (mapped_moments.py): they move with the LATE part but
+        # not in its SwapSet
+        self.moments = moments
         early = tuple(c for c in CATEGORIES if c not in LATE_CATEGORIES)
 
         def items(cats):
-            return lambda: (self._state.swap_items([c for c in cats if c not in self.keep]) if self._state
-                            else [])
+            def get():
+                if self._state is None:
+                    return []
+                out = self._state.swap_items([c for c in cats if c not in self.keep])
+                if self.moments is not None:
+                    mapped = self.moments.storages()
+                    out = [(n, t) for n, t in out if storage_key(t) not in mapped]
+                return out
+            return get
         # release=True: the memory goes back to the driver inside the timed move, as with the baselines
         self.swapset = SwapSet.from_tensors(items(early), pool, name="deepspeed-trainer", device=device,
                                             release=device.type == "cuda")
         # offloaded first; with release, its pieces' memory goes back while the later pieces copy (where the
         # allocator's unmaps do not wait for copies in flight: expandable segments), not after all of them
-        self.late = SwapSet.from_tensors(items(LATE_CATEGORIES), pool, name="deepspeed-trainer.optimizer",
+        self._late_items = items(LATE_CATEGORIES)
+        self.late = SwapSet.from_tensors(self._late_items, pool, name="deepspeed-trainer.optimizer",
                                          device=device, release=device.type == "cuda")
         self._late_pending: Any = None                                # its SwapHandle while a deferred offload runs
         self._late_held = 0                                           # its bytes while deferred, not started yet
@@ -138,7 +152,11 @@ class ColomemOffload:
     @property
     def pending_bytes(self) -> int:
         """Bytes of the LATE part still copying (or held back) after offload(defer_late=True); 0 when none is."""
-        return self.late.nbytes if self._late_pending is not None else self._late_held
+        own = self.late.nbytes if self._late_pending is not None else self._late_held
+        return own + (self.moments.pending_bytes if self.moments is not None else 0)
+
+    def _moments_move(self) -> bool:
+        return self.moments is not None and "optim" not in self.keep
 
     def offload(self, defer_late: bool = False, hold_late: bool = False) -> Move:
         """defer_late: the LATE part is still copying on return (its bytes are not in the Move's); its GPU
@@ -158,12 +176,19 @@ class ColomemOffload:
                 # would wait for all of it (the caller does not release again while the copy runs)
                 release_cached_memory()
                 if hold_late:
-                    self._late_held = sum(n for c, n in state.sizes.items()
-                                          if c in LATE_CATEGORIES and c not in self.keep)
+                    held = {storage_key(t): storage_nbytes(t) for _, t in self._late_items()}
+                    self._late_held = sum(held.values())
                 else:
                     self._late_pending = self.late.offload_async()
+                if self._moments_move():
+                    assert self.moments is not None
+                    self.moments.offload(hold=hold_late)
             else:
                 nbytes += self.late.offload(self._timeout).nbytes
+                if self._moments_move():
+                    assert self.moments is not None
+                    self.moments.offload()
+                    nbytes += self.moments.finish(self._timeout)
                 nbytes += self.swapset.offload(self._timeout).nbytes
         except BaseException:
             self._late_held = 0
@@ -171,6 +196,11 @@ class ColomemOffload:
                 self._late_pending = None
                 try:
                     self.late.wait_pending(self._timeout)
+                except ColomemError:
+                    pass
+            if self.moments is not None:
+                try:
+                    self.moments.reload()
                 except ColomemError:
                     pass
             for s in (self.late, self.swapset):   # all or nothing: the engine stays trainable
@@ -187,17 +217,21 @@ class ColomemOffload:
         if self._late_held:
             self._late_held = 0
             self._late_pending = self.late.offload_async()
+        if self.moments is not None:
+            self.moments.start()
 
     def finish_late(self, timeout: Optional[float] = None) -> int:
         """Waits for the LATE part an offload(defer_late=True) left copying, starting it first when held (its
         storages shrink then; the caller empties the cache); returns its bytes. On a timeout it goes on and a
         later call waits again."""
         self.start_late()
-        if self._late_pending is None:
-            return 0
-        stats = self._late_pending.wait(self._timeout if timeout is None else timeout)
-        self._late_pending = None
-        return stats.nbytes
+        n = 0
+        if self._late_pending is not None:
+            n = self._late_pending.wait(self._timeout if timeout is None else timeout).nbytes
+            self._late_pending = None
+        if self.moments is not None:
+            n += self.moments.finish(timeout)
+        return n
 
     def reload(self, pending=None, late: bool = True) -> Move:
         """pending: a colomem.swap.PendingReloads to start the LATE part in (its wait() must come before
@@ -215,8 +249,14 @@ class ColomemOffload:
                 pass
             elif pending is None:
                 nbytes += self.late.reload(self._timeout).nbytes
+                if self.moments is not None:
+                    nbytes += self.moments.reload()
             else:
                 pending.add(self.late.reload_async(ordered=False))
+                if self.moments is not None and self.moments.outstanding:
+                    self.moments.finish()
+                    assert self.moments.state is not None
+                    pending.add(self.moments.state.reload(ordered=False))
         except BaseException:
             self.swapset.offload(self._timeout)   # e.g. no GPU memory for the late part: offloaded again
             self._scratch.shrink_again()
@@ -230,7 +270,8 @@ class ColomemOffload:
         """The LATE part is in the pool, or on its way there (offload(defer_late=True)), after a
         reload(late=False)."""
         return self._state is None and (self.late.state == "offloaded" or self._late_pending is not None
-                                        or self._late_held > 0)
+                                        or self._late_held > 0
+                                        or (self.moments is not None and self.moments.outstanding))
 
     def reload_late(self) -> int:
         """Brings the LATE part back (synchronously) after a reload(late=False), waiting first for a deferred
@@ -238,7 +279,27 @@ class ColomemOffload:
         if not self.late_outstanding:
             return 0
         self.finish_late()
-        return self.late.reload(self._timeout, timing=True).nbytes     # timed: the step's figures read it
+        n = 0
+        if self.late.state == "offloaded":
+            n = self.late.reload(self._timeout, timing=True).nbytes     # timed: the step's figures read it
+        if self.moments is not None:
+            n += self.moments.reload()
+        return n
+
+    def prefetch_late(self, budget_bytes: int) -> int:
+        """After a reload(late=False): queues the copy back of as much of the moments held in mapped memory
+        as fits in `budget_bytes`, behind the forward and backward; the rest comes back at reload_late().
+        Returns the bytes queued (0 without mapped moments)."""
+        if self.moments is None or self._state is not None:
+            return 0
+        self.finish_late()
+        return self.moments.prefetch(budget_bytes)
+
+    def late_stats(self) -> Any:
+        """The last at-step reload's figures: the mapped moments' when they moved, else the LATE set's."""
+        if self.moments is not None and self.moments.last_stats is not None:
+            return self.moments.last_stats
+        return self.late.last_stats
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:
         """A CPU tensor over the pool copy of t (same dtype, shape, strides; either set), valid while offloaded."""
@@ -261,6 +322,8 @@ class ColomemOffload:
         if self._late_pending is not None:      # a deferred offload finishes before its set closes
             self._late_pending = None
             self.late.wait_pending(self._timeout)
+        if self.moments is not None:
+            self.moments.close()
         for s in (self.swapset, self.late):
             if s.state == "offloaded":
                 s.discard()

@@ -1,0 +1,119 @@
+"""The DeepSpeed trainer's offload with Adam's moments in mapped memory (ColomemOffload + MappedMoments), on
+the host path over a stand-in ZeRO-2 engine whose inner optimizer is a real torch AdamW: the moments leave
+behind a held, deferred offload (straight from their torch tensors the first time, which are freed once the
+copy ended), part of them comes back early within a byte budget and the rest at the step, every byte intact;
+the optimizer then steps exactly as one whose state never moved; the other ways back (whole, overlapped)
+bring them back too; and closing gives every pool block back."""
+
+import pytest
+import torch
+
+import colomem
+from colomem.engines import deepspeed as dsa
+from colomem.engines.deepspeed.mapped_moments import MappedMoments
+from colomem.engines.deepspeed.strategies import ColomemOffload
+from colomem.optim_mapped import MOMENTS, state_tensors
+from colomem.swap import PendingReloads
+from fakes.deepspeed import fake_zero2_engine, zero2_tensors
+
+CPU = torch.device("cpu")
+KEEP_ALL_BUT_MOMENTS = ("params", "other", "grads", "master")
+
+
+@pytest.fixture
+def pool():
+    p = colomem.PinnedPool("1MiB", pin=False)
+    yield p
+    p.close(force=True)
+
+
+def strategy(eng, pool):
+    moments = MappedMoments(lambda: eng.optimizer.optimizer, pool, 30.0, chunk_bytes=8 << 10)
+    return ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0, moments=moments)
+
+
+def moment_values(eng):
+    return [t.clone() for _, _, t in state_tensors(eng.optimizer.optimizer, MOMENTS)]
+
+
+def adam_step(eng, seed):
+    master = eng.optimizer.single_partition_of_fp32_groups[0]
+    master.grad = torch.randn(master.shape, generator=torch.Generator().manual_seed(seed))
+    eng.optimizer.optimizer.step()
+    master.grad = None
+
+
+def test_the_moments_out_behind_the_rollout_part_back_early_the_rest_at_the_step_and_adam_unchanged(pool):
+    eng, ref = fake_zero2_engine(hidden=1024), fake_zero2_engine(hidden=1024)
+    _, _, old_moments = zero2_tensors(eng)
+    s = strategy(eng, pool)
+    s.keep = KEEP_ALL_BUT_MOMENTS
+    for cycle in range(3):
+        want = moment_values(eng)
+        move = s.offload(defer_late=True, hold_late=True)
+        assert move.nbytes == 0 and s.pending_bytes >= sum(t.nbytes for t in want)  # held: nothing copied yet
+        s.reload(late=False)
+        assert s.late_outstanding
+        s.finish_late()  # the runner ends it in a thread during the rollout
+        mapped = s.moments.state
+        assert mapped is not None and mapped.active and mapped.resident_bytes == 0
+        if cycle == 0:  # the first copy came straight from the optimizer's own tensors, freed since
+            assert all(t.untyped_storage().nbytes() == 0 for t in old_moments)
+        chunk = mapped.set.memory.chunk_span(0)[1]
+        assert mapped.set.memory.nchunks > 4
+        assert s.prefetch_late(2 * chunk) == 2 * chunk  # behind the forward and backward
+        mapped.set.wait()
+        assert 0 < mapped.resident_bytes < mapped.nbytes and s.late_outstanding
+        assert s.reload_late() > 0  # inside the step
+        assert not s.late_outstanding and mapped.set.resident
+        assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))
+        adam_step(eng, cycle)
+        adam_step(ref, cycle)
+    assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), moment_values(ref)))
+    assert torch.equal(eng.optimizer.single_partition_of_fp32_groups[0], ref.optimizer.single_partition_of_fp32_groups[0])
+    s.close()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_a_whole_offload_and_reload_and_an_overlapped_one_bring_the_moments_back(pool):
+    eng = fake_zero2_engine(hidden=1024)
+    s = strategy(eng, pool)
+    master, weight, _ = zero2_tensors(eng)
+    before = [master.clone(), weight.clone()]
+    want = moment_values(eng)
+    move = s.offload()  # everything moves, the moments into mapped memory
+    assert move.nbytes >= sum(t.nbytes for t in want) and s.moments.state.resident_bytes == 0
+    assert master.untyped_storage().nbytes() == 0
+    s.reload()
+    assert torch.equal(master, before[0]) and torch.equal(weight, before[1])
+    assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))
+    s.offload()
+    pending = PendingReloads()
+    s.reload(pending)
+    assert pending.nbytes >= sum(t.nbytes for t in want)
+    pending.wait(30.0)
+    assert s.moments.state.set.resident and torch.equal(master, before[0])
+    assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))
+    s.close()
+
+
+def test_a_state_dict_read_while_the_moments_are_out_brings_them_back_first(pool):
+    eng = fake_zero2_engine(hidden=1024)
+    s = strategy(eng, pool)
+    s.keep = KEEP_ALL_BUT_MOMENTS
+    want = moment_values(eng)
+    s.offload(defer_late=True)
+    s.reload(late=False)
+    s.finish_late()
+    saved = eng.optimizer.optimizer.state_dict()  # e.g. a checkpoint: the optimizer's hook reloads
+    got = [saved["state"][0][k] for k in MOMENTS]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not s.moments.outstanding
+    s.reload_late()  # the rest of the LATE part (Adam's step count)
+    eng.optimizer.optimizer.load_state_dict(saved)  # new tensors: the mapped state lets go
+    assert s.moments.state.closed
+    s.offload(defer_late=True)  # and the next offload moves the loaded ones
+    s.reload(late=False)
+    s.reload_late()
+    assert s.moments.state.active and all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))
+    s.close()
