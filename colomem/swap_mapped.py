@@ -35,6 +35,7 @@ from colomem.swap_handles import DEFAULT_TIMEOUT_S, wait_seconds
 from colomem.units import format_bytes
 
 DEVICE, POOL = "device", "pool"
+GROUP_BYTES_MAX = 64 << 30  # the pool's largest block
 
 
 @dataclass
@@ -162,7 +163,10 @@ class MappedSet:
                 new.copy_(t)
             self.tensors.append(new)
         self._where = [DEVICE if _on_device else POOL] * self.memory.nchunks
-        self._blocks: list[Optional[Block]] = [None] * self.memory.nchunks
+        # One pool block per group of chunks, each chunk at its own offset in it: a tensor whose bytes lie in
+        # one group has a host view while offloaded (a checkpoint reads it there)
+        self._group = max(1, GROUP_BYTES_MAX // self.memory.range.chunk_bytes)  # chunks per block
+        self._blocks: list[Optional[Block]] = [None] * -(-self.memory.nchunks // self._group)
         self._pending: Optional[MappedHandle] = None
         self._broken = ""  # why the set's bytes are not whole (a failed moving_out): nothing can come back
         self._lock = threading.RLock()
@@ -192,8 +196,7 @@ class MappedSet:
             try:
                 for i in chunks:
                     off, size = s.memory.chunk_span(i)
-                    block = s._block(i, size)
-                    parts.append(eng.submit("d2h", _pieces_into(block.address, off, size, items, s.offsets),
+                    parts.append(eng.submit("d2h", _pieces_into(s._host_address(i), off, size, items, s.offsets),
                                             wait_stream=cur, timing=timing))
             except BaseException as exc:
                 s._broken = f"its first copy out failed ({exc})"
@@ -242,8 +245,7 @@ class MappedSet:
             try:
                 for i in chunks:
                     off, size = self.memory.chunk_span(i)
-                    block = self._block(i, size)
-                    parts.append(eng.submit("d2h", [(block.address, self.memory.range.ptr + off, size)],
+                    parts.append(eng.submit("d2h", [(self._host_address(i), self.memory.range.ptr + off, size)],
                                             wait_stream=cur, timing=timing))
             except BaseException as exc:
                 self._abandon(parts, token, exc)
@@ -284,10 +286,8 @@ class MappedSet:
                     self.memory.map(i, 1)
                     map_s += time.perf_counter() - t
                     off, size = self.memory.chunk_span(i)
-                    block = self._blocks[i]
-                    assert block is not None
                     last = n == len(todo) - 1
-                    parts.append(eng.submit("h2d", [(self.memory.range.ptr + off, block.address, size)],
+                    parts.append(eng.submit("h2d", [(self.memory.range.ptr + off, self._host_address(i), size)],
                                             signal_stream=cur if ordered and last else 0, timing=timing))
             except BaseException as exc:
                 # Mapped, or not, with no copy of theirs left running: their bytes are the pool's still.
@@ -328,11 +328,38 @@ class MappedSet:
             h = h.before
         return False
 
-    def _block(self, i: int, size: int) -> Block:
-        b = self._blocks[i]
+    def _host_address(self, i: int) -> int:
+        """Where chunk i's bytes are in the pool (its group's block allocated on first use)."""
+        g = i // self._group
+        first = g * self._group
+        start = self.memory.chunk_span(first)[0]
+        b = self._blocks[g]
         if b is None:
-            b = self._blocks[i] = self._pool.alloc(size)
-        return b
+            last = min(first + self._group, self.memory.nchunks) - 1
+            off, size = self.memory.chunk_span(last)
+            b = self._blocks[g] = self._pool.alloc(off + size - start)
+        return b.address + self.memory.chunk_span(i)[0] - start
+
+    def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A CPU tensor over the pool copy of t (one of `tensors`: same dtype and shape), valid while its chunks
+        are in the pool and the set is not closed; None for another tensor, for one whose chunks are on the
+        device, or for one whose bytes span two pool blocks."""
+        with self._lock:
+            j = next((k for k, x in enumerate(self.tensors) if x is t), None)
+            if j is None:
+                return None
+            n = t.numel() * t.element_size()
+            chunks = self.memory.chunks_of(self.offsets[j], n)
+            groups = {i // self._group for i in chunks}
+            if any(self._where[i] != POOL for i in chunks) or len(groups) != 1 or self._broken \
+                    or (self._pending is not None and self._pending.direction == "d2h"):
+                return None
+            g = groups.pop()
+            b = self._blocks[g]
+            if b is None:
+                return None
+            start = self.memory.chunk_span(g * self._group)[0]
+            return b.as_tensor(n, self.offsets[j] - start).view(t.dtype).view(t.shape)
 
     def _begin(self, what: str, chunks: list[int]) -> int:
         nbytes = sum(self.memory.chunk_span(i)[1] for i in chunks)

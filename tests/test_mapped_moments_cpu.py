@@ -84,6 +84,9 @@ def test_a_whole_offload_and_reload_and_an_overlapped_one_bring_the_moments_back
     move = s.offload()  # everything moves, the moments into mapped memory
     assert move.nbytes >= sum(t.nbytes for t in want) and s.moments.state.resident_bytes == 0
     assert master.untyped_storage().nbytes() == 0
+    # a checkpoint reads them from the pool while offloaded
+    views = [s.host_view(t) for _, _, t in state_tensors(eng.optimizer.optimizer, MOMENTS)]
+    assert all(v is not None and torch.equal(v, w) for v, w in zip(views, want))
     s.reload()
     assert torch.equal(master, before[0]) and torch.equal(weight, before[1])
     assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))

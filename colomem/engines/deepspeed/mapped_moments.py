@@ -72,6 +72,11 @@ class MappedMoments:
         s = self._live()
         return s.resident_bytes if s is not None and s.active else 0
 
+    def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The pool copy of one of the mapped moments while it is there (see MappedSet.host_view)."""
+        s = self._live()
+        return s.set.host_view(t) if s is not None and s.active else None
+
     # -- moving ----------------------------------------------------------------------------------------------
     def offload(self, hold: bool = False) -> None:
         """Starts the moments' copy out (hold: at start()); finish() waits for it and frees their memory."""

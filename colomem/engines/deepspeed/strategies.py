@@ -302,9 +302,14 @@ class ColomemOffload:
         return self.late.last_stats
 
     def host_view(self, t: Tensor) -> Optional[Tensor]:
-        """A CPU tensor over the pool copy of t (same dtype, shape, strides; either set), valid while offloaded."""
+        """A CPU tensor over the pool copy of t (same dtype, shape, strides; either set, or the mapped moments),
+        valid while offloaded."""
         view = self.swapset.host_view(t)
-        return view if view is not None else self.late.host_view(t)
+        if view is None:
+            view = self.late.host_view(t)
+        if view is None and self.moments is not None:
+            view = self.moments.host_view(t)
+        return view
 
     def host_storage(self, t: Tensor) -> Optional[Tensor]:
         """The pool copy of t's whole storage (uint8, either set), valid while offloaded."""
