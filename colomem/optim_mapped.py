@@ -29,15 +29,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def state_tensors(optimizer: torch.optim.Optimizer, keys: Sequence[str]) -> list[tuple[Any, str, torch.Tensor]]:
-    """(param, key, tensor) for each non-empty state tensor named in `keys`, in the param groups' order."""
+    """(param, key, tensor) for each non-empty state tensor named in `keys`, in the state's order. The state,
+    not the param groups: ZeRO-3 puts a partition in its inner optimizer's groups only while it steps it."""
     out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p, {})
-            for k in keys:
-                t = st.get(k)
-                if isinstance(t, torch.Tensor) and t.numel():
-                    out.append((p, k, t))
+    for p, st in optimizer.state.items():
+        for k in keys:
+            t = st.get(k)
+            if isinstance(t, torch.Tensor) and t.numel():
+                out.append((p, k, t))
     return out
 
 

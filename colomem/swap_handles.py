@@ -111,7 +111,11 @@ class PendingReloads:
     @property
     def nbytes(self) -> int:
         """Bytes still pending (a SwapHandle's set's; a handle that knows its own bytes, its own)."""
-        return sum(h._set.nbytes if getattr(h, "nbytes", None) is None else h.nbytes for h in self._handles)
+        total = 0
+        for h in self._handles:
+            own: Optional[int] = getattr(h, "nbytes", None)
+            total += h._set.nbytes if own is None else own
+        return total
 
     def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> float:
         """Blocks until every pending reload finished; returns the seconds it blocked (0.0 when none)."""

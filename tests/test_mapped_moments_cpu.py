@@ -120,3 +120,51 @@ def test_a_state_dict_read_while_the_moments_are_out_brings_them_back_first(pool
     s.reload_late()
     assert s.moments.state.active and all(torch.equal(a, b) for a, b in zip(moment_values(eng), want))
     s.close()
+
+
+def test_the_room_at_the_steps_start_and_the_budget_it_gives():
+    from colomem.engines.deepspeed.at_step import prefetch_budget, prefetch_room
+
+    # 5 mapped there, 10 free at the peak: 15 could have been
+    assert prefetch_room(free=10, peak_reserved=100, reserved_now=100, mapped_now=5) == 15
+    # the allocator gave 10 back after its peak (a retry): that memory was taken at the peak
+    assert prefetch_room(free=20, peak_reserved=100, reserved_now=90, mapped_now=5) == 15
+    assert prefetch_room(free=0, peak_reserved=100, reserved_now=50, mapped_now=0) == 0
+    assert prefetch_budget([30, 20, 25], margin=4) == 16  # the smallest room of the steps measured
+    assert prefetch_budget([3], margin=4) == 0 and prefetch_budget([], margin=4) == 0
+
+
+def test_the_step_start_hook_records_each_steps_room_before_the_state_comes_back():
+    from colomem.engines.deepspeed.step_reload import ReloadAtStep, StepStartPeak
+
+    eng = fake_zero2_engine()
+    order = []
+    peak = StepStartPeak(eng.optimizer, lambda: 7, room=lambda: order.append("room") or 11 * len(order))
+    at_step = ReloadAtStep(eng.optimizer, lambda: order.append("reload") or 0)
+    for _ in range(2):
+        at_step.arm()
+        adam_step(eng, 0)
+    assert order == ["room", "reload", "room", "reload"] and peak.rooms == [11, 33] and peak.room == 33
+    peak.close()
+    at_step.close()
+
+
+def test_the_trainer_prefetches_what_the_measured_room_allows_less_the_margin(pool):
+    from types import SimpleNamespace
+
+    from fakes.deepspeed import bare_trainer
+
+    eng = fake_zero2_engine(hidden=1024)
+    s = strategy(eng, pool)
+    s.keep = KEEP_ALL_BUT_MOMENTS
+    s.offload(defer_late=True)
+    s.reload(late=False)
+    s.finish_late()
+    chunk = s.moments.state.set.memory.chunk_span(0)[1]
+    t = bare_trainer(eng.module, None, pool)
+    t.prefetch_margin_bytes = chunk
+    t._start_peak = SimpleNamespace(rooms=[9 * chunk, 4 * chunk + 5, 6 * chunk])
+    assert t._prefetch_moments(s) == 3 * chunk  # the smallest room, less the margin, in whole chunks
+    assert s.late_outstanding
+    s.reload_late()
+    s.close()

@@ -168,6 +168,10 @@ class DeepSpeedConfig(BaseModel):
         step. optimizer_reload: "overlap" (that) or "step": the masters and moments stay in the pool until
         the optimizer step has cast the gradients to fp32 and freed them, and come back from inside it (not
         hidden; for a step whose peak does not fit with them resident: step_reload.py).
+    optimizer_state_memory: "torch" (Adam's moments in torch's allocator, moved whole) or "mapped" (with
+        offload="colomem": from their first offload on, in memory colomem maps chunk by chunk, so with
+        optimizer_reload "step" the part that fits beside the step's peak comes back behind the forward and
+        backward and only the rest inside the step: mapped_moments.py).
         grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
     ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
     seed: torch seed before the model and the LoRA adapter are built.
@@ -194,6 +198,7 @@ class DeepSpeedConfig(BaseModel):
     timeout_s: float = 300.0
     overlap_reload: bool = True
     optimizer_reload: Literal["overlap", "step"] = "overlap"
+    optimizer_state_memory: Literal["torch", "mapped"] = "torch"
 
     def __init__(self, **options: Any) -> None:
         try:
@@ -274,6 +279,9 @@ class DeepSpeedConfig(BaseModel):
         if self.offload == "deepspeed" and self.zero_stage == 3 and self.torch_adam:
             raise ValueError("offload='deepspeed' with ZeRO-3 needs DeepSpeed's FusedAdam (its offload_states() "
                              "asserts it); set torch_adam=False or use offload='colomem'")
+        if self.optimizer_state_memory == "mapped" and self.offload != "colomem":
+            raise ValueError(f"optimizer_state_memory='mapped' needs offload='colomem' (not {self.offload!r}): "
+                             "only colomem's offload moves the moments chunk by chunk")
         return self
 
     @property

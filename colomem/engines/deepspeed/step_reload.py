@@ -78,13 +78,21 @@ class StepStartPeak:
     held), before Adam touches its state. Registered before any ReloadAtStep, it runs before the at-step
     reload brings the state back. What could come back before the step is what fits beside that peak."""
 
-    def __init__(self, optimizer: Any, read: Callable[[], int]):
+    def __init__(self, optimizer: Any, read: Callable[[], int], room: Optional[Callable[[], int]] = None):
         self.bytes = 0
+        self.rooms: list[int] = []    # each step's room, from `room` (at_step.prefetch_room), oldest first
         self._read_peak = read        # torch.cuda.max_memory_reserved of the trainer's device
+        self._read_room = room
         self._handle: Optional[Any] = inner_torch_optimizer(optimizer).register_step_pre_hook(self._read)
+
+    @property
+    def room(self) -> Optional[int]:
+        return self.rooms[-1] if self.rooms else None
 
     def _read(self, _optimizer, _args, _kwargs) -> None:
         self.bytes = int(self._read_peak())
+        if self._read_room is not None:
+            self.rooms = (self.rooms + [int(self._read_room())])[-16:]
 
     def close(self) -> None:
         if self._handle is not None:
@@ -99,9 +107,9 @@ def reload_figures(stats: Any) -> dict[str, float]:
     if stats is None:
         return {}
     # a SwapSet's reload re-grows storages (alloc_ms); a MappedSet's maps chunks (map_ms)
-    grow_ms = getattr(stats, "alloc_ms", None)
+    grow_ms: Optional[float] = getattr(stats, "alloc_ms", None)
     if grow_ms is None:
-        grow_ms = getattr(stats, "map_ms", 0.0)
+        grow_ms = float(getattr(stats, "map_ms", 0.0))
     return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": grow_ms / 1e3}
 
 

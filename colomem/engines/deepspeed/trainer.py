@@ -34,12 +34,14 @@ from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_s
 from .model import build_model, check_model_dir
 from .closing import close_trainer
 from .deferred import DeferredOffload
+from .at_step import AtStepReload
+from .mapped_moments import MappedMoments
 from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
 
-class DeepSpeedTrainer(DeferredOffload):
+class DeepSpeedTrainer(AtStepReload, DeferredOffload):
     """The Trainer of colomem.engines.protocols on DeepSpeed ZeRO-2/3 (bf16).
 
     model_path: a local transformers checkpoint directory (nothing is downloaded), or an already built
@@ -221,10 +223,14 @@ class DeepSpeedTrainer(DeferredOffload):
                    "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}
             if start is not None:            # with the gradients' cast: what fits beside it could come back early
                 out["reserved_at_step_start_max"] = float(start.bytes)
-            if hook is not None and at_step:
+                if start.room is not None:
+                    out["prefetch_room_bytes"] = float(start.room)
+            colomem = self._strategies.get("colomem")
+            if hook is not None and at_step and isinstance(colomem, ColomemOffload):
                 out["optimizer_reload_s"] = hook.seconds
-                late = getattr(self._strategies.get("colomem"), "late", None)
-                out.update(reload_figures(getattr(late, "last_stats", None)))
+                out.update(reload_figures(colomem.late_stats()))
+                if colomem.moments is not None:
+                    out["optimizer_prefetch_bytes"] = float(colomem.moments.prefetched)
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 out["grad_norm"] = float(norm)
@@ -262,7 +268,12 @@ class DeepSpeedTrainer(DeferredOffload):
                 need = collect().nbytes() + (64 << 20)
                 self._pool = PinnedPool(need)
                 self._owns_pool = True
-            s = ColomemOffload(collect, self._pool, self.device, self.timeout_s)
+            moments = None
+            if self.config.optimizer_state_memory == "mapped":
+                from .step_reload import inner_torch_optimizer
+                moments = MappedMoments(lambda: inner_torch_optimizer(self.engine.optimizer), self._pool,
+                                        self.timeout_s)
+            s = ColomemOffload(collect, self._pool, self.device, self.timeout_s, moments=moments)
         elif method == "to":
             s = ToOffload(collect, self.device)
         else:
@@ -383,6 +394,7 @@ class DeepSpeedTrainer(DeferredOffload):
             move = strategy.reload(late=False)
             if strategy.late_outstanding:
                 self._reload_at_step(strategy).arm()
+                self._prefetch_moments(strategy)     # what fits beside the step's start comes back behind training
         elif self.overlap_reload and isinstance(strategy, ColomemOffload):
             move = strategy.reload(self._pending)
         else:
@@ -397,34 +409,6 @@ class DeepSpeedTrainer(DeferredOffload):
                                         torch.cuda.memory_reserved(dev), move_seconds=move.seconds,
                                         deferred_bytes=self._pending.nbytes)
         self._offloaded, self._offloaded_by = False, None
-
-    def wait_reload(self, timeout: Optional[float] = None) -> float:
-        """Waits for the part of the last reload that overlap_reload left in flight (train_step calls this
-        before the optimizer step; call it before reading the optimizer's state yourself). Returns the
-        seconds it blocked: 0.0 when nothing was pending. With optimizer_reload "step", what waits for the
-        optimizer step comes back here."""
-        waited = self._pending.wait(self.timeout_s if timeout is None else timeout)
-        if self._step_reload is not None:
-            if self._step_reload.armed:
-                waited += self.finish_offload(timeout)   # still copying out (optimizer_out_until_step)
-            waited += self._step_reload.run()
-        return waited
-
-    def _step_start_peak(self) -> Optional[StepStartPeak]:
-        """The hook reading the peak as the optimizer step starts (CUDA only), registered once, before any
-        ReloadAtStep (hooks run in the order they were registered)."""
-        if self.device.type != "cuda":
-            return None
-        if getattr(self, "_start_peak", None) is None:
-            dev = self.device
-            self._start_peak = StepStartPeak(self.engine.optimizer, lambda: torch.cuda.max_memory_reserved(dev))
-        return self._start_peak
-
-    def _reload_at_step(self, strategy: ColomemOffload) -> ReloadAtStep:
-        self._step_start_peak()
-        if self._step_reload is None:
-            self._step_reload = ReloadAtStep(self.engine.optimizer, strategy.reload_late)
-        return self._step_reload
 
     # -- weights for the sync -----------------------------------------------------------------------------
     def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, Tensor]]:
