@@ -193,3 +193,13 @@ def test_help_lists_every_option_without_failing():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--offload" in out.stdout and "--rollout-sleep" in out.stdout and "--placement-margin" in out.stdout
+
+
+def test_mapped_moments_reach_the_trainer_config_and_only_with_the_colomem_switch():
+    cfg = load_run_config(["--optimizer-state-memory", "mapped"])
+    assert cfg.deepspeed_config().optimizer_state_memory == "mapped"
+    assert load_run_config([]).deepspeed_config().optimizer_state_memory == "torch"
+    with pytest.raises(ConfigError, match="timesplit"):
+        load_run_config(["--optimizer-state-memory", "mapped", "--switch", "timesplit"])
+    with pytest.raises(ConfigError, match="optimizer_state_memory"):
+        load_run_config(["--optimizer-state-memory", "everywhere"])

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import types
-import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from colomem._checkpoint import checkpoint_problem
 from colomem.errors import ConfigError, InvalidArgumentError
@@ -128,6 +126,11 @@ class RunConfig(_Strict):
                             "comes back: overlap (behind forward/backward), step (inside the optimizer step, "
                             "after the gradients are cast to fp32 and freed: not hidden, but the step's peak "
                             "stays the first step's), auto (step only when the step would not fit otherwise)")
+    optimizer_state_memory: Literal["torch", "mapped"] = Field(
+        "torch", description="where the DeepSpeed trainer keeps Adam's moments: torch (its allocator; they move "
+                             "whole) or mapped (memory colomem maps chunk by chunk, from their first offload on: "
+                             "with optimizer_reload step, the part that fits beside the step's peak comes back "
+                             "behind forward/backward, only the rest inside the step); colomem offload only")
     trainer_expandable: bool = Field(False, description="the trainer's process takes all of its CUDA memory "
                                                         "from torch's expandable segments, switched on once "
                                                         "vLLM's engine process has started (vLLM refuses them in "
@@ -213,6 +216,9 @@ class RunConfig(_Strict):
             raise ValueError("--trainer-expandable needs the cross-process engine: vLLM in the trainer's process "
                              "(--engine in-rank, --shared-base) allocates its sleepable memory with the CUDA "
                              "allocator of that process and refuses expandable segments")
+        if self.switch == "timesplit" and self.optimizer_state_memory == "mapped":
+            raise ValueError("--optimizer-state-memory mapped is how the colomem switch moves Adam's moments; the "
+                             "timesplit baseline moves them with DeepSpeed's offload_states")
         if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
             raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
                              "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")
@@ -235,7 +241,8 @@ class RunConfig(_Strict):
                                trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,
-                               optimizer_reload=self.start_optimizer_reload)
+                               optimizer_reload=self.start_optimizer_reload,
+                               optimizer_state_memory=self.optimizer_state_memory)
 
     def rollout_engine_seed(self, rollout_group: int = 0) -> int:
         """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank
@@ -312,97 +319,6 @@ class RunConfig(_Strict):
 
 # ------------------------------------------------------------------------------------------------ loading
 _SUBMODELS: dict[str, type[_Strict]] = {"grpo": GRPOConfig, "lora": LoraSpec}
-
-
-def _flag(name: str, prefix: str = "") -> str:
-    return "--" + (prefix + name).replace("_", "-")
-
-
-def _flag_table() -> dict[str, tuple[str, ...]]:
-    """flag -> path of the field it sets, e.g. '--clip-eps' -> ('grpo', 'clip_eps')."""
-    table: dict[str, tuple[str, ...]] = {}
-    for name in RunConfig.model_fields:
-        if name not in _SUBMODELS:
-            table[_flag(name)] = (name,)
-    for name in GRPOConfig.model_fields:
-        assert _flag(name) not in table, f"flag clash: {name}"
-        table[_flag(name)] = ("grpo", name)
-    for name in LoraSpec.model_fields:
-        table[_flag(name, "lora_")] = ("lora", name)
-    return table
-
-
-def _annotation(path: tuple[str, ...]):
-    model: type[_Strict] = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
-    return model.model_fields[path[-1]].annotation
-
-
-_UNION_TYPES = (typing.Union, getattr(types, "UnionType", typing.Union))
-
-
-def _unwrap(ann):
-    """Optional[X] -> (X, True); X -> (X, False)."""
-    args = [a for a in typing.get_args(ann) if a is not type(None)]
-    if typing.get_origin(ann) in _UNION_TYPES and len(args) == 1:
-        return args[0], True
-    return ann, False
-
-
-def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
-    """CLI strings -> Python values; pydantic does the type coercion and the checks."""
-    ann, optional = _unwrap(_annotation(path))
-    if optional and raw.strip().lower() in ("none", "null", ""):
-        return None
-    origin = typing.get_origin(ann)
-    if origin is list:
-        return [s.strip() for s in raw.split(",") if s.strip()]
-    if origin is dict or ann is dict:
-        val = yaml.safe_load(raw)
-        return val if val is not None else {}
-    if ann is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-    return raw
-
-
-def _help_text(field: Any, path: tuple[str, ...]) -> str:
-    """The field's description and its default: flags default to "unset" in argparse (so a YAML value is not
-    overridden by a default), which hides the real default from --help."""
-    text = field.description or ""
-    if path[0] == "lora" and len(path) == 1:
-        return text
-    default = field.get_default(call_default_factory=True)
-    if isinstance(default, BaseModel):
-        return text
-    shown = "unset" if default is None else ",".join(map(str, default)) if isinstance(default, list) else default
-    return f"{text} (default: {shown})" if text else f"(default: {shown})"
-
-
-def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file with RunConfig fields (flags override it)")
-    p.add_argument("--lora", dest="lora_on", action="store_const", const=True, default=None,
-                   help="train a LoRA adapter (--lora-r/--lora-alpha/... set it up)")
-    p.add_argument("--no-lora", dest="lora_on", action="store_const", const=False, help="full fine-tuning")
-    for flag, path in _flag_table().items():
-        ann, _ = _unwrap(_annotation(path))
-        model: type[_Strict] = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
-        field = model.model_fields[path[-1]]
-        help_ = _help_text(field, path)
-        dest = "f__" + "__".join(path)
-        if ann is bool:
-            p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_,
-                           metavar="true|false")
-            p.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="false",
-                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        else:
-            choices = typing.get_args(ann) if typing.get_origin(ann) is Literal else ()
-            metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else path[-1].upper()
-            p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_, metavar=metavar)
-    return p
 
 
 def _format_validation(err: ValidationError, sources: dict[tuple[str, ...], str], data: dict) -> str:
@@ -498,3 +414,7 @@ def load_run_config(argv: Optional[list[str]] = None, *, defaults_yaml: Optional
     if ns.lora_on is not None:
         explicit.add("lora")
     return config_from_dict(data, sources, explicit)
+
+
+# The flag machinery lives in flags.py; its names stay importable from here.
+from .flags import _flag_table, _parse_flag_value, build_arg_parser  # noqa: E402,F401
