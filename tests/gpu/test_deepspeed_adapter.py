@@ -428,3 +428,45 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
         t.close()
     assert pool.stats()["in_use_bytes"] == 0
     pool.close()
+
+
+def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_the_same(model_dir, ready, monkeypatch):
+    """optimizer_state_memory "mapped", as the runner's "optimizer state out behind the rollout": the moments
+    move out of torch's memory at their first offload (their old memory freed once the copy ended), each step's
+    start measures the room beside its peak, and the next reload brings that much back behind the forward and
+    backward, the rest inside the step. Training matches the never-offloaded engine bit for bit; the moments'
+    mapped memory is all unmapped while they are out; closing gives every pool block back."""
+    import colomem
+    from colomem.engines.deepspeed import mapped_moments
+    from colomem.engines.deepspeed.state import CATEGORIES
+
+    monkeypatch.setattr(mapped_moments, "CHUNK_BYTES", 2 * MiB)   # a small model's moments in several chunks
+    ref_losses, ref_state = reference_run(model_dir, 2, False)
+    pool = colomem.PinnedPool(0)
+    t = make_trainer(model_dir, 2, False, pool=pool, optimizer_reload="step", optimizer_state_memory="mapped")
+    t.prefetch_margin_bytes = 0
+    prefetched = []
+    try:
+        losses = [t.train_step(make_batch(0))["loss"]]
+        for step in range(1, STEPS + 2):
+            settle()
+            torch.cuda.reset_peak_memory_stats()
+            t.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True, hold=True)
+            t.start_offload()
+            t.finish_offload(background=True)
+            t.reload()
+            moments = t._strategies["colomem"].moments
+            assert moments.state is not None and moments.state.active
+            # out behind the "rollout": nothing of them mapped but what the prefetch brings back
+            assert moments.state.set.memory.mapped_bytes == moments.prefetched
+            out = t.train_step(make_batch(step) if step < STEPS else make_batch(step % STEPS))
+            if step < STEPS:
+                losses.append(out["loss"])
+            assert "optimizer_reload_s" in out and out["prefetch_room_bytes"] > 0, out
+            prefetched.append(out.get("optimizer_prefetch_bytes", 0.0))
+        assert prefetched[0] == 0 and max(prefetched[1:]) > 0, prefetched   # measured at one step, used at the next
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
+    finally:
+        t.close()
+    assert pool.stats()["in_use_bytes"] == 0
+    pool.close()

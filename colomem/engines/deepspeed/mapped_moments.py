@@ -24,13 +24,16 @@ from colomem.swap_mapped import MappedHandle, MappedStats
 from .state import storage_key
 
 
+CHUNK_BYTES = CHUNK_BYTES_DEFAULT  # read when a MappedMoments is made (a test of a small model lowers it)
+
+
 class MappedMoments:
     """The moments' half of a ColomemOffload's LATE part. `optimizer` returns the inner torch optimizer."""
 
     def __init__(self, optimizer: Callable[[], torch.optim.Optimizer], pool: Any, timeout_s: float, *,
-                 chunk_bytes: int = CHUNK_BYTES_DEFAULT):
+                 chunk_bytes: Optional[int] = None):
         self._optimizer = optimizer
-        self._chunk_bytes = chunk_bytes
+        self._chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self._pool = pool
         self._timeout = timeout_s
         self.state: Optional[MappedOptimizerState] = None

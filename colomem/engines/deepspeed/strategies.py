@@ -290,9 +290,8 @@ class ColomemOffload:
         """After a reload(late=False): queues the copy back of as much of the moments held in mapped memory
         as fits in `budget_bytes`, behind the forward and backward; the rest comes back at reload_late().
         Returns the bytes queued (0 without mapped moments)."""
-        if self.moments is None or self._state is not None:
-            return 0
-        self.finish_late()
+        if self.moments is None or self._state is not None or self.pending_bytes:
+            return 0  # still copying out (optimizer_out_until_step): nothing to bring back early yet
         return self.moments.prefetch(budget_bytes)
 
     def late_stats(self) -> Any:
