@@ -75,6 +75,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          # both: the optimizer state's offload overlaps the weights' wake only where its release cannot wait
          # for the copies (a cudaFree of default segments waits for every copy in flight)
          "hidden": ["--switch", "colomem", "--trainer-expandable", "--overlap-offload"],
+         # the planner's with Adam's moments in memory colomem maps chunk by chunk (part back behind training)
+         "mapped": ["--switch", "colomem", "--optimizer-state-memory", "mapped"],
          # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
          "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
          # the planner's with the seeded requests' noise drawn in one launch
@@ -263,7 +265,7 @@ def top_level(report: dict) -> None:
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
         fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction")
-                 for m in ("colomem", "overlap", "expandable", "hidden")}
+                 for m in ("colomem", "overlap", "expandable", "hidden", "mapped")}
         fracs = {m: f for m, f in fracs.items() if f is not None}
         if fracs:
             report[f"{cfg}_switch_fraction_by_mode"] = fracs
@@ -279,6 +281,9 @@ def top_level(report: dict) -> None:
     full7b = over_rounds("full7b", "colomem", "step_s")
     if full7b is not None:
         report["full7b_step_s"] = full7b
+    full7b_mapped = over_rounds("full7b", "mapped", "step_s")
+    if full7b_mapped is not None:
+        report["full7b_step_s_mapped"] = full7b_mapped
     # the switch does not grow with the batch, the work does: the share at longer steps
     if full_c.get("switch_s") and full_c.get("step_s"):
         sw, work = full_c["switch_s"], full_c["step_s"] - full_c["switch_s"]

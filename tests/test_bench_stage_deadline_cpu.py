@@ -43,16 +43,22 @@ def test_figures_only_reads_a_cut_run_into_the_report(tmp_path):
     run.mkdir()
     lines = [{"event": "start", "time": 0.0}, _step(0, 34.0, 2.3), _step(1, 27.0, 1.6), _step(2, 29.0, 1.6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    mapped = tmp_path / "full7b_mapped"             # the moments in mapped memory: a mode of its own
+    mapped.mkdir()
+    lines = [{"event": "start", "time": 0.0}, _step(0, 33.0, 2.2), _step(1, 26.0, 1.0), _step(2, 28.0, 1.0)]
+    (mapped / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "full7b_prepare").mkdir()            # a folder without step lines is not a run
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--out", str(tmp_path),
                         "--figures-only"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads((tmp_path / "grpo_bench.json").read_text())
-    assert sorted(report["runs"]) == ["full7b_colomem"]
+    assert sorted(report["runs"]) == ["full7b_colomem", "full7b_mapped"]
     res = report["runs"]["full7b_colomem"]["result"]
     assert res["steps_done"] == 3 and res["step_s"] == pytest.approx(28.0)     # the first step left out
     assert report["offload_needed_switch_fraction"] == pytest.approx((1.6 / 27.0 + 1.6 / 29.0) / 2)
     assert report["full7b_step_s"] == pytest.approx(28.0)
+    assert report["full7b_step_s_mapped"] == pytest.approx(27.0)
+    assert report["full7b_switch_fraction_by_mode"]["mapped"] == pytest.approx((1.0 / 26.0 + 1.0 / 28.0) / 2)
     assert "--figures-only" in (tmp_path / "grpo_bench.md").read_text()
 
 
