@@ -158,9 +158,18 @@ class MappedSet:
             self.memory.map()
         self.tensors: list[torch.Tensor] = []
         for (_, t), off in zip(items, self.offsets):
-            new = self.memory.tensor_at(off, t)
             if _on_device:
+                new = self.memory.tensor_at(off, t)
                 new.copy_(t)
+            else:
+                # torch asks the driver which device a pointer is on when it wraps it (cudaPointerGetAttributes),
+                # which an unmapped address cannot answer: the tensor's first chunk is mapped while it is made
+                first = off // self.memory.range.chunk_bytes
+                self.memory.map(first, 1)
+                try:
+                    new = self.memory.tensor_at(off, t)
+                finally:
+                    self.memory.unmap(first, 1)
             self.tensors.append(new)
         self._where = [DEVICE if _on_device else POOL] * self.memory.nchunks
         # One pool block per group of chunks, each chunk at its own offset in it: a tensor whose bytes lie in

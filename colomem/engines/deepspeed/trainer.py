@@ -274,6 +274,10 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
                 moments = MappedMoments(lambda: inner_torch_optimizer(self.engine.optimizer), self._pool,
                                         self.timeout_s)
             s = ColomemOffload(collect, self._pool, self.device, self.timeout_s, moments=moments)
+            if moments is not None:
+                # the step's own hooks before the mapped state's (hooks run in the order registered): the peak is
+                # read, and the moments come back timed, before its safety net finds them resident
+                self._reload_at_step(s)
         elif method == "to":
             s = ToOffload(collect, self.device)
         else:
