@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -195,24 +195,17 @@ class MappedSet:
                 raise InvalidArgumentError(f"MappedSet {name!r}: {n} is not contiguous; its bytes cannot be copied "
                                            "out as they lie")
         s = cls(items, pool, name=name, chunk_bytes=chunk_bytes, _on_device=False)
+        def failed(exc: BaseException, idle: bool) -> None:
+            s._broken = f"its first copy out failed ({exc})"
+            if idle:
+                s.close()  # nothing of it runs any more: its pool blocks go back
+
+        def copies(i: int) -> list:
+            off, size = s.memory.chunk_span(i)
+            return _pieces_into(s._host_address(i), off, size, items, s.offsets)
+
         with s._lock:
-            t0 = time.perf_counter()
-            chunks = list(range(s.memory.nchunks))
-            cur = _torch.stream_handle(s.device)
-            eng = _torch.engine_for(s.device)
-            token = s._begin("move out", chunks)
-            parts: list = []
-            try:
-                for i in chunks:
-                    off, size = s.memory.chunk_span(i)
-                    parts.append(eng.submit("d2h", _pieces_into(s._host_address(i), off, size, items, s.offsets),
-                                            wait_stream=cur, timing=timing))
-            except BaseException as exc:
-                s._broken = f"its first copy out failed ({exc})"
-                if s._abandon(parts, token, exc):
-                    s.close()  # nothing of it runs any more: its pool blocks go back
-                raise
-            h = s._start("d2h", chunks, parts, token, t0, 0.0, timing)
+            h = s._copy_out("move out", list(range(s.memory.nchunks)), copies, timing, failed)
             h.filling = True
             return s, h
 
@@ -247,19 +240,29 @@ class MappedSet:
                 if w == POOL:  # mapped but not filled by a reload that failed: nothing queued uses it now
                     self.memory.unmap(i, 1)
             chunks = [i for i, w in enumerate(self._where) if w == DEVICE]
-            cur = _torch.stream_handle(self.device)
-            eng = _torch.engine_for(self.device)
-            token = self._begin("offload", chunks)
-            parts: list = []
-            try:
-                for i in chunks:
-                    off, size = self.memory.chunk_span(i)
-                    parts.append(eng.submit("d2h", [(self._host_address(i), self.memory.range.ptr + off, size)],
-                                            wait_stream=cur, timing=timing))
-            except BaseException as exc:
-                self._abandon(parts, token, exc)
-                raise
-            return self._start("d2h", chunks[:len(parts)], parts, token, t0, 0.0, timing)
+
+            def copies(i: int) -> list:
+                off, size = self.memory.chunk_span(i)
+                return [(self._host_address(i), self.memory.range.ptr + off, size)]
+
+            return self._copy_out("offload", chunks, copies, timing, lambda exc, idle: None, t0)
+
+    def _copy_out(self, what: str, chunks: list[int], copies: Callable[[int], list], timing: bool,
+                  failed: Callable[[BaseException, bool], None], t0: Optional[float] = None) -> MappedHandle:
+        """One D2H submission per chunk (its `copies`), each after the current stream's work; -> the handle.
+        A failed submission is abandoned (_abandon), `failed(exc, nothing still running)` told, and raised."""
+        t0 = time.perf_counter() if t0 is None else t0
+        cur = _torch.stream_handle(self.device)
+        eng = _torch.engine_for(self.device)
+        token = self._begin(what, chunks)
+        parts: list = []
+        try:
+            for i in chunks:
+                parts.append(eng.submit("d2h", copies(i), wait_stream=cur, timing=timing))
+        except BaseException as exc:
+            failed(exc, self._abandon(parts, token, exc))
+            raise
+        return self._start("d2h", chunks, parts, token, t0, 0.0, timing)
 
     def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True,
                timing: bool = False) -> MappedHandle:
