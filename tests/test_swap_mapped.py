@@ -1,16 +1,19 @@
 """MappedSet and MappedOptimizerState on the host path (the core's host mappings, the host copy engine, real
 torch): bytes round-trip through the pool chunk by chunk; an offload unmaps every chunk; a reload within a
 budget brings back only the leading chunks that fit, and a later one the rest; the tensors keep their
-addresses; a failure leaves every chunk where its bytes are whole; and an Adam optimizer whose moments live
-in mapped memory steps bit for bit as one that never moved, across offloads, a checkpoint and a load."""
+addresses; a failure (no pool memory, a closed pool, a copy submission refused part way) leaves every chunk
+where its bytes are whole and a later move completes; and an Adam optimizer whose moments live in mapped
+memory steps bit for bit as one that never moved, across offloads, a checkpoint and a load."""
 
 import pytest
 import torch
 
-from colomem.errors import ColomemError, DeviceMismatchError, PoolClosedError, PoolExhaustedError
+from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, PoolClosedError,
+                            PoolExhaustedError)
 from colomem.optim_mapped import MappedOptimizerState
 from colomem.pool import PinnedPool
-from colomem.swap_mapped import POOL, MappedSet
+from colomem.swap_mapped import DEVICE, POOL, MappedSet
+from swap_faults import failing_engine  # noqa: F401  (fixture)
 
 MiB = 1 << 20
 
@@ -223,3 +226,40 @@ def test_loading_a_state_dict_read_from_the_same_optimizer_keeps_the_moments_it_
         _step(ref, ref_opt, i)
         _step(mod, opt, i)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+
+
+def test_a_submission_refused_part_way_leaves_each_chunk_where_its_bytes_are_whole(pool, failing_engine):
+    arm, disarm = failing_engine
+    ts = tensors(4)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    arm(3)  # the offload's third chunk
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        s.offload()
+    assert s.resident and s.memory.all_mapped and equal(s.tensors, want)  # the first two were copied, not freed
+    disarm()
+    s.offload().wait()
+    arm(3)  # the reload's third chunk: the two before it came back, the rest stays in the pool
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        s.reload()
+    chunk = s.memory.chunk_span(0)[1]
+    assert s._where[:3] == [DEVICE, DEVICE, POOL] and s.resident_bytes == 2 * chunk
+    assert s.memory.mapped_bytes == 2 * chunk  # the refused chunk was mapped for its copy: unmapped again
+    disarm()
+    s.reload().wait()
+    assert s.resident and equal(s.tensors, want)
+    s.close()
+
+
+def test_a_move_out_refused_part_way_leaves_the_optimizer_its_state_and_the_pool_its_blocks(pool, failing_engine):
+    arm, _ = failing_engine
+    mod = _model(5)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    _step(mod, opt, 0)
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    arm(2)
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        MappedOptimizerState(opt, pool=pool, chunk_bytes=16 << 10, move_out=True)
+    for p, st in opt.state.items():
+        assert all(torch.equal(v, before[id(p)][k]) for k, v in st.items())
+    assert pool.stats()["in_use_bytes"] == 0
