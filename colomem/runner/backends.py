@@ -168,6 +168,9 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
                 optimizer_reload=cfg.start_optimizer_reload)
             trainer = torch_trainer
+            if cfg.optimizer_state_memory == "mapped":
+                log_fn("[colomem] --optimizer-state-memory mapped applies to the DeepSpeed trainer: the CPU "
+                       "trainer keeps its optimizer state in torch's memory")
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)
         lap("trainer")
