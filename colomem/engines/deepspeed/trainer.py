@@ -472,6 +472,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         from . import checkpoint
 
         self._check_resident("load_state()")
+        self.wait_reload()                 # it writes into the optimizer state in place: all of it on the GPU
         checkpoint.load_state(self, path)
 
     # -- lifetime -----------------------------------------------------------------------------------------
