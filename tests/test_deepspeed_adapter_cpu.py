@@ -114,6 +114,8 @@ def test_good_arguments_pass():
     ({"timeout_s": 0}, "timeout_s"),
     ({"lora": SimpleNamespace(r=8)}, "LoraSpec"),
     ({"lora": LoraSpec(target_modules=[])}, "target_modules is empty"),
+    ({"optimizer_state_memory": "mapped", "offload": "deepspeed"}, "needs offload='colomem'"),
+    ({"optimizer_state_memory": "vmm"}, "optimizer_state_memory"),
 ])
 def test_bad_arguments_raise_naming_the_argument(change, words):
     with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
