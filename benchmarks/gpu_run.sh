@@ -110,7 +110,7 @@ stage() {  # the stages run in the order given on the command line
     # the small-tensor set alone (per tensor, coalesced, on slabs) with the raw peaks it is measured against
     smallbench) run bench_small 150 python3 -m colomem.bench --out "$OUT/small" --only small ;;
     # each shape's offload and reload by the wall clock: the pipelined reload against growing every storage first
-    wall) run bench_wall 180 python3 -m colomem.bench --out "$OUT/wall" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;
+    wall) run bench_wall "${WALL_TIMEOUT_S:-240}" python3 -m colomem.bench --out "$OUT/wall" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;
     # the same with torch's expandable segments (memory mapped in physical chunks, unmapped without a device sync)
     wallexp) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run bench_wall_expandable 180 python3 -m colomem.bench \
       --out "$OUT/wall-expandable" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;
