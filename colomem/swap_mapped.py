@@ -110,8 +110,7 @@ class MappedHandle:
             for j, p in enumerate(rest):
                 i = self.chunks[k + j]
                 self.s._where[i] = POOL
-                if _done(p):
-                    self.s.memory.unmap(i, 1)
+                self.s._unmap_when_quiet(i, p)
         self._settled = len(self.parts)
         if all(_done(p) for p in rest):
             self._end_token()
@@ -178,6 +177,7 @@ class MappedSet:
         self._blocks: list[Optional[Block]] = [None] * -(-self.memory.nchunks // self._group)
         self._pending: Optional[MappedHandle] = None
         self._broken = ""  # why the set's bytes are not whole (a failed moving_out): nothing can come back
+        self._writing: dict[int, object] = {}  # chunk -> a failed reload's copy that may still write it
         self._lock = threading.RLock()
 
     @classmethod
@@ -237,8 +237,8 @@ class MappedSet:
             self._finish_pending()
             t0 = time.perf_counter()
             for i, w in enumerate(self._where):
-                if w == POOL:  # mapped but not filled by a reload that failed: nothing queued uses it now
-                    self.memory.unmap(i, 1)
+                if w == POOL:  # mapped but not filled by a reload that failed
+                    self._unmap_when_quiet(i)
             chunks = [i for i, w in enumerate(self._where) if w == DEVICE]
 
             def copies(i: int) -> list:
@@ -406,14 +406,24 @@ class MappedSet:
         for i, p in zip(chunks, parts):
             if _succeeded(p):
                 self._where[i] = DEVICE
-            elif _done(p):
-                self.memory.unmap(i, 1)  # its copy failed: the pool's bytes are the chunk's
+            else:
+                self._unmap_when_quiet(i, p)  # its copy failed (or still runs): the pool's bytes are the chunk's
         for n, i in enumerate(unmap):
-            if n == 0 and not idle and queued is not None:
-                continue  # the failed submission's own chunk: its queued copies may still write it
             if self._where[i] == POOL:
-                self.memory.unmap(i, 1)
+                # the failed submission's own chunk: what it queued may still write it
+                self._unmap_when_quiet(i, queued if n == 0 else None)
         return idle
+
+    def _unmap_when_quiet(self, i: int, writer=None) -> None:
+        """Unmaps chunk i (in the pool's state) unless a copy queued into it still runs (`writer`, or one an
+        earlier failure left): then it stays mapped until a later offload finds that copy ended."""
+        if writer is not None:
+            self._writing[i] = writer
+        w = self._writing.get(i)
+        if w is not None and not _done(w):
+            return
+        self._writing.pop(i, None)
+        self.memory.unmap(i, 1)
 
 
 def _succeeded(p) -> bool:
