@@ -166,5 +166,7 @@ def test_the_trainer_prefetches_what_the_measured_room_allows_less_the_margin(po
     t._start_peak = SimpleNamespace(rooms=[9 * chunk, 4 * chunk + 5, 6 * chunk])
     assert t._prefetch_moments(s) == 3 * chunk  # the smallest room, less the margin, in whole chunks
     assert s.late_outstanding
+    # the next step's room counts the prefetched chunks as mapped, whether or not their copies were waited for
+    assert s.moments.mapped_bytes == 3 * chunk
     s.reload_late()
     s.close()

@@ -79,7 +79,8 @@ class AtStepReload:
         dev = self.device
         s = self._strategies.get("colomem")
         moments = getattr(s, "moments", None)
-        mapped = moments.resident_bytes if moments is not None else 0
+        # mapped, not resident: a prefetch nobody has waited for yet holds its memory all the same
+        mapped = moments.mapped_bytes if moments is not None else 0
         return prefetch_room(mem_get_info(dev)[0], torch.cuda.max_memory_reserved(dev),
                              torch.cuda.memory_reserved(dev), mapped)
 

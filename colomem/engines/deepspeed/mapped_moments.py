@@ -75,6 +75,12 @@ class MappedMoments:
         s = self._live()
         return s.resident_bytes if s is not None and s.active else 0
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Device memory the moments hold now, chunks still copying back included (what the driver counts)."""
+        s = self._live()
+        return s.set.memory.mapped_bytes if s is not None else 0
+
     def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The pool copy of one of the mapped moments while it is there (see MappedSet.host_view)."""
         s = self._live()
