@@ -62,6 +62,7 @@ class MappedHandle:
         # An earlier reload this ordered one was queued behind: finished first by wait().
         self.before: Optional[MappedHandle] = None
         self.filling = False  # MappedSet.moving_out's copy: a failure leaves the set without whole bytes
+        self._error: Optional[BaseException] = None  # a copy failed: every later wait raises it again
 
     def done(self) -> bool:
         return self.stats is not None
@@ -72,6 +73,8 @@ class MappedHandle:
         seconds = wait_seconds(timeout)
         deadline = time.monotonic() + seconds
         with self.s._lock:
+            if self._error is not None:
+                raise self._error
             if self.before is not None:
                 self.before.wait(timeout)
                 self.before = None
@@ -84,6 +87,7 @@ class MappedHandle:
                     if isinstance(exc, TimeoutError):
                         raise
                     self._fail(k)
+                    self._error = exc
                     raise
                 self._apply(k)
                 self._settled = k + 1
