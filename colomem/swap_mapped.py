@@ -199,6 +199,7 @@ class MappedSet:
                 raise InvalidArgumentError(f"MappedSet {name!r}: {n} is not contiguous; its bytes cannot be copied "
                                            "out as they lie")
         s = cls(items, pool, name=name, chunk_bytes=chunk_bytes, _on_device=False)
+
         def failed(exc: BaseException, idle: bool) -> None:
             s._broken = f"its first copy out failed ({exc})"
             if idle:
@@ -320,9 +321,16 @@ class MappedSet:
             return None if h is None else h.wait(timeout)
 
     def close(self) -> None:
-        """Finishes what is in flight, unmaps the memory (the tensors are gone) and gives the pool blocks back."""
+        """Finishes what is in flight, unmaps the memory (the tensors are gone) and gives the pool blocks back.
+        A transfer that failed does not stop it (its copies were waited for when it failed); one that is still
+        running after the default bound does (TransferTimeoutError: close again)."""
         with self._lock:
-            self._finish_pending()
+            try:
+                self._finish_pending()
+            except TimeoutError:
+                raise
+            except ColomemError:
+                pass
             self.memory.close()
             for i, b in enumerate(self._blocks):
                 if b is not None:
