@@ -35,7 +35,6 @@ from colomem.swap_handles import DEFAULT_TIMEOUT_S, wait_seconds
 from colomem.units import format_bytes
 
 DEVICE, POOL = "device", "pool"
-GROUP_BYTES_MAX = 64 << 30  # the pool's largest block
 
 
 @dataclass
@@ -175,10 +174,10 @@ class MappedSet:
                     self.memory.unmap(first, 1)
             self.tensors.append(new)
         self._where = [DEVICE if _on_device else POOL] * self.memory.nchunks
-        # One pool block per group of chunks, each chunk at its own offset in it: a tensor whose bytes lie in
-        # one group has a host view while offloaded (a checkpoint reads it there)
-        self._group = max(1, GROUP_BYTES_MAX // self.memory.range.chunk_bytes)  # chunks per block
-        self._blocks: list[Optional[Block]] = [None] * -(-self.memory.nchunks // self._group)
+        # One pool block per tensor (as a SwapSet has one per storage): a chunk's copy has a piece for each
+        # tensor it holds part of, and an offloaded tensor has a host view (a checkpoint reads it there)
+        self._sizes = [t.numel() * t.element_size() for _, t in items]
+        self._blocks: list[Optional[Block]] = [None] * len(items)
         self._pending: Optional[MappedHandle] = None
         self._broken = ""  # why the set's bytes are not whole (a failed moving_out): nothing can come back
         self._writing: dict[int, object] = {}  # chunk -> a failed reload's copy that may still write it
@@ -205,9 +204,10 @@ class MappedSet:
             if idle:
                 s.close()  # nothing of it runs any more: its pool blocks go back
 
-        def copies(i: int) -> list:
-            off, size = s.memory.chunk_span(i)
-            return _pieces_into(s._host_address(i), off, size, items, s.offsets)
+        sources = [t.data_ptr() for _, t in items]
+
+        def copies(i: int) -> list:  # from where the tensors are now into their blocks
+            return [(s._blocks_address(j) + at, sources[j] + at, n) for j, at, n in s._pieces(i)]
 
         with s._lock:
             h = s._copy_out("move out", list(range(s.memory.nchunks)), copies, timing, failed)
@@ -247,8 +247,7 @@ class MappedSet:
             chunks = [i for i, w in enumerate(self._where) if w == DEVICE]
 
             def copies(i: int) -> list:
-                off, size = self.memory.chunk_span(i)
-                return [(self._host_address(i), self.memory.range.ptr + off, size)]
+                return [(self._blocks_address(j) + at, self._device_address(j) + at, n) for j, at, n in self._pieces(i)]
 
             return self._copy_out("offload", chunks, copies, timing, lambda exc, idle: None, t0)
 
@@ -302,10 +301,11 @@ class MappedSet:
                     t = time.perf_counter()
                     self.memory.map(i, 1)
                     map_s += time.perf_counter() - t
-                    off, size = self.memory.chunk_span(i)
                     last = n == len(todo) - 1
-                    parts.append(eng.submit("h2d", [(self.memory.range.ptr + off, self._host_address(i), size)],
-                                            signal_stream=cur if ordered and last else 0, timing=timing))
+                    copies = [(self._device_address(j) + at, self._blocks_address(j) + at, k)
+                              for j, at, k in self._pieces(i)]
+                    parts.append(eng.submit("h2d", copies, signal_stream=cur if ordered and last else 0,
+                                            timing=timing))
             except BaseException as exc:
                 # Mapped, or not, with no copy of theirs left running: their bytes are the pool's still.
                 self._abandon(parts, token, exc, unmap=todo[len(parts):], chunks=todo)
@@ -352,38 +352,47 @@ class MappedSet:
             h = h.before
         return False
 
-    def _host_address(self, i: int) -> int:
-        """Where chunk i's bytes are in the pool (its group's block allocated on first use)."""
-        g = i // self._group
-        first = g * self._group
-        start = self.memory.chunk_span(first)[0]
-        b = self._blocks[g]
-        if b is None:
-            last = min(first + self._group, self.memory.nchunks) - 1
-            off, size = self.memory.chunk_span(last)
-            b = self._blocks[g] = self._pool.alloc(off + size - start)
-        return b.address + self.memory.chunk_span(i)[0] - start
+    def _pieces(self, i: int) -> list[tuple[int, int, int]]:
+        """(tensor, offset in the tensor, bytes) of each part of a tensor that lies in chunk i (the alignment
+        gaps between tensors are not copied)."""
+        lo, size = self.memory.chunk_span(i)
+        hi = lo + size
+        out = []
+        for j, (off, n) in enumerate(zip(self.offsets, self._sizes)):
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                out.append((j, a - off, b - a))
+        return out
+
+    def _device_address(self, j: int) -> int:
+        return self.memory.range.ptr + self.offsets[j]
+
+    def _blocks_address(self, j: int) -> int:
+        """Where tensor j's bytes go in the pool (every tensor's block allocated at the first use of any, so a
+        pool too small fails before anything is copied)."""
+        if self._blocks[j] is None:
+            for k, n in enumerate(self._sizes):
+                if self._blocks[k] is None:
+                    self._blocks[k] = self._pool.alloc(n)
+        b = self._blocks[j]
+        assert b is not None
+        return b.address
 
     def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """A CPU tensor over the pool copy of t (one of `tensors`: same dtype and shape), valid while its chunks
-        are in the pool and the set is not closed; None for another tensor, for one whose chunks are on the
-        device, or for one whose bytes span two pool blocks."""
+        are in the pool and the set is not closed; None for another tensor, or for one whose chunks are not all
+        in the pool with nothing copying them out."""
         with self._lock:
             j = next((k for k, x in enumerate(self.tensors) if x is t), None)
-            if j is None:
+            if j is None or self._broken or self._blocks[j] is None:
                 return None
-            n = t.numel() * t.element_size()
-            chunks = self.memory.chunks_of(self.offsets[j], n)
-            groups = {i // self._group for i in chunks}
-            if any(self._where[i] != POOL for i in chunks) or len(groups) != 1 or self._broken \
-                    or (self._pending is not None and self._pending.direction == "d2h"):
+            chunks = self.memory.chunks_of(self.offsets[j], self._sizes[j])
+            if any(self._where[i] != POOL for i in chunks) or \
+                    (self._pending is not None and self._pending.direction == "d2h"):
                 return None
-            g = groups.pop()
-            b = self._blocks[g]
-            if b is None:
-                return None
-            start = self.memory.chunk_span(g * self._group)[0]
-            return b.as_tensor(n, self.offsets[j] - start).view(t.dtype).view(t.shape)
+            b = self._blocks[j]
+            assert b is not None
+            return b.as_tensor(self._sizes[j]).view(t.dtype).view(t.shape)
 
     def _begin(self, what: str, chunks: list[int]) -> int:
         nbytes = sum(self.memory.chunk_span(i)[1] for i in chunks)
@@ -443,19 +452,6 @@ def _succeeded(p) -> bool:
         return bool(p.done())
     except Exception:  # noqa: B036  (the copy failed)
         return False
-
-
-def _pieces_into(address: int, chunk_off: int, size: int, items: list, offsets: list[int]) -> list:
-    """(dst, src, nbytes) copies of the parts of the tensors that fall in the chunk at chunk_off (its bytes at
-    `address`), each tensor laid out at its offset."""
-    out = []
-    end = chunk_off + size
-    for (_, t), off in zip(items, offsets):
-        n = t.numel() * t.element_size()
-        lo, hi = max(off, chunk_off), min(off + n, end)
-        if lo < hi:
-            out.append((address + lo - chunk_off, t.data_ptr() + lo - off, hi - lo))
-    return out
 
 
 def _within(chunks: list[int], sizes: list[int], budget: int) -> list[int]:

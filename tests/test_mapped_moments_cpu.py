@@ -70,7 +70,8 @@ def test_the_moments_out_behind_the_rollout_part_back_early_the_rest_at_the_step
         adam_step(eng, cycle)
         adam_step(ref, cycle)
     assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), moment_values(ref)))
-    assert torch.equal(eng.optimizer.single_partition_of_fp32_groups[0], ref.optimizer.single_partition_of_fp32_groups[0])
+    masters = [e.optimizer.single_partition_of_fp32_groups[0] for e in (eng, ref)]
+    assert torch.equal(*masters)
     s.close()
     assert pool.stats()["in_use_bytes"] == 0
 
