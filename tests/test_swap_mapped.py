@@ -263,3 +263,23 @@ def test_a_move_out_refused_part_way_leaves_the_optimizer_its_state_and_the_pool
     for p, st in opt.state.items():
         assert all(torch.equal(v, before[id(p)][k]) for k, v in st.items())
     assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_the_state_of_params_missing_from_the_groups_moves_too(pool):
+    """ZeRO-3 puts a partition in its inner optimizer's param groups only while it steps it: the state is
+    found through the state dict, not the groups."""
+    ref, mod = _model(6), _model(6)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+    _step(ref, ref_opt, 0)
+    _step(mod, opt, 0)
+    params = opt.param_groups[0]["params"]
+    opt.param_groups[0]["params"] = params[:1]  # the others out of the groups, their state kept
+    mapped = MappedOptimizerState(opt, pool=pool, chunk_bytes=16 << 10)
+    opt.param_groups[0]["params"] = params
+    assert len(mapped._refs) == 2 * len(params)  # both moments of every param
+    mapped.offload().wait()
+    _step(ref, ref_opt, 1)
+    _step(mod, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+    mapped.close()
