@@ -116,10 +116,18 @@ class MappedMoments:
         wait_s = self._timeout if timeout is None else timeout
         s = self.state
         assert s is not None
-        if s.moving is not None:
-            n = s.finish_move(wait_s)
-        else:
-            n = self._pending.wait(wait_s).nbytes
+        try:
+            if s.moving is not None:
+                n = s.finish_move(wait_s)
+            else:
+                n = self._pending.wait(wait_s).nbytes
+        except TimeoutError:
+            raise  # still copying: a later call waits again
+        except BaseException:
+            # a failed copy: each chunk stays where its bytes are whole (a failed move out leaves the optimizer
+            # its own tensors), and a later reload or offload goes on from there
+            self._pending = None
+            raise
         self._pending = None
         return n
 
