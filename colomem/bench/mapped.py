@@ -8,7 +8,6 @@ ones."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 import colomem
 from colomem._torch import mem_get_info
-from colomem.bench.transfer import fingerprint
+from colomem.bench.transfer import fingerprint, summarize_cycles
 from colomem.swap_mapped import MappedSet
 
 
@@ -57,14 +56,7 @@ def mapped_swaps(tensors: dict[str, torch.Tensor], reps: int, chunk_bytes: int) 
         if i == 0:
             res["correct_after_first_cycle"] = fingerprint(copies) == before
     res["correct_after_all_cycles"] = fingerprint(copies) == before
-    res["first_cycle"] = cyc[0]
-    for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms", "reload_alloc_ms",
-              "offload_around_ms", "reload_around_ms"):
-        res[k + "_median"] = statistics.median(c[k] for c in cyc)
-    for k in ("offload", "reload"):
-        res[f"{k}_gbps"] = nbytes / (res[f"{k}_ms_median"] / 1e3) / 1e9
-        res[f"{k}_wall_gbps"] = nbytes / (res[f"{k}_wall_ms_median"] / 1e3) / 1e9
-    res["freed_fraction"] = statistics.median(c["freed_bytes"] for c in cyc) / nbytes
+    summarize_cycles(res, cyc, nbytes)
     del copies
     s.close()
     pool.close()

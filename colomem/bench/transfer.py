@@ -191,20 +191,24 @@ def colomem_swaps(tensors: dict[str, torch.Tensor], reps: int, gap_s: float = 0.
         if i == 0:
             res["correct_after_first_cycle"] = fingerprint(tensors) == before
     res["correct_after_all_cycles"] = fingerprint(tensors) == before
-    res["first_cycle"] = cyc[0]
-    for k in ("offload_ms", "offload_wall_ms", "reload_ms", "reload_wall_ms", "reload_alloc_ms", "offload_outside_ms",
-              "offload_around_ms", "reload_outside_ms", "reload_around_ms"):
-        res[k + "_median"] = statistics.median(c[k] for c in cyc)
-    res["offload_gbps"] = nbytes / (res["offload_ms_median"] / 1e3) / 1e9
-    res["reload_gbps"] = nbytes / (res["reload_ms_median"] / 1e3) / 1e9
-    res["offload_gbps_first"] = nbytes / (cyc[0]["offload_ms"] / 1e3) / 1e9
-    res["reload_gbps_first"] = nbytes / (cyc[0]["reload_ms"] / 1e3) / 1e9
-    res["offload_wall_gbps"] = nbytes / (res["offload_wall_ms_median"] / 1e3) / 1e9
-    res["reload_wall_gbps"] = nbytes / (res["reload_wall_ms_median"] / 1e3) / 1e9
-    res["freed_fraction"] = statistics.median(c["freed_bytes"] for c in cyc) / nbytes
+    summarize_cycles(res, cyc, nbytes)
     s.close()
     pool.close()
     return res
+
+
+def summarize_cycles(res: dict, cyc: list[dict], nbytes: int) -> None:
+    """Into `res`: the first cycle, each figure's median over the cycles, the copy and wall-clock rates (median
+    and first cycle) and the share of the set's bytes each offload gave back to the driver."""
+    res["first_cycle"] = cyc[0]
+    for k in cyc[0]:
+        if k != "freed_bytes":
+            res[k + "_median"] = statistics.median(c[k] for c in cyc)
+    for d in ("offload", "reload"):
+        res[f"{d}_gbps"] = nbytes / (res[f"{d}_ms_median"] / 1e3) / 1e9
+        res[f"{d}_gbps_first"] = nbytes / (cyc[0][f"{d}_ms"] / 1e3) / 1e9
+        res[f"{d}_wall_gbps"] = nbytes / (res[f"{d}_wall_ms_median"] / 1e3) / 1e9
+    res["freed_fraction"] = statistics.median(c["freed_bytes"] for c in cyc) / nbytes
 
 
 def colomem_bidir(shape: ModelShape, reps: int) -> dict:
