@@ -141,6 +141,15 @@ class MappedMoments:
         self.prefetched = s.reload(budget_bytes, ordered=False).nbytes
         return self.prefetched
 
+    def reload_async(self) -> Optional[MappedHandle]:
+        """Everything back, unordered (waiting for a copy out first): the handle to wait for before the step
+        reads them; None when nothing is in the pool."""
+        if not self.outstanding:
+            return None
+        self.finish()
+        s = self._live()
+        return s.reload(ordered=False) if s is not None and s.active else None
+
     def reload(self) -> int:
         """Everything back (waiting for a copy out first), waited for; returns the bytes this call copied."""
         self.finish()

@@ -253,10 +253,9 @@ class ColomemOffload:
                     nbytes += self.moments.reload()
             else:
                 pending.add(self.late.reload_async(ordered=False))
-                if self.moments is not None and self.moments.outstanding:
-                    self.moments.finish()
-                    assert self.moments.state is not None
-                    pending.add(self.moments.state.reload(ordered=False))
+                back = self.moments.reload_async() if self.moments is not None else None
+                if back is not None:
+                    pending.add(back)
         except BaseException:
             self.swapset.offload(self._timeout)   # e.g. no GPU memory for the late part: offloaded again
             self._scratch.shrink_again()

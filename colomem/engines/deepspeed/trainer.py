@@ -36,7 +36,7 @@ from .closing import close_trainer
 from .deferred import DeferredOffload
 from .at_step import AtStepReload
 from .mapped_moments import MappedMoments
-from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, reload_figures
+from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, inner_torch_optimizer, reload_figures
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
@@ -270,7 +270,6 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
                 self._owns_pool = True
             moments = None
             if self.config.optimizer_state_memory == "mapped":
-                from .step_reload import inner_torch_optimizer
                 moments = MappedMoments(lambda: inner_torch_optimizer(self.engine.optimizer), self._pool,
                                         self.timeout_s)
             s = ColomemOffload(collect, self._pool, self.device, self.timeout_s, moments=moments)
