@@ -115,10 +115,6 @@ class MappedOptimizerState:
         return stats.nbytes
 
     @property
-    def device(self) -> torch.device:
-        return self.set.device
-
-    @property
     def nbytes(self) -> int:
         return self.set.nbytes
 
@@ -144,10 +140,9 @@ class MappedOptimizerState:
         after this call sees every byte), on the host waited for here."""
         if not self.active or self.set.resident:
             return
-        h = self.set.reload(ordered=True)
+        self.set.reload(ordered=True)
         if self.set.device.type != "cuda":
             self.set.wait(timeout)
-        del h
 
     def close(self) -> None:
         """Brings the state back into torch tensors the optimizer then owns, and frees the mapped memory."""
@@ -189,7 +184,6 @@ class MappedOptimizerState:
         aliased = [(st, k) for st in self.optimizer.state.values() for k, t in st.items()
                    if isinstance(t, torch.Tensor) and lo <= t.data_ptr() < hi]
         if aliased:
-            self.active = True  # so that ensure_resident brings every chunk back first
             self.ensure_resident()
             self.set.wait(DEFAULT_TIMEOUT_S)
             for st, k in aliased:
