@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from colomem import _torch
-from colomem.errors import ColomemError, DeviceMismatchError, InvalidArgumentError
+from colomem.errors import ColomemError, CudaOutOfMemoryError, DeviceMismatchError, InvalidArgumentError
 from colomem.mapped import CHUNK_BYTES_DEFAULT, MappedMemory, layout
 from colomem.pool import Block, PinnedPool, default_pool
 from colomem.swap_coalesce import Transfers, _done, _settle
@@ -45,6 +45,7 @@ class MappedStats:
     seconds: float          # host wall time from the call to the end of the wait
     map_ms: float = 0.0     # reload: host ms spent mapping chunks (most of it behind the copies)
     device_ms: float = 0.0  # device ms from the first copy's start to the last copy's end, when timed
+    cache_releases: int = 0  # reload: times a chunk found no memory until torch's cached blocks were freed
 
 
 class MappedHandle:
@@ -52,8 +53,9 @@ class MappedHandle:
     end (so the memory goes back chunk by chunk while later chunks still copy)."""
 
     def __init__(self, s: "MappedSet", direction: str, chunks: list[int], parts: list, token: Optional[int],
-                 t0: float, map_ms: float, timing: bool):
+                 t0: float, map_ms: float, timing: bool, cache_releases: int = 0):
         self.s, self.direction, self.chunks, self.parts = s, direction, chunks, parts
+        self.cache_releases = cache_releases
         self.nbytes = sum(s.memory.chunk_span(i)[1] for i in chunks)
         self._token, self._t0, self._map_ms, self._timing = token, t0, map_ms, timing
         self._settled = 0  # chunks whose outcome was applied, in order
@@ -126,7 +128,7 @@ class MappedHandle:
         if self._timing and self.parts:
             device_ms = Transfers(self.parts, self.nbytes).elapsed_ms()
         self.stats = MappedStats(self.direction, self.nbytes, len(self.chunks), time.perf_counter() - self._t0,
-                                 self._map_ms, device_ms)
+                                 self._map_ms, device_ms, self.cache_releases)
         if self.s._pending is self:
             self.s._pending = None
 
@@ -295,11 +297,11 @@ class MappedSet:
             eng = _torch.engine_for(self.device)
             token = self._begin("reload", todo)
             parts: list = []
-            map_s = 0.0
+            map_s, releases = 0.0, 0
             try:
                 for n, i in enumerate(todo):
                     t = time.perf_counter()
-                    self.memory.map(i, 1)
+                    releases += self._map_for_copy(i)
                     map_s += time.perf_counter() - t
                     last = n == len(todo) - 1
                     copies = [(self._device_address(j) + at, self._blocks_address(j) + at, k)
@@ -310,9 +312,30 @@ class MappedSet:
                 # Mapped, or not, with no copy of theirs left running: their bytes are the pool's still.
                 self._abandon(parts, token, exc, unmap=todo[len(parts):], chunks=todo)
                 raise
-            handle = self._start("h2d", todo, parts, token, t0, map_s * 1e3, timing)
+            handle = self._start("h2d", todo, parts, token, t0, map_s * 1e3, timing, releases)
             handle.before = earlier
             return handle
+
+    def _map_for_copy(self, i: int) -> int:
+        """Maps chunk i for its copy back; -> 1 when torch's cached blocks had to be freed first, else 0.
+
+        The memory a step frees (activations, buckets) stays in torch's cache, where only torch can use it; a
+        torch allocation that finds no room frees that cache and tries again, and so does this. A second
+        failure goes to the caller with the chunk's bytes whole in the pool."""
+        try:
+            self.memory.map(i, 1)
+            return 0
+        except CudaOutOfMemoryError:
+            _torch.release_cached(self.device)
+        try:
+            self.memory.map(i, 1)
+        except CudaOutOfMemoryError as exc:
+            off, size = self.memory.chunk_span(i)
+            raise CudaOutOfMemoryError(
+                f"bringing back {format_bytes(size)} of MappedSet {self.name!r} (bytes {off}+) found no free GPU "
+                f"memory even after torch's cached blocks were freed ({exc}). Its bytes stay in the pinned pool; "
+                "free GPU memory (a smaller batch or micro-batch) or keep this state in torch's memory") from exc
+        return 1
 
     def wait(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> Optional[MappedStats]:
         """Finishes the transfer in flight, if any (an earlier reload an ordered one was queued behind first)."""
@@ -399,8 +422,8 @@ class MappedSet:
         return self._pool._copies.begin(self._pool, f"MappedSet {self.name!r} {what} of {format_bytes(nbytes)}")
 
     def _start(self, direction: str, chunks: list[int], parts: list, token: Optional[int], t0: float,
-               map_ms: float, timing: bool) -> MappedHandle:
-        h = MappedHandle(self, direction, chunks, parts, token, t0, map_ms, timing)
+               map_ms: float, timing: bool, cache_releases: int = 0) -> MappedHandle:
+        h = MappedHandle(self, direction, chunks, parts, token, t0, map_ms, timing, cache_releases)
         if token is not None:
             self._pool._copies.attach(token, Transfers(parts, h.nbytes))
         if parts:

@@ -8,8 +8,9 @@ memory steps bit for bit as one that never moved, across offloads, a checkpoint 
 import pytest
 import torch
 
-from colomem.errors import (ColomemError, DeviceMismatchError, InvalidArgumentError, PoolClosedError,
-                            PoolExhaustedError)
+from colomem import _torch
+from colomem.errors import (ColomemError, CudaOutOfMemoryError, DeviceMismatchError, InvalidArgumentError,
+                            PoolClosedError, PoolExhaustedError)
 from colomem.optim_mapped import MappedOptimizerState
 from colomem.pool import PinnedPool
 from colomem.swap_mapped import DEVICE, POOL, MappedSet
@@ -110,6 +111,47 @@ def test_a_reload_from_a_closed_pool_leaves_the_chunks_in_the_pool(pool):
         s.reload()
     assert all(w == POOL for w in s._where) and s.memory.mapped_bytes == 0
     s.memory.close()
+
+
+def _short_of_memory(monkeypatch, s, failures):
+    """The set's chunk mapping finds no device memory `failures` times, and freeing torch's cache is counted."""
+    real, left, released = s.memory.map, [failures], []
+
+    def map_(first=0, count=None):
+        if left[0] > 0:
+            left[0] -= 1
+            raise CudaOutOfMemoryError("cuMemCreate failed: out of memory")
+        return real(first, count)
+
+    monkeypatch.setattr(s.memory, "map", map_)
+    monkeypatch.setattr(_torch, "release_cached", lambda device: released.append(device))
+    return released
+
+
+def test_a_chunk_that_finds_no_memory_frees_torchs_cache_and_maps_on_the_second_try(pool, monkeypatch):
+    ts = tensors(4)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    released = _short_of_memory(monkeypatch, s, 1)
+    stats = s.reload(timing=True).wait()
+    assert len(released) == 1 and stats.cache_releases == 1 and stats.chunks == s.memory.nchunks
+    assert s.resident and equal(s.tensors, want)
+    s.close()
+
+
+def test_a_chunk_that_finds_no_memory_twice_stops_the_reload_with_its_bytes_in_the_pool(pool, monkeypatch):
+    ts = tensors(5)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    released = _short_of_memory(monkeypatch, s, 2)
+    with pytest.raises(CudaOutOfMemoryError, match="pinned pool"):
+        s.reload()
+    assert len(released) == 1 and all(w == POOL for w in s._where) and s.memory.mapped_bytes == 0
+    assert s.reload().wait().cache_releases == 0  # memory is back: the next reload completes
+    assert s.resident and equal(s.tensors, want)
+    s.close()
 
 
 def _model(seed):

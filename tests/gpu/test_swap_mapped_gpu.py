@@ -1,8 +1,9 @@
 """Memory colomem maps itself, on a GPU: a MappedRange's chunks go back to the driver when unmapped and come
 back at the same addresses; a MappedSet round-trips its bytes chunk by chunk, gives its memory to the driver
 while offloaded and takes only the chunks a budget allows; a kernel queued right after an ordered reload
-(no host wait) reads every chunk, also after an earlier unordered part; a reload the driver cannot give
-memory for raises the typed error and keeps what it brought back; and Adam with its moments in mapped memory
+(no host wait) reads every chunk, also after an earlier unordered part; a reload whose memory sits in
+torch's cache frees the cache and completes; a reload the driver cannot give memory for raises the typed
+error and keeps what it brought back; and Adam with its moments in mapped memory
 steps bit for bit as one that never moved."""
 
 import pytest
@@ -107,6 +108,23 @@ def test_a_reload_short_of_memory_raises_keeps_what_came_back_and_completes_late
     torch.cuda.empty_cache()
     s.reload().wait()
     assert s.resident and all(torch.equal(as_bytes(t), w) for t, w in zip(s.tensors, want))
+    s.close()
+
+
+def test_a_reload_whose_memory_sits_in_torchs_cache_frees_the_cache_and_completes(pool):
+    ts = make(4)
+    want = [as_bytes(t) for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=64 * MiB)
+    del ts
+    s.offload().wait()
+    torch.cuda.empty_cache()
+    hog = torch.empty(driver_free() - s.nbytes // 2, dtype=torch.uint8, device="cuda")
+    del hog  # freed, but held in torch's cache: only torch can use it until the cache is emptied
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > s.nbytes // 2
+    stats = s.reload(timing=True).wait()
+    assert stats.cache_releases == 1 and s.resident
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < s.nbytes // 2
+    assert all(torch.equal(as_bytes(t), w) for t, w in zip(s.tensors, want))
     s.close()
 
 

@@ -110,7 +110,11 @@ def reload_figures(stats: Any) -> dict[str, float]:
     grow_ms: Optional[float] = getattr(stats, "alloc_ms", None)
     if grow_ms is None:
         grow_ms = float(getattr(stats, "map_ms", 0.0))
-    return {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": grow_ms / 1e3}
+    out = {"optimizer_reload_copy_s": stats.device_ms / 1e3, "optimizer_reload_regrow_s": grow_ms / 1e3}
+    releases = getattr(stats, "cache_releases", None)  # a MappedSet's: torch's cache freed to map a chunk
+    if releases is not None:
+        out["optimizer_map_cache_releases"] = float(releases)
+    return out
 
 
 def alloc_retries(device: torch.device) -> int:
