@@ -430,7 +430,9 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
     pool.close()
 
 
-def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_the_same(model_dir, ready, monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_the_same(model_dir, ready, monkeypatch,
+                                                                                      stage):
     """optimizer_state_memory "mapped", as the runner's "optimizer state out behind the rollout": the moments
     move out of torch's memory at their first offload (their old memory freed once the copy ended), each step's
     start measures the room beside its peak, and the next reload brings that much back behind the forward and
@@ -441,14 +443,16 @@ def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_th
     from colomem.engines.deepspeed.state import CATEGORIES
 
     monkeypatch.setattr(mapped_moments, "CHUNK_BYTES", 2 * MiB)   # a small model's moments in several chunks
-    ref_losses, ref_state = reference_run(model_dir, 2, False)
+    ref_losses, _ = reference_run(model_dir, stage, False)
     pool = colomem.PinnedPool(0)
-    t = make_trainer(model_dir, 2, False, pool=pool, optimizer_reload="step", optimizer_state_memory="mapped")
+    t = make_trainer(model_dir, stage, False, pool=pool, optimizer_reload="step", optimizer_state_memory="mapped")
     t.prefetch_margin_bytes = 0
     prefetched = []
     try:
         losses = [t.train_step(make_batch(0))["loss"]]
         for step in range(1, STEPS + 2):
+            if stage == 3:
+                t.engine.empty_partition_cache()
             settle()
             torch.cuda.reset_peak_memory_stats()
             t.offload(keep=[c for c in CATEGORIES if c != "optim"], defer=True, hold=True)
