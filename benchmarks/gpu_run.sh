@@ -16,7 +16,8 @@
 # grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
-# creation), diagdecode (vLLM's rollout after sleep / wake and beside a resident trainer). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
+# creation), diagdecode (vLLM's rollout after sleep / wake and beside a resident trainer), diagtrain (the training
+# phase alone, variant by variant: DIAGTRAIN_CONFIGS, DIAGTRAIN_ARGS). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
 # the bucket sizes of syncbench. Each stage is bounded by its own timeout. benchmarks/README.md says what
 # each stage measures.
 set -uo pipefail
@@ -138,6 +139,12 @@ stage() {  # the stages run in the order given on the command line
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 benchmarks/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
           --bucket "${cfg%%:*}" --buffers "${cfg##*:}"; done ;;
+    # the training phase alone: micro-batch and recompute variants, one profiled step each, per config
+    diagtrain) for cfg in ${DIAGTRAIN_CONFIGS:-configs/grpo_1p5b_full.yaml}; do
+        name=$(basename "$cfg" .yaml)
+        run "diag_train_$name" "${DIAGTRAIN_TIMEOUT_S:-300}" python3 benchmarks/diag_train.py --config "$cfg" \
+          --out "$OUT/diag_train/$name" --profile ${DIAGTRAIN_ARGS:-}
+      done ;;
     diagdecode) run diag_decode 400 python3 benchmarks/diag_decode.py --out "$OUT/diag_decode" ${DIAGDECODE_ARGS:-} ;;
     diagreload) run diag_reload 150 python3 benchmarks/diag_reload.py --out "$OUT/diag"
       # the same with torch's expandable segments (cuMemMap'd physical chunks instead of cudaMalloc segments)

@@ -1,0 +1,48 @@
+"""The training diagnostic (benchmarks/diag_train.py) on the CPU trainer: each variant really runs with its
+micro-batch and its recompute (the micro-batches a step ran, the decoder layers checkpointed), the executed
+FLOPs count the recompute, a bad variant is refused before anything is built, and the JSON and table are
+written."""
+import json
+
+import pytest
+
+from bench_module import load_benchmark
+from colomem.errors import ConfigError
+
+diag = load_benchmark("diag_train")
+
+
+def test_variants_parse_with_the_configs_checkpointing_and_bad_ones_are_refused():
+    assert diag.parse_variants(None, 4, 16, True) == [
+        ("mb4", 4, 1), ("mb8", 8, 1), ("mb16", 16, 1), ("mb4-nogc", 4, 0), ("mb8-nogc", 8, 0), ("mb16-nogc", 16, 0)]
+    assert diag.parse_variants(None, 8, 8, False) == [("mb8", 8, 0)]
+    assert diag.parse_variants("mb2,mb2-gc3", 4, 8, False) == [("mb2", 2, 0), ("mb2-gc3", 2, 3)]
+    for bad in ("mb0", "mb9", "mbx", "mb2-gc0", "mb2-fast", "mb2,mb2"):
+        with pytest.raises(ConfigError):
+            diag.parse_variants(bad, 4, 8, True)
+
+
+def test_the_flops_count_the_trainable_weights_and_the_recomputed_layers():
+    full = diag.step_flops(100, 80, 1.0, 10, 1)
+    assert full == (6 * 100 + 2 * 80) * 10
+    assert diag.step_flops(100, 80, 1.0, 10, 0) == 6 * 100 * 10
+    assert diag.step_flops(100, 80, 1.0, 10, 2) == (6 * 100 + 80) * 10
+    assert diag.step_flops(100, 80, 0.0, 10, 0) == 4 * 100 * 10       # LoRA-like: no weight gradients
+
+
+def test_each_variant_runs_as_named_on_the_cpu_trainer(tmp_path, job_env):
+    out = tmp_path / "diag"
+    rc = diag.main(["--out", str(out), "--rows", "8", "--completion-len", "6", "--rounds", "2", "--profile",
+                    "--micro-batch", "4", "--gradient-checkpointing", "true",
+                    "--variants", "mb4,mb8,mb4-nogc,mb2-gc2"])
+    assert rc == 0
+    res = json.loads((out / "diag_train.json").read_text())
+    v = res["variants"]
+    layers = v["mb4"]["checkpointed_layers"]
+    assert layers >= 2 and res["backend"] == "TorchTrainer"
+    assert [v[n]["micro_batches"] for n in ("mb4", "mb8", "mb4-nogc", "mb2-gc2")] == [2, 1, 2, 4]
+    assert v["mb4-nogc"]["checkpointed_layers"] == 0 and v["mb2-gc2"]["checkpointed_layers"] == -(-layers // 2)
+    assert all(len(r["step_s"]) == 2 and r["oom"] is None and "profile" in r for r in v.values())
+    assert v["mb4"]["flops"] > v["mb2-gc2"]["flops"] > v["mb4-nogc"]["flops"] > 0
+    assert v["mb4"]["speedup_vs_config"] == 1.0
+    assert "| mb2-gc2 |" in (out / "diag_train.md").read_text()
