@@ -128,12 +128,12 @@ class MappedOptimizerState:
         self._check_active()
         return self.set.offload(timing=timing)
 
-    def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True,
-               timing: bool = False) -> MappedHandle:
+    def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True, timing: bool = False,
+               up_to_room: bool = False) -> MappedHandle:
         """Brings back the chunks in the pool, at most `budget_bytes` of them (None: all); see
         MappedSet.reload."""
         self._check_active()
-        return self.set.reload(budget_bytes, ordered=ordered, timing=timing)
+        return self.set.reload(budget_bytes, ordered=ordered, timing=timing, up_to_room=up_to_room)
 
     def ensure_resident(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
         """The whole state back before anything reads it: on a GPU in the current stream's order (work queued

@@ -270,13 +270,17 @@ class MappedSet:
             raise
         return self._start("d2h", chunks, parts, token, t0, 0.0, timing)
 
-    def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True,
-               timing: bool = False) -> MappedHandle:
+    def reload(self, budget_bytes: Optional[int] = None, *, ordered: bool = True, timing: bool = False,
+               up_to_room: bool = False) -> MappedHandle:
         """Maps the chunks in the pool, in order, and queues each one's copy back as soon as it is mapped (the
         next one is mapped behind it), stopping before the chunks brought back would pass `budget_bytes`
         (None: all of them). With `ordered`, work queued on the current stream after this call sees every
         chunk on the device, this reload's and an earlier one's. A transfer still in flight is finished first,
-        unless it is a reload and this one is ordered: then the current stream waits for both."""
+        unless it is a reload and this one is ordered: then the current stream waits for both.
+        `up_to_room` (unordered only; a prefetch): stop at the first chunk the device has no free memory for,
+        without freeing torch's cache, and bring back the chunks before it."""
+        if up_to_room and ordered:
+            raise InvalidArgumentError("MappedSet.reload: up_to_room is for an unordered reload (a prefetch)")
         with self._lock:
             if self._broken:
                 raise ColomemError(f"MappedSet {self.name!r} cannot come back: {self._broken}; its old tensors still "
@@ -301,7 +305,14 @@ class MappedSet:
             try:
                 for n, i in enumerate(todo):
                     t = time.perf_counter()
-                    releases += self._map_for_copy(i)
+                    if up_to_room:
+                        try:
+                            self.memory.map(i, 1)
+                        except CudaOutOfMemoryError:
+                            todo = todo[:n]  # no room for this one: the chunks queued so far are the reload
+                            break
+                    else:
+                        releases += self._map_for_copy(i)
                     map_s += time.perf_counter() - t
                     last = n == len(todo) - 1
                     copies = [(self._device_address(j) + at, self._blocks_address(j) + at, k)

@@ -154,6 +154,34 @@ def test_a_chunk_that_finds_no_memory_twice_stops_the_reload_with_its_bytes_in_t
     s.close()
 
 
+def test_a_prefetch_stops_at_the_first_chunk_without_room_and_leaves_torchs_cache_alone(pool, monkeypatch):
+    ts = tensors(6)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    real, released, calls = s.memory.map, [], []
+
+    def map_(first=0, count=None):  # room for two chunks only
+        calls.append(first)
+        if len(calls) > 2:
+            raise CudaOutOfMemoryError("cuMemCreate failed: out of memory")
+        return real(first, count)
+
+    monkeypatch.setattr(s.memory, "map", map_)
+    monkeypatch.setattr(_torch, "release_cached", lambda device: released.append(device))
+    chunk = s.memory.chunk_span(0)[1]
+    h = s.reload(5 * chunk, ordered=False, up_to_room=True)
+    assert h.chunks == [0, 1] and h.nbytes == 2 * chunk and released == []
+    h.wait()
+    assert [w for w in s._where[:3]] == [DEVICE, DEVICE, POOL] and s.memory.mapped_bytes == 2 * chunk
+    monkeypatch.setattr(s.memory, "map", real)
+    s.reload().wait()  # the step's reload brings the rest
+    assert s.resident and equal(s.tensors, want)
+    with pytest.raises(InvalidArgumentError):
+        s.reload(ordered=True, up_to_room=True)
+    s.close()
+
+
 def _model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))

@@ -2,7 +2,7 @@
 back at the same addresses; a MappedSet round-trips its bytes chunk by chunk, gives its memory to the driver
 while offloaded and takes only the chunks a budget allows; a kernel queued right after an ordered reload
 (no host wait) reads every chunk, also after an earlier unordered part; a reload whose memory sits in
-torch's cache frees the cache and completes; a reload the driver cannot give memory for raises the typed
+torch's cache frees the cache and completes, and a prefetch stops where the free memory ends; a reload the driver cannot give memory for raises the typed
 error and keeps what it brought back; and Adam with its moments in mapped memory
 steps bit for bit as one that never moved."""
 
@@ -125,6 +125,26 @@ def test_a_reload_whose_memory_sits_in_torchs_cache_frees_the_cache_and_complete
     assert stats.cache_releases == 1 and s.resident
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < s.nbytes // 2
     assert all(torch.equal(as_bytes(t), w) for t, w in zip(s.tensors, want))
+    s.close()
+
+
+def test_a_prefetch_takes_only_the_free_memory_and_leaves_torchs_cache_alone(pool):
+    ts = make(5)
+    want = [as_bytes(t) for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=64 * MiB)
+    del ts
+    s.offload().wait()
+    torch.cuda.empty_cache()
+    hog = torch.empty(driver_free() - s.nbytes // 2, dtype=torch.uint8, device="cuda")
+    del hog
+    cached = torch.cuda.memory_reserved()
+    h = s.reload(ordered=False, up_to_room=True)
+    h.wait()
+    assert 0 < h.nbytes <= s.nbytes // 2 and not s.resident
+    assert torch.cuda.memory_reserved() == cached  # the forward and backward keep their cache
+    torch.cuda.empty_cache()
+    s.reload().wait()
+    assert s.resident and all(torch.equal(as_bytes(t), w) for t, w in zip(s.tensors, want))
     s.close()
 
 

@@ -133,12 +133,14 @@ class MappedMoments:
 
     def prefetch(self, budget_bytes: int) -> int:
         """Queues the copy back of the leading chunks that fit in `budget_bytes`, unordered (behind the forward
-        and backward: nothing waits for them until the step); returns the bytes queued."""
+        and backward: nothing waits for them until the step); returns the bytes queued. It stops early where
+        the device has no free memory left (the measured room was smaller this time): the rest comes back at
+        the step, and torch's cache stays for the forward and backward."""
         s = self._live()
         self.prefetched = 0
         if s is None or not s.active or budget_bytes <= 0 or self._pending is not None or self._held:
             return 0
-        self.prefetched = s.reload(budget_bytes, ordered=False).nbytes
+        self.prefetched = s.reload(budget_bytes, ordered=False, up_to_room=True).nbytes
         return self.prefetched
 
     def reload_async(self) -> Optional[MappedHandle]:
