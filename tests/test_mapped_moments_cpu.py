@@ -3,7 +3,8 @@ the host path over a stand-in ZeRO-2 engine whose inner optimizer is a real torc
 behind a held, deferred offload (straight from their torch tensors the first time, which are freed once the
 copy ended), part of them comes back early within a byte budget and the rest at the step, every byte intact;
 the optimizer then steps exactly as one whose state never moved; the other ways back (whole, overlapped)
-bring them back too; and closing gives every pool block back."""
+bring them back too; a checkpoint written while they are in the pool resumes bit for bit; and closing
+gives every pool block back."""
 
 import pytest
 import torch
@@ -171,3 +172,48 @@ def test_the_trainer_prefetches_what_the_measured_room_allows_less_the_margin(po
     assert s.moments.mapped_bytes == 3 * chunk
     s.reload_late()
     s.close()
+
+
+def test_a_checkpoint_written_with_the_moments_in_the_pool_resumes_bit_for_bit(pool, tmp_path):
+    """The checkpoint reads mapped moments from their pool copies (the trainer offloaded, nothing on the
+    device to read), and loading writes into a fresh engine's mapped moments in place: both engines then
+    step the same."""
+    from colomem.engines.deepspeed import checkpoint
+    from fakes.deepspeed import bare_trainer
+
+    def trainer(eng):
+        t = bare_trainer(eng.module, None, pool)
+        t.__dict__.update(engine=eng, deepspeed_version="0.19.8", steps=3, rank=0)
+        return t
+
+    eng, other = fake_zero2_engine(seed=0, hidden=1024), fake_zero2_engine(seed=5, hidden=1024)
+    s, s2 = strategy(eng, pool), strategy(other, pool)
+    for x in (s, s2):
+        x.keep = KEEP_ALL_BUT_MOMENTS
+        x.offload(defer_late=True)
+        x.finish_late()
+    want = moment_values_in_pool(s)
+    assert s.moments.state.resident_bytes == 0
+    checkpoint.save_state(trainer(eng), tmp_path, s)
+    blob = torch.load(checkpoint.rank_file(tmp_path, 0), map_location="cpu", weights_only=True)
+    saved = [v[k] for v in blob["optimizer"]["state"].values() for k in MOMENTS]
+    assert all(torch.equal(a, b) for a, b in zip(saved, want))
+    for x in (s, s2):  # both back on the "device" (in their mapped memory), as a resume finds them
+        x.reload(late=False)
+        x.reload_late()
+    checkpoint.load_state(trainer(other), tmp_path)
+    assert other.optimizer.optimizer.state[other.optimizer.single_partition_of_fp32_groups[0]]["exp_avg"] \
+        .data_ptr() == s2.moments.state.set.tensors[0].data_ptr()   # in place, in the mapped memory
+    assert all(torch.equal(a, b) for a, b in zip(moment_values(other), want))
+    for seed in range(2):
+        adam_step(eng, seed)
+        adam_step(other, seed)
+    assert all(torch.equal(a, b) for a, b in zip(moment_values(eng), moment_values(other)))
+    s.close()
+    s2.close()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def moment_values_in_pool(s):
+    """The moments as their pool copies hold them (the mapped memory is not on the device now)."""
+    return [s.host_view(t).clone() for _, _, t in state_tensors(s.moments._optimizer(), MOMENTS)]
