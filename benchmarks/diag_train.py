@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
+from colomem.engines.recompute import checkpointed_layers, disable_recompute, enable_recompute  # noqa: E402
 from colomem.errors import ConfigError, is_oom  # noqa: E402
 from colomem.runner.config import build_arg_parser, load_run_config  # noqa: E402
 
@@ -180,28 +181,11 @@ def profile_summary(events: Any, wall_s: float, top: int = 25) -> dict:
 
 
 def set_recompute(model, every: int) -> None:
-    """No recompute (0), or checkpointing (non-reentrant, as the trainers set it) of every `every`-th decoder
-    layer: enabled on all through the model's own call, then left on only for each every-th layer."""
-    if not every:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
-        return
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    """No recompute (0), or checkpointing of every `every`-th decoder layer, as the trainers set it."""
+    if every:
+        enable_recompute(model, every)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if every > 1:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-        for i, m in enumerate(layers):
-            m.gradient_checkpointing = i % every == 0
-
-
-def checkpointed_layers(model) -> int:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return sum(bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+        disable_recompute(model)
 
 
 def trainer_module(trainer):

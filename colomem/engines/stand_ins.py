@@ -48,7 +48,8 @@ class TorchTrainer:
 
     def __init__(self, model_path, *, lr: float, micro_batch: int, grad_accum: Optional[int] = None,
                  grpo=None, lora=None, pool=None, weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0,
-                 seed: int = 0, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                 seed: int = 0, gradient_checkpointing: bool = False, checkpoint_every: int = 1,
+                 trust_remote_code: bool = False,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
                  world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
                  shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap"):
@@ -83,7 +84,9 @@ class TorchTrainer:
         if hasattr(model, "config"):
             model.config.use_cache = False
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from colomem.engines.recompute import enable_recompute
+
+            enable_recompute(model, checkpoint_every)
         self.lora = lora
         self._ref_fn = None
         if lora is not None:

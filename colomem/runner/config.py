@@ -65,6 +65,8 @@ class RunConfig(_Strict):
                                                      "state and gradients sharded; 3: parameters too)")
     lora: Optional[LoraSpec] = None
     gradient_checkpointing: bool = False
+    checkpoint_every: int = Field(1, ge=1, description="with --gradient-checkpointing: recompute every K-th "
+                                  "decoder layer only (1: all of them; 2: half: less recompute, more memory)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # rollout
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
@@ -216,6 +218,9 @@ class RunConfig(_Strict):
             raise ValueError("--trainer-expandable needs the cross-process engine: vLLM in the trainer's process "
                              "(--engine in-rank, --shared-base) allocates its sleepable memory with the CUDA "
                              "allocator of that process and refuses expandable segments")
+        if self.checkpoint_every > 1 and not self.gradient_checkpointing:
+            raise ValueError(f"--checkpoint-every {self.checkpoint_every} chooses which layers gradient "
+                             "checkpointing recomputes; add --gradient-checkpointing true")
         if self.switch == "timesplit" and self.optimizer_state_memory == "mapped":
             raise ValueError("--optimizer-state-memory mapped is how the colomem switch moves Adam's moments; the "
                              "timesplit baseline moves them with DeepSpeed's offload_states")
@@ -238,6 +243,7 @@ class RunConfig(_Strict):
         return DeepSpeedConfig(zero_stage=self.zero_stage, lr=self.lr, micro_batch=self.micro_batch,
                                grad_accum=grad_accum if grad_accum is not None else self.grad_accum,
                                gradient_checkpointing=self.gradient_checkpointing,
+                               checkpoint_every=self.checkpoint_every,
                                trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,

@@ -12,7 +12,7 @@ import socket
 import warnings
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from colomem.engines.lora import build_lora_config
 from colomem.errors import InvalidArgumentError, NotAvailableError
@@ -162,6 +162,8 @@ class DeepSpeedConfig(BaseModel):
     zero_stage: 2 or 3. micro_batch: rows per forward/backward; grad_accum: the nominal micro-batches per step
         (train_step takes any batch size: the accumulation boundary is set by hand at its last micro-batch;
         None = 1). offload: "colomem" (pool swaps) | "deepspeed" (engine.offload_states) | "to" (.to loop).
+    gradient_checkpointing / checkpoint_every: recompute in the backward every checkpoint_every-th decoder
+        layer's forward (1: all of them; colomem.engines.recompute).
     torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (no JIT build of the fused kernel).
     overlap_reload: with offload="colomem", reload() brings back what forward and backward read and starts
         the fp32 masters and Adam moments behind them; train_step waits for those just before the optimizer
@@ -183,6 +185,7 @@ class DeepSpeedConfig(BaseModel):
     micro_batch: int = 1
     grad_accum: Optional[int] = 1
     gradient_checkpointing: bool = True
+    checkpoint_every: int = Field(1, ge=1)
     trust_remote_code: bool = False
     offload: Literal["colomem", "deepspeed", "to"] = "colomem"
     torch_adam: bool = False

@@ -44,7 +44,9 @@ def build_model(model_path: Any, config: DeepSpeedConfig, lora: Any, device: tor
     if hasattr(model, "config"):
         model.config.use_cache = False
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from colomem.engines.recompute import enable_recompute
+
+        enable_recompute(model, config.checkpoint_every)
     if lora is not None:
         from peft import get_peft_model
 
