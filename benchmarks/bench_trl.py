@@ -368,6 +368,11 @@ def run(cfg, ns, out: Path, summary: dict, writer) -> None:
                           train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[clock])
     summary["trainer_init_s"] = time.perf_counter() - t0
+    if cfg.gradient_checkpointing and cfg.checkpoint_every > 1:
+        # the runner's --checkpoint-every on TRL's model too: every enable of its trainer keeps every K-th layer
+        from colomem.engines.recompute import keep_checkpointing_every
+
+        keep_checkpointing_every(trainer.model, cfg.checkpoint_every)
     clock.instrument(trainer)
     t_train = time.perf_counter()
     try:
@@ -378,6 +383,9 @@ def run(cfg, ns, out: Path, summary: dict, writer) -> None:
             summary["train_setup_s"] = clock.first_begin - t_train
             summary["build_s"] = summary["trainer_init_s"] + summary["train_setup_s"]
         summary.update(step_summary(clock.records))
+        from colomem.engines.recompute import checkpointed_layers
+
+        summary["trl"]["checkpointed_layers"] = checkpointed_layers(trainer.model)
     if len(clock.records) != steps:
         raise RuntimeError(f"TRL ran {len(clock.records)} steps of the {steps} asked for")
 

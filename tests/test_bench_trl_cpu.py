@@ -17,14 +17,15 @@ _load = load_benchmark
 
 @pytest.fixture(scope="module")
 def trl_run(tmp_path_factory):
-    """Two steps of the default job's shape (fewer prompts, to stay quick), in a fresh process."""
+    """Two steps of the default job's shape (fewer prompts, to stay quick; checkpointing every other layer), in a
+    fresh process."""
     pytest.importorskip("trl")
     out = tmp_path_factory.mktemp("trl-cpu")
     env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
                     COLOMEM_CACHE=str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_trl.py"), "--config", str(REPO / "configs/default.yaml"),
            "--no-vllm", "--steps", "2", "--prompts-per-step", "4", "--micro-batch", "16", "--no-progress",
-           "--out", str(out)]
+           "--gradient-checkpointing", "true", "--checkpoint-every", "2", "--out", str(out)]
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -39,6 +40,8 @@ def test_trl_runs_the_runner_job_and_writes_its_summary(trl_run):
     assert Path(summary["model"]).name.startswith("tiny-")          # the runner's config-built, cached model
     assert summary["trl"]["use_vllm"] is False and summary["trl"]["optimizer_steps_per_step"] == 1
     assert summary["trl"]["grpo_config"]["steps_per_generation"] == 2        # 32 rows in micro-batches of 16
+    # --checkpoint-every 2 holds on TRL's model too, through every time its trainer turns checkpointing on
+    assert summary["config"]["checkpoint_every"] == 2 and summary["trl"]["checkpointed_layers"] == 2
     assert summary["first_step_s"] > 0 and summary["step_s_median"] > 0
     assert summary["steps_wall_s"] == pytest.approx(sum(r["step_s"] for r in steps))
     for r in steps:

@@ -5,7 +5,8 @@ trainers (and refuses it without checkpointing)."""
 import pytest
 import torch
 
-from colomem.engines.recompute import checkpointed_layers, disable_recompute, enable_recompute
+from colomem.engines.recompute import (checkpointed_layers, disable_recompute, enable_recompute,
+                                       keep_checkpointing_every)
 from colomem.errors import ConfigError, InvalidArgumentError
 
 
@@ -78,3 +79,21 @@ def test_the_run_config_passes_k_to_the_trainer_and_refuses_it_without_checkpoin
         load_run_config(["--checkpoint-every", "2"])
     with pytest.raises(ConfigError):
         load_run_config(["--gradient-checkpointing", "true", "--checkpoint-every", "0"])
+
+
+def test_a_model_another_trainer_enables_keeps_every_kth_layer_through_each_enable():
+    model = small_qwen2()
+
+    keep_checkpointing_every(model, 2)
+    assert checkpointed_layers(model) == 0            # off until someone turns it on
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:                           # the trainer's own call, as transformers' Trainer makes it
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(model) == 3
+    model.gradient_checkpointing_disable()           # a generation turns it off and on again
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(model) == 3
+    keep_checkpointing_every(model, 2)               # idempotent
+    assert checkpointed_layers(model) == 3

@@ -23,14 +23,21 @@ def _layers(model: Any) -> list:
 
 def enable_recompute(model: Any, every: int = 1) -> int:
     """Non-reentrant gradient checkpointing of every `every`-th decoder layer (1: all of them); returns how
-    many layers it checkpoints. InvalidArgumentError when every > 1 and the model has no per-layer switch."""
-    if not isinstance(every, int) or every < 1:
-        raise InvalidArgumentError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+    many layers it checkpoints (-1: the model has no per-layer switch). InvalidArgumentError when every > 1
+    and the model has no per-layer switch."""
+    _check_every(every)
     enable = getattr(model, "activation_checkpointing_enable", None)  # the newer name; the older one warns
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return checkpoint_only_every(model, every)
+
+
+def checkpoint_only_every(model: Any, every: int) -> int:
+    """Of the layers checkpointing now, keeps it on every `every`-th decoder layer only; returns how many
+    layers checkpoint (-1: no per-layer switch, which only every == 1 accepts)."""
+    _check_every(every)
     layers = _layers(model)
     if every > 1:
         if not layers:
@@ -38,8 +45,34 @@ def enable_recompute(model: Any, every: int = 1) -> int:
                 f"checkpoint_every={every}: {type(model).__name__} has no decoder layers transformers can "
                 "checkpoint one by one; use checkpoint_every 1 (every layer) or no gradient checkpointing")
         for i, m in enumerate(layers):
-            m.gradient_checkpointing = i % every == 0
+            if i % every:
+                m.gradient_checkpointing = False
     return checkpointed_layers(model) if layers else -1
+
+
+def keep_checkpointing_every(model: Any, every: int) -> None:
+    """For a model someone else's trainer enables checkpointing on (when it starts training, again after it
+    generated with the model): every such call on this model object ends with checkpoint_only_every."""
+    _check_every(every)
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        original = getattr(model, name, None)
+        if original is None or getattr(original, "_colomem_every", None) == every:
+            continue
+
+        def enable(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            out = _original(*args, **kwargs)
+            checkpoint_only_every(model, every)
+            return out
+
+        enable._colomem_every = every  # type: ignore[attr-defined]
+        setattr(model, name, enable)
+    if checkpointed_layers(model) > 0:
+        checkpoint_only_every(model, every)
+
+
+def _check_every(every: Any) -> None:
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise InvalidArgumentError(f"checkpoint_every must be an integer >= 1, got {every!r}")
 
 
 def disable_recompute(model: Any) -> None:
@@ -53,4 +86,5 @@ def checkpointed_layers(model: Any) -> int:
     return sum(bool(m.gradient_checkpointing) for m in layers) if layers else -1
 
 
-__all__ = ["checkpointed_layers", "disable_recompute", "enable_recompute"]
+__all__ = ["checkpoint_only_every", "checkpointed_layers", "disable_recompute", "enable_recompute",
+           "keep_checkpointing_every"]
