@@ -16,7 +16,8 @@ max_new_tokens, random token ids). One trainer, its variants interleaved round b
 
 Per variant: the train step's seconds (median and spread over the rounds, a warm-up step apart), the
 allocator's peak, the executed matmul FLOPs and their rate against a bf16 GEMM measured in the same run
-(`gemm_tflops`, the ceiling). With --profile, one profiled step of each variant: device time by kernel
+(`gemm_tflops`, the ceiling), and beside each variant's extra peak over checkpointing every layer the extra
+the planner's probe predicts for it (`extra_peak_measured` / `extra_peak_predicted`). With --profile, one profiled step of each variant: device time by kernel
 category (GEMM, attention, elementwise, the optimizer, copies, communication) and the device's busy share
 of the step (well below 1: the host cannot keep the device fed). A variant that runs out of memory is
 reported as such and left out of the later rounds.
@@ -42,6 +43,7 @@ if str(ROOT) not in sys.path:
 from colomem.engines.recompute import checkpointed_layers, disable_recompute, enable_recompute  # noqa: E402
 from colomem.errors import ConfigError, is_oom  # noqa: E402
 from colomem.runner.config import build_arg_parser, load_run_config  # noqa: E402
+from colomem.runner.recompute_plan import probe as recompute_probe  # noqa: E402
 
 # Kernel categories, by the first pattern a kernel's name contains (lower case), in this order.
 CATEGORIES = (
@@ -241,6 +243,9 @@ def run(cfg, args, say=say) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     share = min(1.0, trainable / params) if params else 1.0
     ceiling = gemm_tflops(device)
+    # the planner's measure of what a layer that is not checkpointed keeps (recompute_plan.py), checked below
+    # against the peaks each variant reached
+    pr = recompute_probe(trainer, prompt_len + completion) if cfg.gradient_checkpointing else None
     out: dict[str, Any] = {"config": {"model_shape": cfg.model_shape, "lora": cfg.lora is not None,
                                       "zero_stage": cfg.zero_stage, "micro_batch": cfg.micro_batch,
                                       "gradient_checkpointing": cfg.gradient_checkpointing},
@@ -248,7 +253,7 @@ def run(cfg, args, say=say) -> dict:
                            "completion_len": completion, "matmul_params": params, "layer_params": layer_params,
                            "trainable_params": trainable, "gemm_tflops": ceiling,
                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "variants": {}}
+                           "recompute_probe": pr.to_dict() if pr is not None else None, "variants": {}}
     tokens = rows * (prompt_len + completion)
     res: dict[str, dict] = {name: {"micro_batch": mb, "recompute_every": every, "checkpointed_layers": None,
                                    "step_s": [], "peak_allocated": 0, "micro_batches": None, "oom": None}
@@ -297,6 +302,14 @@ def run(cfg, args, say=say) -> dict:
                      flops=flops, tflops=flops / med / 1e12,
                      of_gemm_ceiling=(flops / med / 1e12) / ceiling if ceiling else None)
         out["variants"][name] = r
+    if pr is not None:
+        for r in res.values():
+            same = next((o for o in res.values() if o["micro_batch"] == r["micro_batch"]
+                         and o["recompute_every"] == 1 and o["peak_allocated"]), None)
+            if same is not None and r["peak_allocated"] and r["checkpointed_layers"] is not None:
+                r["extra_peak_measured"] = r["peak_allocated"] - same["peak_allocated"]
+                r["extra_peak_predicted"] = ((same["checkpointed_layers"] - r["checkpointed_layers"])
+                                             * pr.per_layer_row * r["micro_batch"])
     base = res.get(f"mb{cfg.micro_batch}")
     if base is not None and base.get("step_s_median"):
         for r in res.values():

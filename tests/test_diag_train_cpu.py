@@ -40,6 +40,7 @@ def test_each_variant_runs_as_named_on_the_cpu_trainer(tmp_path, job_env):
     v = res["variants"]
     layers = v["mb4"]["checkpointed_layers"]
     assert layers >= 2 and res["backend"] == "TorchTrainer"
+    assert res["recompute_probe"]["checkpointed"] == layers and res["recompute_probe"]["per_layer_row"] > 0
     assert [v[n]["micro_batches"] for n in ("mb4", "mb8", "mb4-nogc", "mb2-gc2")] == [2, 1, 2, 4]
     assert v["mb4-nogc"]["checkpointed_layers"] == 0 and v["mb2-gc2"]["checkpointed_layers"] == -(-layers // 2)
     assert all(len(r["step_s"]) == 2 and r["oom"] is None and "profile" in r for r in v.values())

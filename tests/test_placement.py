@@ -380,7 +380,7 @@ def test_the_training_head_room_of_that_placement_is_the_measured_step_s():
     f = seven_b(rollout_used=20 * gib)
     p = choose("auto", "auto", [f], margin=2 * gib)
     # the moments are in the pool when training starts and come back inside the step: 4 + 128 + 2 margin
-    assert p.optim_out and pl._train_spare(p, [f], 2 * gib, 0) == total - 134 * gib
+    assert p.optim_out and pl.train_spare(p, [f], 2 * gib, 0) == total - 134 * gib
     assert micro_batch_hint(p, [f], micro_batch=2, rows=4, margin=2 * gib) == ""
 
 

@@ -97,3 +97,17 @@ def test_a_model_another_trainer_enables_keeps_every_kth_layer_through_each_enab
     assert checkpointed_layers(model) == 3
     keep_checkpointing_every(model, 2)               # idempotent
     assert checkpointed_layers(model) == 3
+
+
+def test_the_probe_measures_what_a_layer_keeps_per_row_and_leaves_the_checkpointing_as_it_was():
+    from colomem.engines.recompute import saved_bytes_per_layer
+
+    model = small_qwen2(layers=6)
+    ids = torch.zeros(1, 40, dtype=torch.long)
+    assert saved_bytes_per_layer(model, ids) is None          # checkpointing never enabled: nothing to compare
+    enable_recompute(model, 2)
+    model.eval()
+    one, two = saved_bytes_per_layer(model, ids), saved_bytes_per_layer(model, torch.zeros(2, 40, dtype=torch.long))
+    assert checkpointed_layers(model) == 3 and not model.training     # as it was
+    # a layer keeps at least its hidden states and its MLP's activations (fp32 here), linear in the rows
+    assert one >= 40 * 4 * (32 + 64) and two == pytest.approx(2 * one, rel=0.05)

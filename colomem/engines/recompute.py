@@ -8,7 +8,7 @@ is set: the model's own call enables all of them, and the layers between every K
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from colomem.errors import InvalidArgumentError
 
@@ -70,6 +70,48 @@ def keep_checkpointing_every(model: Any, every: int) -> None:
         checkpoint_only_every(model, every)
 
 
+def saved_bytes_per_layer(model: Any, input_ids: Any) -> Optional[float]:
+    """What one decoder layer that is not checkpointed keeps for the backward beyond what a checkpointed one
+    keeps, in bytes, for a forward of `input_ids`: measured from the tensors autograd saves (parameters left
+    out) in two forwards, with no layer checkpointed and with every one; nothing runs backward and the
+    layers' checkpointing is restored after. A checkpointed layer's input is held by the checkpoint, outside
+    what autograd saves, so the figure errs on the high side by that input. None when the model has no
+    per-layer switch or checkpointing was never enabled on it."""
+    import torch
+
+    layers = _layers(model)
+    if not layers or any(getattr(m, "_gradient_checkpointing_func", None) is None for m in layers):
+        return None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    before = [m.gradient_checkpointing for m in layers]
+    was_training = model.training
+
+    def saved(checkpoint_all: bool) -> int:
+        for m in layers:
+            m.gradient_checkpointing = checkpoint_all
+        seen: dict[int, int] = {}
+
+        def pack(t: Any) -> Any:
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=input_ids, use_cache=False)
+        del out
+        return sum(seen.values())
+
+    try:
+        model.train()
+        full, checkpointed = saved(False), saved(True)
+    finally:
+        for m, flag in zip(layers, before):
+            m.gradient_checkpointing = flag
+        model.train(was_training)
+    return max(0.0, (full - checkpointed) / len(layers))
+
+
 def _check_every(every: Any) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgumentError(f"checkpoint_every must be an integer >= 1, got {every!r}")
@@ -87,4 +129,4 @@ def checkpointed_layers(model: Any) -> int:
 
 
 __all__ = ["checkpoint_only_every", "checkpointed_layers", "disable_recompute", "enable_recompute",
-           "keep_checkpointing_every"]
+           "keep_checkpointing_every", "saved_bytes_per_layer"]

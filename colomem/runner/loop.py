@@ -165,6 +165,7 @@ class ColocatedRunner(PhaseRunner):
             with self.phase(rec, "reload"):
                 self.reload_trainer()
             reset_peak(self.device)
+            self.train_width = int(batch.input_ids.shape[1])
             with self.phase(rec, "train"):
                 train = self.trainer.train_step(batch)
                 settle(self.device)      # the optimizer step's kernels are training, not the next sync

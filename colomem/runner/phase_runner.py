@@ -22,8 +22,9 @@ from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
-                        micro_batch_hint, needs_measuring, reload_at_step, state_to_plan)
+                        micro_batch_hint, needs_measuring, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
+from .recompute_plan import RecomputeProbe, probe, recompute_hint
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
                        release_cache)
@@ -57,6 +58,8 @@ class PhaseRunner:
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
+        self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
+        self.recompute_probe: Optional[RecomputeProbe] = None
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -265,7 +268,7 @@ class PhaseRunner:
         if mine is not None:
             mine.kv_cache, mine.kv_need = self._kv_figures()
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
-        hint = micro_hint = ""
+        hint = micro_hint = recompute = ""
         if any(f is None for f in every):
             self.placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
             if self._measured_at_step and hasattr(self.trainer, "optimizer_reload"):   # no GPU peak to keep low
@@ -284,6 +287,7 @@ class PhaseRunner:
             hint = "; ".join(h for h in (shrink, hint) if h)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
+            recompute = self._recompute_hint(figs, margin, grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if self.reload_why:
             self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
@@ -291,9 +295,12 @@ class PhaseRunner:
             self.print(f"[colomem] KV cache: {hint}")
         if micro_hint:
             self.print(f"[colomem] training: {micro_hint}")
+        if recompute:
+            self.print(f"[colomem] training: {recompute}")
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
-                               "kv_hint": hint, "micro_batch_hint": micro_hint,
+                               "kv_hint": hint, "micro_batch_hint": micro_hint, "recompute_hint": recompute,
+                               "recompute_probe": self.recompute_probe.to_dict() if self.recompute_probe else None,
                                "optimizer_reload": getattr(self.trainer, "optimizer_reload", None),
                                "optimizer_reload_why": self.reload_why,
                                "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
@@ -322,6 +329,17 @@ class PhaseRunner:
         if int(self.trainer.last_offload.by_category.get("optim", 0) or 0) > 0:
             self.trainer.optimizer_reload = "step"
             self._measured_at_step = True
+
+    def _recompute_hint(self, figs: list, margin: Optional[int], taken: int) -> str:
+        """With gradient checkpointing on: what the memory free while training would buy in recompute,
+        measured on the trainer's model at the measuring step's width (recompute_plan.py)."""
+        if not self.cfg.gradient_checkpointing or not self.train_width:
+            return ""
+        self.recompute_probe = probe(self.trainer, self.train_width)
+        if self.recompute_probe is None:
+            return ""
+        return recompute_hint(train_spare(self.placement, figs, margin, taken), self.recompute_probe,
+                              self.cfg.micro_batch)
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer

@@ -287,7 +287,7 @@ def _spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int]
     return -max(_short(p, f, margin) for f in figures) - taken
 
 
-def _train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
+def train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
     """The smallest head room over the GPUs while training with placement p, less `taken`."""
     if not p.rollout_sleeps:
         return _spare(p, figures, margin, taken)
@@ -327,7 +327,7 @@ def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch
     micro-batch. Empty when the micro-batch would not grow."""
     if not figures or micro_batch <= 0 or rows <= micro_batch:
         return ""
-    spare = _train_spare(p, figures, margin, taken)
+    spare = train_spare(p, figures, margin, taken)
     per_row = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / micro_batch for f in figures)
     if per_row <= 0 or spare < per_row:
         return ""
@@ -372,7 +372,7 @@ def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int,
     if not figures or sync_bytes <= current:
         return None
     # the buffers stay through training too
-    spare = min(_spare(p, figures, margin, 0), _train_spare(p, figures, margin, 0)) - (1 << 30)
+    spare = min(_spare(p, figures, margin, 0), train_spare(p, figures, margin, 0)) - (1 << 30)
     target = sync_bucket_target(sync_bytes, from_host="params" not in p.keep)
     while target > current:
         if buffers * (target - current) <= spare:
@@ -411,5 +411,5 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step",
-           "reload_at_step", "state_to_plan", "train_need",
+           "reload_at_step", "state_to_plan", "train_need", "train_spare",
            "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

@@ -1,0 +1,104 @@
+"""What the memory left free while training would buy in recompute: the planner's checkpointing hint.
+
+Gradient checkpointing trades work for memory: every checkpointed decoder layer runs its forward again in
+the backward. When the placement leaves memory free while training, fewer checkpointed layers would fit and
+each step would do less work, with the same gradients. How much more a layer that is not checkpointed keeps
+is measured on the trainer's own model after the measuring step (colomem.engines.recompute's probe: one row
+of the step's width, two forwards, no backward), and scaled to a micro-batch: the layers' kept activations
+are linear in the rows. The hint names the setting with the fewest checkpointed layers that fits; the user
+chooses (it shares the free memory with the micro-batch and KV cache hints).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from colomem.units import format_bytes
+
+EVERY_CHOICES = (4, 3, 2)  # --checkpoint-every values the hint considers, besides none and one layer in L
+
+
+@dataclass(frozen=True)
+class RecomputeProbe:
+    """per_layer_row: bytes a decoder layer that is not checkpointed keeps beyond a checkpointed one, for one
+    row of `width` tokens; layers: the model's decoder layers; checkpointed: how many checkpoint now."""
+    per_layer_row: float
+    layers: int
+    checkpointed: int
+    width: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
+    """The probe of `trainer`'s model for rows of `width` tokens: None when it cannot run here (ZeRO-3 gathers
+    its parameters only inside its own forward, no per-layer switch, no checkpointing, the GPU short of the
+    memory for one row)."""
+    import torch
+
+    from colomem.engines.recompute import checkpointed_layers, saved_bytes_per_layer
+    from colomem.errors import is_oom
+
+    model = getattr(trainer, "model", None)
+    if model is None or width < 1 or getattr(trainer, "zero_stage", 2) == 3:
+        return None
+    checkpointed = checkpointed_layers(model)
+    if checkpointed <= 0:
+        return None
+    device = getattr(trainer, "device", torch.device("cpu"))
+    ids = torch.zeros(1, int(width), dtype=torch.long, device=device)
+    try:
+        per = saved_bytes_per_layer(model, ids)
+    except Exception as e:  # noqa: BLE001  (a hint is not worth a failed run: no memory for one row, no hint)
+        if is_oom(e):
+            return None
+        raise
+    finally:
+        del ids
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    layers = sum(1 for _ in _decoder_layers(model))
+    return RecomputeProbe(per, layers, checkpointed, int(width)) if per else None
+
+
+def _decoder_layers(model: Any):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+
+
+def options(layers: int, checkpointed: int) -> list[tuple[str, int]]:
+    """(flag, layers it checkpoints) with fewer checkpointed layers than now, fewest first."""
+    out = [("--gradient-checkpointing false", 0)]
+    for every in (layers, *EVERY_CHOICES):
+        if every >= 2:
+            out.append((f"--checkpoint-every {every}", math.ceil(layers / every)))
+    seen, best = set(), []
+    for flag, n in out:
+        if n < checkpointed and n not in seen:
+            seen.add(n)
+            best.append((flag, n))
+    return best
+
+
+def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
+    """The setting with the fewest checkpointed layers whose extra activations fit in `spare` bytes (the
+    head room while training, every GPU's smallest); empty when none does or nothing would change."""
+    per_layer = pr.per_layer_row * micro_batch
+    if per_layer <= 0 or spare <= 0:
+        return ""
+    for flag, n in options(pr.layers, pr.checkpointed):
+        extra = (pr.checkpointed - n) * per_layer
+        if extra <= spare:
+            return (f"{format_bytes(spare)} stays free while training with this placement: {flag} would fit "
+                    f"({pr.checkpointed - n} more of the {pr.layers} layers keep their activations, measured at "
+                    f"{format_bytes(int(per_layer))} each for a micro-batch of {micro_batch} rows of "
+                    f"{pr.width} tokens: {format_bytes(int(extra))} in all). The backward then recomputes {n} "
+                    f"layers instead of {pr.checkpointed}: less work, the same gradients. The micro-batch and KV "
+                    "cache hints count the same free memory")
+    return ""
+
+
+__all__ = ["EVERY_CHOICES", "RecomputeProbe", "options", "probe", "recompute_hint"]
