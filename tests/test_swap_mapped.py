@@ -113,13 +113,23 @@ def test_a_reload_from_a_closed_pool_leaves_the_chunks_in_the_pool(pool):
     s.memory.close()
 
 
-def _short_of_memory(monkeypatch, s, failures):
-    """The set's chunk mapping finds no device memory `failures` times, and freeing torch's cache is counted."""
-    real, left, released = s.memory.map, [failures], []
+def offloaded(pool, seed):
+    """A set of tensors(seed) offloaded in 2 MiB chunks, and the bytes it must come back with."""
+    ts = tensors(seed)
+    want = [t.clone() for _, t in ts]
+    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
+    s.offload().wait()
+    return s, want
+
+
+def _short_of_memory(monkeypatch, s, failures, after=0):
+    """The set's chunk mapping finds no device memory `failures` times once `after` chunks mapped; -> the
+    devices whose torch cache was freed, counted (in place of freeing it)."""
+    real, calls, released = s.memory.map, [0], []
 
     def map_(first=0, count=None):
-        if left[0] > 0:
-            left[0] -= 1
+        calls[0] += 1
+        if after < calls[0] <= after + failures:
             raise CudaOutOfMemoryError("cuMemCreate failed: out of memory")
         return real(first, count)
 
@@ -129,10 +139,7 @@ def _short_of_memory(monkeypatch, s, failures):
 
 
 def test_a_chunk_that_finds_no_memory_frees_torchs_cache_and_maps_on_the_second_try(pool, monkeypatch):
-    ts = tensors(4)
-    want = [t.clone() for _, t in ts]
-    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
-    s.offload().wait()
+    s, want = offloaded(pool, 4)
     released = _short_of_memory(monkeypatch, s, 1)
     stats = s.reload(timing=True).wait()
     assert len(released) == 1 and stats.cache_releases == 1 and stats.chunks == s.memory.nchunks
@@ -141,10 +148,7 @@ def test_a_chunk_that_finds_no_memory_frees_torchs_cache_and_maps_on_the_second_
 
 
 def test_a_chunk_that_finds_no_memory_twice_stops_the_reload_with_its_bytes_in_the_pool(pool, monkeypatch):
-    ts = tensors(5)
-    want = [t.clone() for _, t in ts]
-    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
-    s.offload().wait()
+    s, want = offloaded(pool, 5)
     released = _short_of_memory(monkeypatch, s, 2)
     with pytest.raises(CudaOutOfMemoryError, match="pinned pool"):
         s.reload()
@@ -155,26 +159,14 @@ def test_a_chunk_that_finds_no_memory_twice_stops_the_reload_with_its_bytes_in_t
 
 
 def test_a_prefetch_stops_at_the_first_chunk_without_room_and_leaves_torchs_cache_alone(pool, monkeypatch):
-    ts = tensors(6)
-    want = [t.clone() for _, t in ts]
-    s = MappedSet(ts, pool, chunk_bytes=2 * MiB)
-    s.offload().wait()
-    real, released, calls = s.memory.map, [], []
-
-    def map_(first=0, count=None):  # room for two chunks only
-        calls.append(first)
-        if len(calls) > 2:
-            raise CudaOutOfMemoryError("cuMemCreate failed: out of memory")
-        return real(first, count)
-
-    monkeypatch.setattr(s.memory, "map", map_)
-    monkeypatch.setattr(_torch, "release_cached", lambda device: released.append(device))
+    s, want = offloaded(pool, 6)
+    released = _short_of_memory(monkeypatch, s, 10**6, after=2)  # room for two chunks only
     chunk = s.memory.chunk_span(0)[1]
     h = s.reload(5 * chunk, ordered=False, up_to_room=True)
     assert h.chunks == [0, 1] and h.nbytes == 2 * chunk and released == []
     h.wait()
     assert [w for w in s._where[:3]] == [DEVICE, DEVICE, POOL] and s.memory.mapped_bytes == 2 * chunk
-    monkeypatch.setattr(s.memory, "map", real)
+    monkeypatch.undo()
     s.reload().wait()  # the step's reload brings the rest
     assert s.resident and equal(s.tensors, want)
     with pytest.raises(InvalidArgumentError):

@@ -89,13 +89,19 @@ def test_a_reload_within_a_budget_takes_only_that_much_from_the_driver(pool):
     s.close()
 
 
-def test_a_reload_short_of_memory_raises_keeps_what_came_back_and_completes_later(pool):
-    ts = make(3)
+def offloaded(pool, seed):
+    """A set offloaded in 64 MiB chunks, the bytes it must come back with, and torch's cache emptied."""
+    ts = make(seed)
     want = [as_bytes(t) for _, t in ts]
     s = MappedSet(ts, pool, chunk_bytes=64 * MiB)
     del ts
     s.offload().wait()
     torch.cuda.empty_cache()
+    return s, want
+
+
+def test_a_reload_short_of_memory_raises_keeps_what_came_back_and_completes_later(pool):
+    s, want = offloaded(pool, 3)
     room = s.nbytes // 2
     hog = torch.empty(driver_free() - room, dtype=torch.uint8, device="cuda")
     with pytest.raises(CudaOutOfMemoryError):
@@ -112,12 +118,7 @@ def test_a_reload_short_of_memory_raises_keeps_what_came_back_and_completes_late
 
 
 def test_a_reload_whose_memory_sits_in_torchs_cache_frees_the_cache_and_completes(pool):
-    ts = make(4)
-    want = [as_bytes(t) for _, t in ts]
-    s = MappedSet(ts, pool, chunk_bytes=64 * MiB)
-    del ts
-    s.offload().wait()
-    torch.cuda.empty_cache()
+    s, want = offloaded(pool, 4)
     hog = torch.empty(driver_free() - s.nbytes // 2, dtype=torch.uint8, device="cuda")
     del hog  # freed, but held in torch's cache: only torch can use it until the cache is emptied
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > s.nbytes // 2
@@ -129,12 +130,7 @@ def test_a_reload_whose_memory_sits_in_torchs_cache_frees_the_cache_and_complete
 
 
 def test_a_prefetch_takes_only_the_free_memory_and_leaves_torchs_cache_alone(pool):
-    ts = make(5)
-    want = [as_bytes(t) for _, t in ts]
-    s = MappedSet(ts, pool, chunk_bytes=64 * MiB)
-    del ts
-    s.offload().wait()
-    torch.cuda.empty_cache()
+    s, want = offloaded(pool, 5)
     hog = torch.empty(driver_free() - s.nbytes // 2, dtype=torch.uint8, device="cuda")
     del hog
     cached = torch.cuda.memory_reserved()
