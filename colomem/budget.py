@@ -118,9 +118,23 @@ def lora_params(shape: Shape, r: int) -> float:
     return float(r * per_layer * shape.layers)
 
 
+def checkpointed_layers(layers: int, grad_ckpt: bool, every: int = 1) -> int:
+    """Decoder layers gradient checkpointing recomputes: every `every`-th one, none without it."""
+    return math.ceil(layers / every) if grad_ckpt else 0
+
+
+def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, checkpointed: int) -> float:
+    """Activations of one micro-batch, ~34 * b*s*h bytes per layer (flash attention, no s^2 term): a
+    checkpointed layer keeps only its input (2 * b*s*h) and one of them at a time is recomputed whole."""
+    bsh = micro_batch * seq_len * shape.hidden
+    kept = 2.0 * bsh * checkpointed + 34.0 * bsh * (shape.layers - checkpointed)
+    return kept + (34.0 * bsh if checkpointed else 0.0)
+
+
 def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int = 2, gpus: int = 1, tp: int = 1,
              kv_gib: Optional[float] = None, kv_tokens: Optional[int] = None, gpu_gib: float = 141.0,
-             micro_batch: int = 4, seq_len: int = 1024, grad_ckpt: bool = True, hidden: Optional[int] = None,
+             micro_batch: int = 4, seq_len: int = 1024, grad_ckpt: bool = True, checkpoint_every: int = 1,
+             hidden: Optional[int] = None,
              layers: Optional[int] = None, vocab: Optional[int] = None, vllm_overhead_gib: float = 2.0,
              vllm_asleep_gib: float = 1.5, context_gib: float = 0.6, host_gib: Optional[float] = None,
              reduce_bucket: float = 5e8, bridge_gib: float = 1.0, shared_base: bool = False) -> Budget:
@@ -128,9 +142,12 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     bridge_gib: the weight bridge's buffers (bucket size x buffers; 512 MiB x 2 by default), which stay
     allocated in the trainer process through both phases (0 with sync_transport='direct'). shared_base: a
     LoRA job whose trainer reads vLLM's weights (--shared-base): the base is counted once, as vLLM's, and it
-    stays on the GPU while the trainer trains (vLLM sleeps its KV cache only); the sync is in process."""
+    stays on the GPU while the trainer trains (vLLM sleeps its KV cache only); the sync is in process.
+    checkpoint_every: with grad_ckpt, every K-th decoder layer is checkpointed (the runner's --checkpoint-every)."""
     if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0 or bridge_gib < 0:
         raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0, bridge_gib >= 0")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     if tp > gpus:
         raise ValueError(f"tp ({tp}) cannot exceed the number of GPUs ({gpus})")
     if shared_base and (not lora or zero == 3 or tp > 1):
@@ -141,7 +158,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     P, N = float(params), float(gpus)
     b = Budget(inputs={"params": P, "lora": lora, "lora_r": lora_r if lora else None, "zero": zero,
                        "gpus": gpus, "tp": tp, "gpu_gib": gpu_gib, "micro_batch": micro_batch,
-                       "seq_len": seq_len, "grad_ckpt": grad_ckpt, "shape": asdict(shape),
+                       "seq_len": seq_len, "grad_ckpt": grad_ckpt,
+                       "checkpoint_every": checkpoint_every if grad_ckpt else None, "shape": asdict(shape),
                        "shared_base": shared_base},
                gpu_bytes=gpu_gib * GiB)
 
@@ -163,11 +181,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     buckets = Item("ZeRO reduce buckets", min(reduce_bucket * 2.0, 2 * trainable) if zero >= 1 else 0.0)
 
     # ---- activations of one micro-batch (bytes): ~34 * b*s*h per layer (flash attention, no s^2 term)
-    bsh = micro_batch * seq_len * shape.hidden
-    if grad_ckpt:
-        act = 2.0 * bsh * shape.layers + 34.0 * bsh          # layer inputs kept + one layer recomputed
-    else:
-        act = 34.0 * bsh * shape.layers
+    act = activation_bytes(shape, micro_batch, seq_len, checkpointed_layers(shape.layers, grad_ckpt,
+                                                                            checkpoint_every))
     logits = micro_batch * seq_len * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
     gathered = 2 * P / N * (N - 1) / max(shape.layers, 1) * 2 if zero == 3 and N > 1 else 0.0
 
@@ -249,6 +264,8 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
         if gpus == 1:
             tips.append("shard over more GPUs (ZeRO)")
         b.advice.append(f"training does not fit: {over / GiB:.1f} GiB over. Try: {', '.join(tips) or 'a larger GPU'}")
+    if grad_ckpt and b.train_fits:
+        _recompute_advice(b, shape, micro_batch, seq_len, checkpoint_every, (fwd, cast, grads, beside))
     moved = total_state
     if b.placement is not None:
         keep = set(b.placement["keep"])
@@ -260,6 +277,26 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
         b.advice.append(f"host RAM ({host_gib:.0f} GiB) is smaller than the offload ({total_state * gpus / GiB:.1f} "
                         "GiB): use LoRA, ZeRO-3 across more hosts, or keep part of the state on the GPU")
     return b
+
+
+def _recompute_advice(b: Budget, shape: Shape, micro_batch: int, seq_len: int, every: int, parts: tuple) -> None:
+    """With gradient checkpointing and room while training: the setting with the fewest checkpointed layers
+    whose activations still fit (vLLM asleep), named in the advice."""
+    from colomem.engines.recompute import fewer_checkpointed
+
+    fwd, cast, grads, beside = parts
+    now = checkpointed_layers(shape.layers, True, every)
+    for flag, n in fewer_checkpointed(shape.layers, now):
+        act = Item("activations", activation_bytes(shape, micro_batch, seq_len, n))
+        train, _ = train_phase(b.trainer_state, [act if i.name == "activations" else i for i in fwd], cast, grads,
+                               beside, b.gpu_bytes)
+        if Budget.total(train) <= b.gpu_bytes:
+            b.advice.append(f"training has room to recompute fewer layers: {flag} checkpoints {n} of "
+                            f"{shape.layers} (now {now}), an estimated training peak of "
+                            f"{Budget.total(train) / GiB:.1f} GiB "
+                            f"(vLLM asleep); less work in the backward, the same gradients. The runner measures "
+                            "it after its first step ([colomem] training:)")
+            return
 
 
 MOMENTS = ("Adam m+v (fp32)", "adapter Adam m+v")
@@ -340,6 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="with gradient checkpointing: every K-th decoder layer only (the runner's flag)")
     p.add_argument("--hidden", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--vocab", type=int)
@@ -355,7 +394,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         b = estimate(a.params, lora=a.lora, lora_r=a.lora_r, zero=a.zero, gpus=a.gpus, tp=a.tp, kv_gib=a.kv_gib,
                      kv_tokens=a.kv_tokens, gpu_gib=a.gpu_gib, micro_batch=a.micro_batch, seq_len=a.seq_len,
-                     grad_ckpt=a.grad_ckpt, hidden=a.hidden, layers=a.layers, vocab=a.vocab,
+                     grad_ckpt=a.grad_ckpt, checkpoint_every=a.checkpoint_every, hidden=a.hidden,
+                     layers=a.layers, vocab=a.vocab,
                      vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib,
                      bridge_gib=a.bridge_gib, shared_base=a.shared_base)
     except ValueError as e:

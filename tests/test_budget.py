@@ -172,3 +172,31 @@ def test_the_optimizer_steps_own_peak_decides_when_the_moments_come_back():
     assert small.optimizer_reload == "overlap" and small.train_fits
     assert {"Adam m+v (fp32)", "optimizer step: grads flattened (bf16)"} <= {i.name for i in small.train}
     assert not any("brought back inside it" in a for a in small.advice)
+
+
+def test_checkpointing_every_kth_layer_keeps_the_others_activations():
+    from colomem.budget import activation_bytes, checkpointed_layers
+
+    s = shape_for(1.5e9)
+    bsh = 8 * 261 * s.hidden
+    assert checkpointed_layers(s.layers, True, 1) == s.layers and checkpointed_layers(s.layers, False, 2) == 0
+    assert checkpointed_layers(28, True, 3) == 10
+    full = activation_bytes(s, 8, 261, 0)
+    assert full == 34 * bsh * s.layers
+    assert activation_bytes(s, 8, 261, s.layers) == 2 * bsh * s.layers + 34 * bsh   # the estimate as before
+    half = activation_bytes(s, 8, 261, checkpointed_layers(s.layers, True, 2))
+    assert activation_bytes(s, 8, 261, s.layers) < half < full
+    b = estimate(1.5e9, micro_batch=8, seq_len=261, checkpoint_every=2)
+    assert b.inputs["checkpoint_every"] == 2
+    with pytest.raises(ValueError):
+        estimate(1.5e9, checkpoint_every=0)
+
+
+def test_room_while_training_names_the_fewest_checkpointed_layers_that_fit():
+    roomy = estimate(1.5e9, micro_batch=8, seq_len=261)
+    assert any("--gradient-checkpointing false checkpoints 0 of 28" in a for a in roomy.advice)
+    # a long sequence on a small GPU: no checkpointing would not fit, every fourth layer would
+    tight = estimate(1.5e9, micro_batch=1, seq_len=8192, gpu_gib=36)
+    hints = [a for a in tight.advice if "recompute fewer layers" in a]
+    assert tight.train_fits and len(hints) == 1 and "--checkpoint-every 4 checkpoints 7 of 28" in hints[0]
+    assert not any("recompute fewer" in a for a in estimate(1.5e9, grad_ckpt=False).advice)

@@ -7,18 +7,19 @@ import torch
 
 from colomem.runner import placement as pl
 from colomem.runner.phase_runner import PhaseRunner
-from colomem.runner.recompute_plan import RecomputeProbe, options, probe, recompute_hint
+from colomem.engines.recompute import fewer_checkpointed
+from colomem.runner.recompute_plan import RecomputeProbe, probe, recompute_hint
 from test_recompute import small_qwen2
 
 GiB = 1 << 30
 
 
 def test_the_options_are_the_settings_with_fewer_checkpointed_layers_fewest_first():
-    assert options(28, 28) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 28", 1),
+    assert fewer_checkpointed(28, 28) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 28", 1),
                                ("--checkpoint-every 4", 7), ("--checkpoint-every 3", 10), ("--checkpoint-every 2", 14)]
-    assert options(28, 14) == options(28, 28)[:4]          # already every other layer
-    assert options(4, 2) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 4", 1)]
-    assert options(4, 0) == []
+    assert fewer_checkpointed(28, 14) == fewer_checkpointed(28, 28)[:4]          # already every other layer
+    assert fewer_checkpointed(4, 2) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 4", 1)]
+    assert fewer_checkpointed(4, 0) == []
 
 
 def test_the_hint_names_the_fewest_checkpointed_layers_that_fit():

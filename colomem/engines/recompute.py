@@ -112,6 +112,23 @@ def saved_bytes_per_layer(model: Any, input_ids: Any) -> Optional[float]:
     return max(0.0, (full - checkpointed) / len(layers))
 
 
+EVERY_CHOICES = (4, 3, 2)  # --checkpoint-every values weighed, besides none and one layer in all
+
+
+def fewer_checkpointed(layers: int, checkpointed: int) -> list[tuple[str, int]]:
+    """The runner's settings that checkpoint fewer of `layers` decoder layers than `checkpointed`, as
+    (flag, layers it checkpoints), fewest first: none, then --checkpoint-every K."""
+    out = [("--gradient-checkpointing false", 0)]
+    out += [(f"--checkpoint-every {k}", -(-layers // k)) for k in (layers, *EVERY_CHOICES) if k >= 2]
+    seen: set[int] = set()
+    best = []
+    for flag, n in out:
+        if n < checkpointed and n not in seen:
+            seen.add(n)
+            best.append((flag, n))
+    return best
+
+
 def _check_every(every: Any) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgumentError(f"checkpoint_every must be an integer >= 1, got {every!r}")
@@ -128,5 +145,5 @@ def checkpointed_layers(model: Any) -> int:
     return sum(bool(m.gradient_checkpointing) for m in layers) if layers else -1
 
 
-__all__ = ["checkpoint_only_every", "checkpointed_layers", "disable_recompute", "enable_recompute",
-           "keep_checkpointing_every", "saved_bytes_per_layer"]
+__all__ = ["EVERY_CHOICES", "checkpoint_only_every", "checkpointed_layers", "disable_recompute", "enable_recompute",
+           "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer"]

@@ -10,13 +10,12 @@ chooses (it shares the free memory with the micro-batch and KV cache hints).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from colomem.engines.recompute import fewer_checkpointed
 from colomem.units import format_bytes
 
-EVERY_CHOICES = (4, 3, 2)  # --checkpoint-every values the hint considers, besides none and one layer in L
 
 
 @dataclass(frozen=True)
@@ -69,27 +68,13 @@ def _decoder_layers(model: Any):
     return (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
 
 
-def options(layers: int, checkpointed: int) -> list[tuple[str, int]]:
-    """(flag, layers it checkpoints) with fewer checkpointed layers than now, fewest first."""
-    out = [("--gradient-checkpointing false", 0)]
-    for every in (layers, *EVERY_CHOICES):
-        if every >= 2:
-            out.append((f"--checkpoint-every {every}", math.ceil(layers / every)))
-    seen, best = set(), []
-    for flag, n in out:
-        if n < checkpointed and n not in seen:
-            seen.add(n)
-            best.append((flag, n))
-    return best
-
-
 def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
     """The setting with the fewest checkpointed layers whose extra activations fit in `spare` bytes (the
     head room while training, every GPU's smallest); empty when none does or nothing would change."""
     per_layer = pr.per_layer_row * micro_batch
     if per_layer <= 0 or spare <= 0:
         return ""
-    for flag, n in options(pr.layers, pr.checkpointed):
+    for flag, n in fewer_checkpointed(pr.layers, pr.checkpointed):
         extra = (pr.checkpointed - n) * per_layer
         if extra <= spare:
             return (f"{format_bytes(spare)} stays free while training with this placement: {flag} would fit "
@@ -101,4 +86,4 @@ def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
     return ""
 
 
-__all__ = ["EVERY_CHOICES", "RecomputeProbe", "options", "probe", "recompute_hint"]
+__all__ = ["RecomputeProbe", "probe", "recompute_hint"]
