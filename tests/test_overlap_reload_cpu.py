@@ -36,22 +36,33 @@ def snapshot(t):
     return params, state
 
 
-def train(tiny, mode: str, steps: int = 4):
+def train(tiny, mode: str, steps: int = 4, memory: str = "torch", deferred: bool = False):
     from colomem.engines.stand_ins import TorchTrainer
     from colomem.grpo.config import GRPOConfig
 
     pool = PinnedPool("16MiB", pin=False, segment_bytes="16MiB") if mode != "resident" else None
     t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, grpo=GRPOConfig(group_size=4), pool=pool,
-                     overlap_reload=(mode == "overlap"), optimizer_reload="step" if mode == "step" else "overlap")
+                     overlap_reload=(mode == "overlap"), optimizer_reload="step" if mode == "step" else "overlap",
+                     optimizer_state_memory=memory)
     try:
         for k in range(steps):
             if k and pool is not None:
-                t.offload()
+                if deferred:        # as the runner's "optimizer state out behind the rollout"
+                    t.offload(defer=True, hold=True)
+                    t.start_offload()
+                    t.finish_offload(background=True)
+                else:
+                    t.offload()
                 t.reload()
                 deferred = t.last_reload.deferred_bytes
                 assert (deferred > 0) == (mode in ("overlap", "step")), t.last_reload
             out = t.train_step(batch_for(k))
             assert out["reload_wait_s"] >= 0.0
+            if memory == "mapped" and k:    # the moments live in the mapped memory since the first offload
+                mapped = t._swaps[1].state
+                assert mapped is not None and mapped.active and mapped.set.resident, k
+                assert {t.optimizer.state[p][key].data_ptr() for p, key in mapped._refs} == \
+                    {x.data_ptr() for x in mapped.set.tensors}
             # at the step: the AdamW state came back inside the optimizer step, and is on the device after it
             assert ("optimizer_reload_s" in out) == (mode == "step" and k > 0), out
             assert all(v.untyped_storage().nbytes() > 0 for st in t.optimizer.state.values() for v in st.values()
@@ -71,6 +82,18 @@ def test_overlapped_reload_trains_bit_identically(tiny):
         assert p.keys() == ref_p.keys() and s.keys() == ref_s.keys() and s
         assert all(torch.equal(p[n], ref_p[n]) for n in p), mode
         assert all(torch.equal(s[n], ref_s[n]) for n in s), mode
+
+
+def test_adams_moments_in_mapped_memory_train_bit_identically(tiny):
+    """optimizer_state_memory "mapped": the moments move into memory colomem maps at their first offload and
+    leave and come back chunk by chunk from then on, whole, overlapped, at the step or behind a deferred
+    offload; training is the never-offloaded trainer's, bit for bit."""
+    ref_p, ref_s = train(tiny, "resident")
+    for mode, deferred in (("full", False), ("overlap", False), ("step", False), ("step", True)):
+        p, s = train(tiny, mode, memory="mapped", deferred=deferred)
+        assert s.keys() == ref_s.keys() and s, (mode, deferred)
+        assert all(torch.equal(p[n], ref_p[n]) for n in p), (mode, deferred)
+        assert all(torch.equal(s[n], ref_s[n]) for n in s), (mode, deferred)
 
 
 def test_wait_reload_restores_the_optimizer_state_and_offload_right_after_is_safe(tiny):

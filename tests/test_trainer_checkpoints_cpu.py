@@ -137,6 +137,49 @@ def test_torch_trainer_saves_the_same_offloaded_as_resident(tiny, pool, tmp_path
                 load_file(tmp_path / "pool" / "model" / "model.safetensors"))
 
 
+def test_torch_trainer_with_mapped_moments_saves_while_offloaded_and_resumes_bit_for_bit(tiny, pool, tmp_path):
+    """optimizer_state_memory "mapped": a checkpoint written while the moments are in the pool, loaded into a
+    fresh trainer, trains on exactly as the unbroken one (both moving their moments every step)."""
+    from colomem.engines.stand_ins import TorchTrainer
+
+    def trainer():
+        return TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, optimizer_state_memory="mapped")
+
+    def step(t, k):
+        t.offload()
+        t.reload()
+        t.train_step(batch_for(k))
+
+    def state(t):
+        return ({n: p.detach().clone() for n, p in t.model.named_parameters()},
+                {f"{i}.{k}": v.clone() for i, st in enumerate(t.optimizer.state.values()) for k, v in st.items()})
+
+    a = trainer()
+    try:
+        a.train_step(batch_for(0))
+        step(a, 1)
+        a.offload()
+        assert a._swaps[1].state is not None and not a._swaps[1].state.set.resident    # the moments in the pool
+        a.save_state(tmp_path / "ckpt")
+        a.reload()
+        for k in (2, 3):
+            step(a, k)
+        want = state(a)
+    finally:
+        a.close()
+    b = trainer()
+    try:
+        b.load_state(tmp_path / "ckpt")
+        for k in (2, 3):
+            step(b, k)
+        got = state(b)
+        assert b._swaps[1].state.active                  # the loaded moments moved into mapped memory too
+    finally:
+        b.close()
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    assert pool.stats()["in_use_bytes"] == 0
+
+
 def test_lora_checkpoint_loads_in_peft_and_the_merged_model_in_transformers(tiny, pool, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

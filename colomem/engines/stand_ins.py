@@ -15,7 +15,7 @@ import copy
 import logging
 import time
 from pathlib import Path
-from typing import Collection, Iterator, Mapping, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -52,7 +52,8 @@ class TorchTrainer:
                  trust_remote_code: bool = False,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
                  world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
-                 shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap"):
+                 shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap",
+                 optimizer_state_memory: str = "torch"):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -68,6 +69,8 @@ class TorchTrainer:
         self.overlap_reload = bool(overlap_reload)
         if optimizer_reload not in ("overlap", "step"):
             raise InvalidArgumentError(f"optimizer_reload={optimizer_reload!r}: choose overlap or step")
+        if optimizer_state_memory not in ("torch", "mapped"):
+            raise InvalidArgumentError(f"optimizer_state_memory={optimizer_state_memory!r}: choose torch or mapped")
         # "step": the AdamW state stays in the pool until the optimizer step (as DeepSpeedTrainer's option)
         self.optimizer_reload = optimizer_reload
         self._at_step = None                   # the AdamW state's set while it waits for the optimizer step
@@ -119,9 +122,15 @@ class TorchTrainer:
             try:
                 from colomem.swap import SwapSet
 
+                optim: Any
+                if optimizer_state_memory == "mapped":   # Adam's moments in memory colomem maps itself
+                    from colomem.engines.mapped_optim_set import MappedOptimizerSet
+
+                    optim = MappedOptimizerSet(self.optimizer, pool, OPTIM_SET)
+                else:
+                    optim = SwapSet.from_optimizer(self.optimizer, pool, device=self.device, name=OPTIM_SET)
                 self._swaps = [SwapSet.from_module(model, pool, grads=True, device=self.device, name=PARAMS_SET),
-                               SwapSet.from_optimizer(self.optimizer, pool, device=self.device,
-                                                      name=OPTIM_SET)]
+                               optim]
                 self.offload_mode = "colomem"
             except ColomemError as e:      # e.g. a device the host path does not serve
                 log.warning("TorchTrainer: offload through the pool unavailable (%s); offload is a no-op", e)

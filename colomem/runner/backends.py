@@ -166,11 +166,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing,
                 checkpoint_every=cfg.checkpoint_every, trust_remote_code=cfg.trust_remote_code, process_group=ranks.group, world_size=ranks.world_size,
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
-                optimizer_reload=cfg.start_optimizer_reload)
+                optimizer_reload=cfg.start_optimizer_reload, optimizer_state_memory=cfg.optimizer_state_memory)
             trainer = torch_trainer
-            if cfg.optimizer_state_memory == "mapped":
-                log_fn("[colomem] --optimizer-state-memory mapped applies to the DeepSpeed trainer: the CPU "
-                       "trainer keeps its optimizer state in torch's memory")
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)
         lap("trainer")
