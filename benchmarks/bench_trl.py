@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))   # a fallback: an installed colomem or PYTHONPATH's comes first
 
 from colomem.errors import ConfigError, NotAvailableError  # noqa: E402
-from colomem.runner.config import build_arg_parser, load_run_config  # noqa: E402
+from colomem.runner.config import build_arg_parser, script_config  # noqa: E402
 from colomem.runner.phases import SWITCH_PHASES  # noqa: E402
 
 TESTED_TRL = "1.16"
@@ -391,12 +391,7 @@ def run(cfg, ns, out: Path, summary: dict, writer) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cfg = load_run_config(argv, parser=parser)
-    out = Path(cfg.out or "runs/trl")
-    out.mkdir(parents=True, exist_ok=True)
+    ns, cfg, out = script_config(build_parser(), argv, "runs/trl")
     from colomem.runner.timeline import MetricsWriter
 
     (out / "metrics.jsonl").unlink(missing_ok=True)        # one run per folder: no earlier run's steps

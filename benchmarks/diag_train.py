@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 
 from colomem.engines.recompute import checkpointed_layers, disable_recompute, enable_recompute  # noqa: E402
 from colomem.errors import ConfigError, is_oom  # noqa: E402
-from colomem.runner.config import build_arg_parser, load_run_config  # noqa: E402
+from colomem.runner.config import build_arg_parser, script_config  # noqa: E402
 from colomem.runner.recompute_plan import probe as recompute_probe  # noqa: E402
 
 # Kernel categories, by the first pattern a kernel's name contains (lower case), in this order.
@@ -357,12 +357,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cfg = load_run_config(argv, parser=parser)
-    out = Path(cfg.out or "runs/diag_train")
-    out.mkdir(parents=True, exist_ok=True)
+    ns, cfg, out = script_config(build_parser(), argv, "runs/diag_train")
     result = run(cfg, ns)
     (out / "diag_train.json").write_text(json.dumps(result, indent=1))
     (out / "diag_train.md").write_text(table(result))

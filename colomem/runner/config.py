@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -420,6 +421,18 @@ def load_run_config(argv: Optional[list[str]] = None, *, defaults_yaml: Optional
     if ns.lora_on is not None:
         explicit.add("lora")
     return config_from_dict(data, sources, explicit)
+
+
+def script_config(parser: argparse.ArgumentParser, argv: Optional[list[str]],
+                  default_out: str) -> tuple[argparse.Namespace, RunConfig, Path]:
+    """For a script that takes every runner flag plus its own (added to build_arg_parser()'s parser): its
+    flags, the run config, and the output folder (--out, else `default_out`), made."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(argv)
+    cfg = load_run_config(argv, parser=parser)
+    out = Path(cfg.out or default_out)
+    out.mkdir(parents=True, exist_ok=True)
+    return ns, cfg, out
 
 
 # The flag machinery lives in flags.py; its names stay importable from here.
