@@ -74,9 +74,9 @@ def saved_bytes_per_layer(model: Any, input_ids: Any) -> Optional[float]:
     """What one decoder layer that is not checkpointed keeps for the backward beyond what a checkpointed one
     keeps, in bytes, for a forward of `input_ids`: measured from the tensors autograd saves (parameters left
     out) in two forwards, with no layer checkpointed and with every one; nothing runs backward and the
-    layers' checkpointing is restored after. A checkpointed layer's input is held by the checkpoint, outside
-    what autograd saves, so the figure errs on the high side by that input. None when the model has no
-    per-layer switch or checkpointing was never enabled on it."""
+    layers' checkpointing is restored after. A checkpointed layer keeps its input: torch's non-reentrant
+    checkpoint saves it through autograd, outside its own hooks, so the second count holds it. None when the
+    model has no per-layer switch or checkpointing was never enabled on it."""
     import torch
 
     layers = _layers(model)
