@@ -19,11 +19,17 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   overlap      the default with --overlap-offload: the optimizer state copies out behind the weights' wake
   expandable   the default with --trainer-expandable: all of the trainer's memory in expandable segments
   hidden       the default with --trainer-expandable and --overlap-offload
-All sync the trained weights through the same bridge. Two more modes run a peer on the same job instead of the
+  mapped       the default with --optimizer-state-memory mapped
+  nogc, ckpt2  the default without gradient checkpointing, and checkpointing every other decoder layer
+  shared_nogc  a LoRA job's --shared-base without gradient checkpointing
+All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
   trl          TRL's GRPOTrainer, vLLM colocated in its process, trainer resident, vLLM awake (no sleep)
   trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
+  trl_nogc, trl_ckpt2  TRL with the recompute of nogc / ckpt2: per job, <job>_speedup_vs_trl_by_recompute sets
+               each pair side by side, and <job>_speedup_vs_trl_best each side's best step (TRL in its strongest
+               measured setting) against the other's
 Their vLLM runs eager exactly when the runner's does in this call (the config's enforce_eager and --extra).
 --rounds 2 runs the modes A B C A B C (interleaved); each mode's figures are then the medians over its rounds.
 Rounds that do not fit one device call go over several: --continue-from an earlier call's grpo_bench.json
@@ -57,6 +63,7 @@ from colomem.runner.timeline import median as _median  # noqa: E402  (the runner
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from grpo_alternate import alternate_figures  # noqa: E402
+from grpo_peer_figures import lora_top_level, recompute_top_level  # noqa: E402
 from grpo_table import table  # noqa: E402
 from stage_deadline import bound_or_skip  # noqa: E402
 CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
@@ -84,10 +91,18 @@ MODES = {"colomem": ["--switch", "colomem"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
-         "trl": [], "trl_sleep": ["--trl-sleep"]}
+         "trl": [], "trl_sleep": ["--trl-sleep"],
+         # the same recompute on both sides, interleaved in one call (RECOMPUTE_PAIRS): no checkpointing, and
+         # checkpointing every other decoder layer (the TRL harness applies --checkpoint-every to its model)
+         "nogc": ["--switch", "colomem", "--gradient-checkpointing", "false"],
+         "shared_nogc": ["--switch", "colomem", "--shared-base", "--gradient-checkpointing", "false"],
+         "trl_nogc": ["--gradient-checkpointing", "false"],
+         "ckpt2": ["--switch", "colomem", "--gradient-checkpointing", "true", "--checkpoint-every", "2"],
+         "trl_ckpt2": ["--gradient-checkpointing", "true", "--checkpoint-every", "2"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
-PEER_SCRIPTS = {"trl": "benchmarks/bench_trl.py", "trl_sleep": "benchmarks/bench_trl.py"}
-PEER_MODULES = {"trl": "trl", "trl_sleep": "trl"}        # what must be importable, else the mode is skipped
+PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2")}
+PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped
+PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags the runner does not take
 # top-level speedups of the planner's default against each other layout, on the full fine-tune
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
@@ -262,6 +277,8 @@ def top_level(report: dict) -> None:
         report["speedup_vs_timesplit_lora"] = lora_t["step_s"] / lora_c["step_s"]
         report["switch_overhead_fraction_lora"] = lora_c.get("switch_overhead_fraction")
     lora_top_level(report, over_rounds)
+    for cfg in ("full", "lora7b"):
+        recompute_top_level(report, cfg, over_rounds)
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
         fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction")
@@ -290,33 +307,6 @@ def top_level(report: dict) -> None:
         report["switch_overhead_fraction_if_work_x"] = {str(k): sw / (sw + k * work) for k in (2, 4, 8, 16)}
 
 
-def lora_top_level(report: dict, over_rounds) -> None:
-    """The LoRA jobs' figures: each mode's step against TRL's, the switch's share, and with the shared base
-    how many copies of it the GPU held and the GPU memory beside the two-copy runs."""
-    for cfg in ("lora", "lora7b"):
-        trl = over_rounds(cfg, "trl", "step_s")
-        for mode, tag in (("colomem", cfg), ("shared", f"{cfg}_shared")):
-            step = over_rounds(cfg, mode, "step_s")
-            if step is None:
-                continue
-            report[f"{tag}_switch_fraction"] = over_rounds(cfg, mode, "switch_overhead_fraction")
-            if trl:
-                report[f"{tag}_speedup_vs_trl"] = trl / step
-        used = {m: [over_rounds(cfg, m, "gpu_used_in_rollout_gib"), over_rounds(cfg, m, "gpu_used_in_train_gib")]
-                for m in ("colomem", "inrank", "shared", "trl")}      # trl: the peer's two copies
-        used = {m: v for m, v in used.items() if any(x is not None for x in v)}
-        if used:
-            report[f"{cfg}_gpu_used_rollout_train_gib"] = used
-        runs = [r.get("result", {}) for n, r in report["runs"].items()
-                if n == f"{cfg}_shared" or n.startswith(f"{cfg}_shared_r")]
-        shared = [r["shared_base"] for r in runs if r.get("status") == "ok" and r.get("shared_base")]
-        if shared:
-            report["lora_base_copies_on_gpu"] = max(x["lora_base_copies_on_gpu"] for x in shared)
-            sync = _median([(r.get("phase_s") or {}).get("sync") for r in runs])   # the adapter alone
-            if sync is not None:          # the largest LoRA job's, when both ran (lora7b comes last)
-                report["adapter_sync_ms"] = sync * 1e3
-
-
 def runner_eager(args: list[str]) -> bool:
     """Whether the runner's vLLM runs eager with these flags (its config's enforce_eager, then the flags)."""
     if str(ROOT) not in sys.path:
@@ -334,7 +324,7 @@ def run_peer(mode: str, name: str, args: list[str], out_dir: Path, timeout_s: fl
         why = f"{module} is not importable here (pip install it to run the {mode} mode)"
         print(f"[bench] {name}: skipped: {why}", flush=True)
         return {"rc": "skipped", "wall_s": 0.0, "result": {"status": "skipped", "error": why}}
-    eager = runner_eager([a for a in args if a not in MODES[mode]])      # the peer's own flags left out
+    eager = runner_eager([a for a in args if a not in PEER_ONLY_FLAGS])      # the peer's own flags left out
     info = run_one(name, args + (["--eager"] if eager else []), out_dir, timeout_s, script=PEER_SCRIPTS[mode])
     info["result"] = analyse(out_dir)
     info["result"]["run_wall_s"] = info["wall_s"]

@@ -106,6 +106,28 @@ def test_the_peer_runs_eager_exactly_when_the_runner_does():
     cfg = ["--config", str(REPO / "configs/grpo_1p5b_full.yaml")]
     assert bench.runner_eager(cfg) is True                         # the config's enforce_eager
     assert bench.runner_eager(cfg + ["--enforce-eager", "false"]) is False
+    # a peer mode's runner flags stay in (only the peer's own flags leave): its "false" is not the eager one's
+    args = cfg + bench.MODES["trl_nogc"] + ["--enforce-eager", "false"]
+    assert bench.runner_eager([a for a in args if a not in bench.PEER_ONLY_FLAGS]) is False
+
+
+def test_colomem_and_trl_with_the_same_recompute_and_each_in_its_best_setting():
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    report = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0),
+                       "full_nogc": res(step_s=6.0), "full_trl_nogc": res(step_s=9.0),
+                       "lora7b_shared": res(step_s=29.0), "lora7b_trl": res(step_s=30.0),
+                       "lora7b_shared_nogc": res(step_s=20.0), "lora7b_trl_nogc": res(step_s=21.0)}}
+    bench.top_level(report)
+    assert report["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "nogc": 1.5})
+    assert report["full_speedup_vs_trl_best"] == pytest.approx(9 / 6)      # TRL in its strongest setting
+    assert report["full_best_recompute"] == {"colomem": "nogc", "trl": "nogc"}
+    assert report["lora7b_speedup_vs_trl_best"] == pytest.approx(21 / 20)
+    only_plain = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0)}}
+    bench.top_level(only_plain)
+    assert "full_speedup_vs_trl_best" not in only_plain and only_plain["speedup_vs_trl"] == pytest.approx(11 / 7)
+    assert set(bench.MODES) >= {"nogc", "trl_nogc", "ckpt2", "trl_ckpt2", "shared_nogc"}
+    assert all(bench.PEER_SCRIPTS[m] == "benchmarks/bench_trl.py" for m in ("trl_nogc", "trl_ckpt2"))
 
 
 def test_the_lora_jobs_figures_against_trl_and_the_shared_base():

@@ -1,0 +1,64 @@
+"""The figures of a bench_grpo report that set colomem against TRL: the LoRA jobs' (each mode's step
+against TRL's, the shared base's copies and memory) and, per job, the two with the same recompute.
+
+`over_rounds(cfg, mode, key)` is the report's median of a mode's rounds (bench_grpo.top_level passes it).
+"""
+from __future__ import annotations
+
+from colomem.runner.timeline import median as _median
+
+# colomem's mode and TRL's with the same recompute: their steps' ratio is reported per setting, and the best
+# of each side against the other (each in its strongest measured setting)
+RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
+                   "ckpt2": (("ckpt2",), "trl_ckpt2")}
+
+
+def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
+    """colomem against TRL with the same recompute, per setting that both ran (`<cfg>_speedup_vs_trl_by_
+    recompute`), and each side's best step against the other's (`<cfg>_speedup_vs_trl_best`: TRL in its
+    strongest measured setting)."""
+    ours, theirs, by = {}, {}, {}
+    for setting, (modes, peer) in RECOMPUTE_PAIRS.items():
+        steps = [s for s in (over_rounds(cfg, m, "step_s") for m in modes) if s is not None]
+        trl = over_rounds(cfg, peer, "step_s")
+        if steps:
+            ours[setting] = min(steps)
+        if trl is not None:
+            theirs[setting] = trl
+        if steps and trl is not None:
+            by[setting] = trl / min(steps)
+    if len(by) > 1 or (by and set(by) != {"config"}):     # more than the plain pair, reported already
+        report[f"{cfg}_speedup_vs_trl_by_recompute"] = by
+        report[f"{cfg}_speedup_vs_trl_best"] = min(theirs.values()) / min(ours.values())
+        report[f"{cfg}_best_recompute"] = {"colomem": min(ours, key=ours.__getitem__),
+                                           "trl": min(theirs, key=theirs.__getitem__)}
+
+
+def lora_top_level(report: dict, over_rounds) -> None:
+    """The LoRA jobs' figures: each mode's step against TRL's, the switch's share, and with the shared base
+    how many copies of it the GPU held and the GPU memory beside the two-copy runs."""
+    for cfg in ("lora", "lora7b"):
+        trl = over_rounds(cfg, "trl", "step_s")
+        for mode, tag in (("colomem", cfg), ("shared", f"{cfg}_shared")):
+            step = over_rounds(cfg, mode, "step_s")
+            if step is None:
+                continue
+            report[f"{tag}_switch_fraction"] = over_rounds(cfg, mode, "switch_overhead_fraction")
+            if trl:
+                report[f"{tag}_speedup_vs_trl"] = trl / step
+        used = {m: [over_rounds(cfg, m, "gpu_used_in_rollout_gib"), over_rounds(cfg, m, "gpu_used_in_train_gib")]
+                for m in ("colomem", "inrank", "shared", "trl")}      # trl: the peer's two copies
+        used = {m: v for m, v in used.items() if any(x is not None for x in v)}
+        if used:
+            report[f"{cfg}_gpu_used_rollout_train_gib"] = used
+        runs = [r.get("result", {}) for n, r in report["runs"].items()
+                if n == f"{cfg}_shared" or n.startswith(f"{cfg}_shared_r")]
+        shared = [r["shared_base"] for r in runs if r.get("status") == "ok" and r.get("shared_base")]
+        if shared:
+            report["lora_base_copies_on_gpu"] = max(x["lora_base_copies_on_gpu"] for x in shared)
+            sync = _median([(r.get("phase_s") or {}).get("sync") for r in runs])   # the adapter alone
+            if sync is not None:          # the largest LoRA job's, when both ran (lora7b comes last)
+                report["adapter_sync_ms"] = sync * 1e3
+
+
+__all__ = ["RECOMPUTE_PAIRS", "lora_top_level", "recompute_top_level"]
