@@ -17,10 +17,11 @@ max_new_tokens, random token ids). One trainer, its variants interleaved round b
 Per variant: the train step's seconds (median and spread over the rounds, a warm-up step apart), the
 allocator's peak, the executed matmul FLOPs and their rate against a bf16 GEMM measured in the same run
 (`gemm_tflops`, the ceiling), and beside each variant's extra peak over checkpointing every layer the extra
-the planner's probe predicts for it (`extra_peak_measured` / `extra_peak_predicted`). With --profile, one profiled step of each variant: device time by kernel
-category (GEMM, attention, elementwise, the optimizer, copies, communication) and the device's busy share
-of the step (well below 1: the host cannot keep the device fed). A variant that runs out of memory is
-reported as such and left out of the later rounds.
+the planner's probe predicts for it (`extra_peak_measured` / `extra_peak_predicted`). With --profile, one
+profiled step of the config's variant and of the fastest: device time by kernel category (GEMM, attention,
+elementwise, the optimizer, copies, communication) and the device's busy share of the step (well below 1:
+the host cannot keep the device fed). A variant that runs out of memory is reported as such and left out of
+the later rounds.
 
 Writes DIR/diag_train.json and DIR/diag_train.md.
 """
@@ -70,7 +71,8 @@ def build_parser():
     g.add_argument("--rounds", type=int, default=3, help="timed steps of each variant, interleaved")
     g.add_argument("--rows", type=int, default=None, help="rows a step (default prompts_per_step x group_size)")
     g.add_argument("--completion-len", type=int, default=None, help="completion tokens (default max_new_tokens)")
-    g.add_argument("--profile", action="store_true", help="one profiled step of each variant")
+    g.add_argument("--profile", action="store_true",
+                   help="one profiled step of the config's variant and of the fastest one")
     return p
 
 
@@ -287,7 +289,7 @@ def run(cfg, args, say=say) -> dict:
                     r["step_s"].append(seconds)
                 say(f"round {rnd} {name}: {seconds:.3f} s, peak {peak / 2**30:.1f} GiB")
         if args.profile:
-            for name, mb, every in alive:
+            for name, mb, every in profiled(alive, res, f"mb{cfg.micro_batch}"):
                 trainer.micro_batch = mb
                 set_recompute(model, every)
                 res[name]["profile"] = profiled_step(trainer, synthetic_batch(rows, prompt_len, completion, vocab,
@@ -316,6 +318,13 @@ def run(cfg, args, say=say) -> dict:
             if r.get("step_s_median"):
                 r["speedup_vs_config"] = base["step_s_median"] / r["step_s_median"]
     return out
+
+
+def profiled(alive: list, res: dict, config_name: str) -> list:
+    """The variants worth a profiled step: the config's own and the fastest (by median step)."""
+    timed = [v for v in alive if res[v[0]]["step_s"]]
+    fastest = min(timed, key=lambda v: statistics.median(res[v[0]]["step_s"]), default=None)
+    return [v for v in alive if v[0] == config_name or v is fastest]
 
 
 def trainer_zero_grad(trainer) -> None:

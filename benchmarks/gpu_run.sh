@@ -142,7 +142,7 @@ stage() {  # the stages run in the order given on the command line
     # the training phase alone: micro-batch and recompute variants, one profiled step each, per config
     diagtrain) for cfg in ${DIAGTRAIN_CONFIGS:-configs/grpo_1p5b_full.yaml}; do
         name=$(basename "$cfg" .yaml)
-        run "diag_train_$name" "${DIAGTRAIN_TIMEOUT_S:-300}" python3 benchmarks/diag_train.py --config "$cfg" \
+        run "diag_train_$name" "${DIAGTRAIN_TIMEOUT_S:-360}" python3 benchmarks/diag_train.py --config "$cfg" \
           --out "$OUT/diag_train/$name" --profile ${DIAGTRAIN_ARGS:-}
       done ;;
     diagdecode) run diag_decode 400 python3 benchmarks/diag_decode.py --out "$OUT/diag_decode" ${DIAGDECODE_ARGS:-} ;;

@@ -43,7 +43,9 @@ def test_each_variant_runs_as_named_on_the_cpu_trainer(tmp_path, job_env):
     assert res["recompute_probe"]["checkpointed"] == layers and res["recompute_probe"]["per_layer_row"] > 0
     assert [v[n]["micro_batches"] for n in ("mb4", "mb8", "mb4-nogc", "mb2-gc2")] == [2, 1, 2, 4]
     assert v["mb4-nogc"]["checkpointed_layers"] == 0 and v["mb2-gc2"]["checkpointed_layers"] == -(-layers // 2)
-    assert all(len(r["step_s"]) == 2 and r["oom"] is None and "profile" in r for r in v.values())
+    assert all(len(r["step_s"]) == 2 and r["oom"] is None for r in v.values())
+    fastest = min(v, key=lambda n: v[n]["step_s_median"])
+    assert {n for n in v if "profile" in v[n]} == {"mb4", fastest}     # the config's and the fastest
     assert v["mb4"]["flops"] > v["mb2-gc2"]["flops"] > v["mb4-nogc"]["flops"] > 0
     assert v["mb4"]["speedup_vs_config"] == 1.0
     assert "| mb2-gc2 |" in (out / "diag_train.md").read_text()
