@@ -17,7 +17,6 @@ from colomem.engines.recompute import fewer_checkpointed
 from colomem.units import format_bytes
 
 
-
 @dataclass(frozen=True)
 class RecomputeProbe:
     """per_layer_row: bytes a decoder layer that is not checkpointed keeps beyond a checkpointed one, for one
