@@ -170,7 +170,9 @@ def test_a_killed_agent_makes_the_other_fail_at_a_barrier(tmp_path, killed):
     assert f"rank {1 - killed}:" in log and "stuck or died" in log, log[-4000:]
     if killed == 1:               # the survivor is rank 0: its summary records the failure
         summary = json.loads((tmp_path / f"node{survivor}" / "out" / "summary.json").read_text())
-        assert summary["status"] == "error" and "BarrierTimeoutError" in summary["error"]
+        # its launcher may stop it first, having seen the peer node go (a slow machine: the barrier's 20 s
+        # outlast the launcher's notice); the step the signal kept from finishing then names the barrier
+        assert summary["status"] in ("error", "interrupted") and "BarrierTimeoutError" in summary["error"], summary
         assert summary["steps_done"] < 500
 
 
