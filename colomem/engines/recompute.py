@@ -13,7 +13,8 @@ from typing import Any, Optional
 from colomem.errors import InvalidArgumentError
 
 
-def _layers(model: Any) -> list:
+def decoder_layers(model: Any) -> list:
+    """The model's decoder layers transformers can checkpoint one by one (none on an older transformers)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:          # a transformers without per-layer checkpointing
@@ -38,7 +39,7 @@ def checkpoint_only_every(model: Any, every: int) -> int:
     """Of the layers checkpointing now, keeps it on every `every`-th decoder layer only; returns how many
     layers checkpoint (-1: no per-layer switch, which only every == 1 accepts)."""
     _check_every(every)
-    layers = _layers(model)
+    layers = decoder_layers(model)
     if every > 1:
         if not layers:
             raise InvalidArgumentError(
@@ -79,7 +80,7 @@ def saved_bytes_per_layer(model: Any, input_ids: Any) -> Optional[float]:
     model has no per-layer switch or checkpointing was never enabled on it."""
     import torch
 
-    layers = _layers(model)
+    layers = decoder_layers(model)
     if not layers or any(getattr(m, "_gradient_checkpointing_func", None) is None for m in layers):
         return None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -141,9 +142,9 @@ def disable_recompute(model: Any) -> None:
 
 def checkpointed_layers(model: Any) -> int:
     """Decoder layers whose forward runs again in the backward (-1: the model has no per-layer switch)."""
-    layers = _layers(model)
+    layers = decoder_layers(model)
     return sum(bool(m.gradient_checkpointing) for m in layers) if layers else -1
 
 
-__all__ = ["EVERY_CHOICES", "checkpoint_only_every", "checkpointed_layers", "disable_recompute", "enable_recompute",
-           "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer"]
+__all__ = ["EVERY_CHOICES", "checkpoint_only_every", "checkpointed_layers", "decoder_layers", "disable_recompute",
+           "enable_recompute", "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer"]

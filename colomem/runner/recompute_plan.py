@@ -36,7 +36,7 @@ def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
     memory for one row)."""
     import torch
 
-    from colomem.engines.recompute import checkpointed_layers, saved_bytes_per_layer
+    from colomem.engines.recompute import checkpointed_layers, decoder_layers, saved_bytes_per_layer
     from colomem.errors import is_oom
 
     model = getattr(trainer, "model", None)
@@ -57,14 +57,8 @@ def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
         del ids
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    layers = sum(1 for _ in _decoder_layers(model))
+    layers = len(decoder_layers(model))
     return RecomputeProbe(per, layers, checkpointed, int(width)) if per else None
-
-
-def _decoder_layers(model: Any):
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
 
 
 def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
