@@ -57,6 +57,10 @@ class GRPOBatch:
     # summed gradients of the micro-batches equal the gradient of the whole batch (see step.split_micro_batches).
     loss_weight: float = 1.0
     rewards: Optional[Tensor] = field(default=None, repr=False)   # [B] raw rewards, for metrics only
+    # The first position any row's loss reads (its first completion token), when known on the host: a forward
+    # needs logits only from the position before it on (logits_to_keep), so long prompts cost no lm_head and
+    # no log-softmax. select() sets it; None: every position's logits.
+    loss_from: Optional[int] = None
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
@@ -97,7 +101,14 @@ class GRPOBatch:
             return sub
         width = int(sub.attention_mask.sum(dim=1).max().item())
         width = max(width, 1)
-        return sub._map(lambda t: t[:, :width] if t.dim() == 2 else t)
+        sub = sub._map(lambda t: t[:, :width] if t.dim() == 2 else t)
+        return replace(sub, loss_from=first_loss_position(sub.completion_mask))
+
+
+def first_loss_position(completion_mask: Tensor) -> Optional[int]:
+    """The first column of [B, T] completion_mask with a token that gets loss (None: there is none)."""
+    cols = completion_mask.ne(0).any(dim=0)
+    return int(cols.to(torch.int8).argmax().item()) if bool(cols.any()) else None
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],

@@ -33,17 +33,33 @@ from .batch import GRPOBatch
 _CHUNK_ROWS = 4096
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """[B, T, V] logits -> [B, T] logprobs of input_ids, aligned with input_ids (position 0 = 0).
+def _prediction_rows(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, int]:
+    """The logits that predict a token of input_ids, one row per predicted token, and where those start.
 
-    out[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]; computed in fp32 in row chunks
-    (logsumexp + gather) so no [B, T, V] fp32 tensor is ever materialised.
+    logits may cover only the last K <= T positions (a forward with logits_to_keep=K): logits[:, k] belongs to
+    position T - K + k and predicts the token after it, so the predicted tokens are T - K + 1 .. T - 1."""
+    if logits.dim() != 3 or logits.shape[0] != input_ids.shape[0] or not 1 <= logits.shape[1] <= input_ids.shape[1]:
+        raise InvalidArgumentError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}: "
+                                   "expected [B, K, V] for the last K <= T positions of [B, T]")
+    first = input_ids.shape[1] - logits.shape[1] + 1
+    return logits[:, :-1, :].reshape(-1, logits.shape[-1]), first
+
+
+def _place(values: Tensor, B: int, T: int, first: int) -> Tensor:
+    """[B * (T - first)] per-token values -> [B, T], zero at the positions no logit predicts."""
+    return torch.cat([values.new_zeros(B, first), values.view(B, T - first)], dim=1)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """[B, K, V] logits of the last K <= T positions -> [B, T] logprobs of input_ids, aligned with input_ids
+    (0 where no logit predicts the token: position 0, and the positions before the window when K < T).
+
+    out[:, t] = log softmax(logit of position t - 1 / temperature)[input_ids[:, t]]; computed in fp32 in row
+    chunks (logsumexp + gather) so no [B, T, V] fp32 tensor is ever materialised.
     """
-    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
-        raise InvalidArgumentError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
-    B, T, V = logits.shape
-    pred = logits[:, :-1, :].reshape(-1, V)
-    target = input_ids[:, 1:].reshape(-1)
+    pred, first = _prediction_rows(logits, input_ids)
+    B, T = input_ids.shape
+    target = input_ids[:, first:].reshape(-1)
     parts = []
     for s in range(0, pred.shape[0], _CHUNK_ROWS):
         chunk = pred[s:s + _CHUNK_ROWS].float()
@@ -52,24 +68,27 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
         picked = chunk.gather(1, target[s:s + _CHUNK_ROWS, None]).squeeze(1)
         parts.append(picked - torch.logsumexp(chunk, dim=-1))
     lp = torch.cat(parts) if parts else pred.new_zeros(0, dtype=torch.float32)
-    return torch.cat([lp.new_zeros(B, 1), lp.view(B, T - 1)], dim=1)
+    return _place(lp, B, T, first)
 
 
-def token_entropy(logits: Tensor, temperature: float = 1.0, *, grad: bool = False) -> Tensor:
-    """[B, T, V] -> [B, T] entropy of the next-token distribution predicting position t (position 0 = 0).
+def token_entropy(logits: Tensor, temperature: float = 1.0, *, grad: bool = False,
+                  input_ids: Optional[Tensor] = None) -> Tensor:
+    """[B, K, V] -> [B, T] entropy of the next-token distribution predicting position t (0 where no logit
+    predicts one). input_ids: the [B, T] tokens when the logits cover only the last K < T positions.
 
     grad=False (the metric): no graph. grad=True (the entropy bonus): differentiable; backward keeps each
     chunk's fp32 log-softmax, so this costs a [B, T, V] fp32 tensor after all (only when entropy_coef > 0)."""
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        B, T, V = logits.shape
-        pred = logits[:, :-1, :].reshape(-1, V)
+        ids = input_ids if input_ids is not None else logits.new_empty(logits.shape[:2], dtype=torch.long)
+        pred, first = _prediction_rows(logits, ids)
+        B, T = ids.shape
         parts = []
         for s in range(0, pred.shape[0], _CHUNK_ROWS):
             chunk = pred[s:s + _CHUNK_ROWS].float() / temperature
             logp = torch.log_softmax(chunk, dim=-1)
             parts.append(-(logp.exp() * logp).sum(-1))
         ent = torch.cat(parts) if parts else pred.new_zeros(0, dtype=torch.float32)
-        return torch.cat([ent.new_zeros(B, 1), ent.view(B, T - 1)], dim=1)
+        return _place(ent, B, T, first)
 
 
 def _clamp(x: Tensor, bound: Optional[float]) -> Tensor:

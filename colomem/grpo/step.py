@@ -15,6 +15,7 @@ That is why DeepSpeed must not scale again by the accumulation steps (scale_wrt_
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -30,8 +31,31 @@ from .loss import grpo_loss, rollout_is_weights, token_entropy, token_logprobs
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
 
 
+def _hf_model(model):
+    """The transformers model under a DeepSpeed engine (.module) and a peft wrapper (get_base_model())."""
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
+def _takes_logits_to_keep(model) -> bool:
+    cls = type(_hf_model(model))
+    if cls not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return _KEEPS_LOGITS[cls]
+
+
 def _forward_logits(model, batch: GRPOBatch) -> Tensor:
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    """[B, K, V] logits of the last K positions: from the one before batch.loss_from when the model can leave
+    the rest out (transformers' logits_to_keep: the lm_head and the log-softmax skip the prompts), else all T."""
+    kw = {}
+    T = batch.input_ids.shape[1]
+    if batch.loss_from is not None and batch.loss_from > 1 and _takes_logits_to_keep(model):
+        kw["logits_to_keep"] = T - batch.loss_from + 1
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
     return out.logits if hasattr(out, "logits") else out[0]
 
 
@@ -76,7 +100,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
         is_w, is_metrics = rollout_is_weights(trainer_lp.to(logprobs), rollout_lp.to(logprobs), mask,
                                               level=cfg.is_correction, mode=cfg.is_mode, cap=cfg.is_cap,
                                               log_ratio_clamp=cfg.log_ratio_clamp)
-    ent = token_entropy(logits, cfg.temperature, grad=True) if cfg.entropy_coef > 0 else None
+    ent = (token_entropy(logits, cfg.temperature, grad=True, input_ids=batch.input_ids)
+           if cfg.entropy_coef > 0 else None)
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm,
                               importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
@@ -95,7 +120,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
         if cfg.log_entropy:
-            e = ent.detach() if ent is not None else token_entropy(logits.detach(), cfg.temperature)
+            e = ent.detach() if ent is not None else token_entropy(logits.detach(), cfg.temperature,
+                                                                    input_ids=batch.input_ids)
             metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
