@@ -257,3 +257,30 @@ def test_kl_needs_a_reference():
     loss, m = compute_loss(_TinyLM(), b, GRPOConfig(group_size=2, kl_coef=0.1),
                            frozen_reference_fn(ref_model))
     assert m["kl"] == pytest.approx(0.0, abs=1e-7)            # same weights: KL 0
+
+
+def test_micro_batches_by_length_pad_less_and_give_the_same_gradient():
+    """Rows of very different lengths: grouped longest first, the micro-batches pad less than consecutive rows,
+    and the summed gradient is the same."""
+    g = torch.Generator().manual_seed(3)
+    lens = [2, 30, 3, 28, 4, 29, 2, 31]
+    prompts = [[1, 2, 3]] * 4
+    groups = [[Completion(torch.randint(1, 9, (lens[2 * i + j],), generator=g).tolist()) for j in range(2)]
+              for i in range(4)]
+    b = build_batch(prompts, groups, torch.randn(8, generator=g), pad_id=0)
+    cfg = GRPOConfig(group_size=2, loss_norm="token")
+    grads, padded = {}, {}
+    for by_length in (True, False):
+        model = _TinyLM()
+        parts = split_micro_batches(b, 2, "token", by_length=by_length)
+        assert sum(x.loss_weight for x in parts) == pytest.approx(1.0)
+        padded[by_length] = sum(x.input_ids.numel() for x in parts)
+        for mb in parts:
+            loss, _ = compute_loss(model, mb, cfg)
+            loss.backward()
+        grads[by_length] = [p.grad.clone() for p in model.parameters()]
+    assert padded[True] == 156 and padded[False] == 260     # (34, 33) (32, 31) (7, 6) (5, 5) against pairs in order
+    for a, c in zip(grads[True], grads[False]):
+        assert torch.allclose(a, c, atol=1e-6)
+    m = accumulate_gradients(_TinyLM(), b, cfg, micro_batch=2, backward=lambda l: l.backward())
+    assert m["padded_fraction"] == pytest.approx(1 - float(b.attention_mask.sum()) / padded[True])

@@ -90,9 +90,10 @@ def test_micro_batches_each_keep_their_own_window():
     cfg = GRPOConfig(clip_eps=0.2, kl_coef=0.0, loss_norm="token")
     model = _model()
     rows = _lm_head_rows(model)
-    batch = _batch(prompt_lens=(3, 20, 20, 20), completion_lens=(4, 4, 4, 4))
+    batch = _batch(prompt_lens=(20, 3, 20, 20), completion_lens=(4, 4, 4, 4))
     accumulate_gradients(model, batch, cfg, micro_batch=2, backward=lambda loss: loss.backward())
-    assert rows == [24 - 3 + 1, 24 - 20 + 1]     # the second micro-batch skips its 20-token prompts
+    # longest rows first: (0, 2) skip their 20-token prompts, (3, 1) need the logits from row 1's 3rd token on
+    assert rows == [24 - 20 + 1, 24 - 3 + 1]
 
 
 def test_a_model_without_logits_to_keep_gets_every_position():
