@@ -66,11 +66,11 @@ WORKER = textwrap.dedent(r'''
         optimizer.step = step
 
 
-    def torch_trainer(grpo, world_size=1, group=None):
+    def torch_trainer(grpo, world_size=1, group=None, tokens=None):
         from colomem.engines.stand_ins import TorchTrainer
 
         t = TorchTrainer(TinyLM(), lr=1e-2, micro_batch=2, grpo=grpo, max_grad_norm=None, world_size=world_size,
-                         process_group=group)
+                         process_group=group, micro_batch_tokens=tokens)
         grads = []
         record_grads(t.optimizer, grads)
         return t, grads
@@ -112,13 +112,14 @@ WORKER = textwrap.dedent(r'''
             return [1e-2]
 
 
-    def deepspeed_trainer(grpo, world_size=1):
+    def deepspeed_trainer(grpo, world_size=1, tokens=None):
         from colomem.engines.deepspeed import DeepSpeedTrainer
         from colomem.swap import PendingReloads
 
         eng = AveragingEngine(TinyLM(), world_size)
         t = DeepSpeedTrainer.__new__(DeepSpeedTrainer)        # a shell around the engine: no DeepSpeed, no GPU
         t.__dict__.update(engine=eng, model=eng.module, grpo=grpo, micro_batch=2, world_size=world_size,
+                          micro_batch_tokens=tokens,
                           device=torch.device("cpu"), steps=0, _closed=False, _offloaded=False, _ref_fn=None,
                           _fwd_stack=None, _pending=PendingReloads(), timeout_s=30.0, _step_reload=None, _strategies={},
                           _finishing=BackgroundSlot())
@@ -129,10 +130,11 @@ WORKER = textwrap.dedent(r'''
 
     def train(kind, case, batch, world_size=1, group=None):
         grpo = GRPOConfig(group_size=2, **case["grpo"])
+        tokens = case.get("micro_batch_tokens")
         if kind == "torch":
-            t, grads = torch_trainer(grpo, world_size, group)
+            t, grads = torch_trainer(grpo, world_size, group, tokens)
         else:
-            t, grads = deepspeed_trainer(grpo, world_size)
+            t, grads = deepspeed_trainer(grpo, world_size, tokens)
         metrics = [t.train_step(batch) for _ in range(case.get("train_steps", 2))]
         weights = {n: p.detach().clone() for n, p in t.model.named_parameters()}
         return {"grads": grads, "weights": weights, "metrics": metrics}
@@ -173,6 +175,10 @@ CASES = [
      "reference": [0, 1, 4, 5, 2, 3, 6, 7],
      "grpo": {"num_iterations": 2, "mini_batches": 2, "importance_level": "sequence", "dual_clip": 1.1,
               "entropy_coef": 0.01, "is_correction": "token", "is_mode": "mask", "is_cap": 1.3}},
+    # micro-batches by a token budget: rank 0's short rows fit in one, rank 1's long ones need three; both
+    # ranks run three (each backward may reduce gradients) and train as one rank on the whole batch
+    {"name": "token-budget", "lengths": [1, 2, 1, 9, 10, 8], "rows": [[0, 1, 2], [3, 4, 5]], "micro_batch_tokens": 14,
+     "grpo": {"loss_norm": "token"}},
     {"name": "token-is-sequence", "lengths": LENGTHS, "rows": [[0, 1, 2], [3, 4, 5]],
      "grpo": {"loss_norm": "token", "is_correction": "sequence", "is_cap": 2.0, "entropy_coef": 0.05}},
 ]
@@ -251,3 +257,9 @@ def test_each_rank_normalising_by_its_own_tokens_would_be_wrong(worker):
     mean = [(a + b) / 2 for a, b in zip(*own)]
     rel = max(float((m - w).norm() / w.norm()) for m, w in zip(mean, want))
     assert rel > 0.05
+
+
+def test_ranks_run_as_many_micro_batches_under_a_token_budget(ranks):
+    kind, results, mod = ranks
+    r0, r1 = results[0]["token-budget"], results[1]["token-budget"]
+    assert r0["metrics"][0]["micro_batches"] == r1["metrics"][0]["micro_batches"] == 3

@@ -17,6 +17,7 @@ from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, alternate, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
                                       figures_from_step, kv_hint, micro_batch_hint,
+                                      micro_batch_tokens_hint,
                                       needs_measuring, reload_at_step, state_to_plan, train_need)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
@@ -150,6 +151,16 @@ def test_the_memory_left_free_is_offered_to_a_larger_micro_batch():
     # several GPUs: the one with the least room decides
     tight = figs(rollout=80, peak=53)                   # 80 - 1 + 53 + 2 = 134: 6 GB, 3 rows: no divisor
     assert micro_batch_hint(p, [f, tight], 4, 64, margin=2 * GB) == ""
+
+
+def test_the_memory_left_free_is_offered_to_a_larger_token_budget():
+    # 8 GB of activations at 8192 tokens a micro-batch; 26 GB free buys 26624 tokens more
+    f = figs(peak=53)
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    hint = micro_batch_tokens_hint(p, [f], 8192, margin=2 * GB)
+    assert "--micro-batch-tokens up to 34816 (now 8192)" in hint            # 8192 + 26 GB / (8 GB / 8192)
+    assert micro_batch_tokens_hint(p, [f], 8192, margin=2 * GB, taken=26 * GB) == ""   # nothing left free
+    assert micro_batch_tokens_hint(p, [figs()], 8192, margin=2 * GB) == ""             # no activations measured
 
 
 def test_the_memory_left_free_is_offered_to_the_kv_cache():

@@ -54,11 +54,15 @@ def test_the_runner_weighs_the_free_training_memory_at_the_measured_width():
     fig = pl.MemoryFigures(total=total, rollout_used=20 * GiB, trainer_left=GiB, train_peak=30 * GiB,
                            state={"params": 2 * GiB, "other": 0, "grads": 2 * GiB, "master": 4 * GiB,
                                   "optim": 8 * GiB}, train_other=GiB)
-    runner = SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4), train_width=40,
+    runner = SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4, micro_batch_tokens=None),
+                             train_width=40,
                              trainer=SimpleNamespace(model=model, device=torch.device("cpu")), recompute_probe=None,
                              placement=pl.choose("auto", "auto", [fig], margin=2 * GiB))
     hint = PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0)
     assert "--gradient-checkpointing false would fit" in hint and runner.recompute_probe.checkpointed == 6
+    # a token budget of 160 holds 4 rows of 40: the same hint
+    runner.cfg.micro_batch, runner.cfg.micro_batch_tokens = 64, 160
+    assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == hint
     runner.train_width = 0                                        # no batch trained on yet: no probe
     assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == ""
     runner.cfg.gradient_checkpointing, runner.train_width = False, 40

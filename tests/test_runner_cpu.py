@@ -134,6 +134,16 @@ def test_lora_run_syncs_merged_weights(cache_env, tmp_path):
     assert steps[1]["train/rollout_logprob_gap"] < 1e-4
 
 
+def test_a_token_budget_sets_the_micro_batches(cache_env, tmp_path):
+    """16 rows of ~10 tokens: a 40-token budget makes micro-batches of 4 rows or fewer (the default job's
+    completions vary in length), --micro-batch 8 would make two."""
+    res = run_job(small_cfg(tmp_path / "tokens", micro_batch_tokens=40), print_fn=lambda *_: None)
+    steps = [r for r in read_jsonl(tmp_path / "tokens" / "metrics.jsonl") if "step" in r]
+    assert res.summary["status"] == "ok"
+    assert all(s["train/micro_batches"] >= 4 for s in steps)
+    assert all(0 <= s["train/padded_fraction"] < 1 for s in steps)
+
+
 def test_the_summary_says_where_the_start_up_went(cache_env, tmp_path):
     res = run_job(small_cfg(tmp_path / "startup", steps=1), print_fn=lambda *_: None)
     parts = res.summary["startup_s"]

@@ -47,6 +47,7 @@ class TorchTrainer:
     holds the same weights (data parallel; each rank trains on its share of the groups)."""
 
     def __init__(self, model_path, *, lr: float, micro_batch: int, grad_accum: Optional[int] = None,
+                 micro_batch_tokens: Optional[int] = None,
                  grpo=None, lora=None, pool=None, weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0,
                  seed: int = 0, gradient_checkpointing: bool = False, checkpoint_every: int = 1,
                  trust_remote_code: bool = False,
@@ -59,7 +60,10 @@ class TorchTrainer:
         if micro_batch < 1:
             raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
         self.grpo = grpo if grpo is not None else GRPOConfig()
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise InvalidArgumentError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         self.micro_batch = int(micro_batch)
+        self.micro_batch_tokens = micro_batch_tokens
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
         self.device = torch.device(device)
@@ -180,6 +184,7 @@ class TorchTrainer:
             return out
 
         metrics = train_on_batch(self.model, batch, self.grpo, micro_batch=self.micro_batch,
+                                 micro_batch_tokens=self.micro_batch_tokens,
                                  backward=lambda loss: loss.backward(), optimizer_step=optimizer_step,
                                  ref_logprobs_fn=self._ref_fn, device=self.device, world_size=self.world_size,
                                  process_group=self.process_group)

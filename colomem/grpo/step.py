@@ -27,6 +27,7 @@ from colomem.errors import InvalidArgumentError
 from .batch import GRPOBatch
 from .config import GRPOConfig
 from .loss import grpo_loss, rollout_is_weights, token_entropy, token_logprobs
+from .micro_batches import micro_batch_rows
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
 
@@ -128,20 +129,17 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
 
 def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence", *,
                         total_tokens: Optional[float] = None, total_rows: Optional[float] = None,
-                        world_size: int = 1, by_length: bool = True) -> list[GRPOBatch]:
-    """Micro-batches of at most micro_batch rows, each with its loss_weight.
+                        world_size: int = 1, by_length: bool = True, max_tokens: Optional[int] = None,
+                        count: Optional[int] = None) -> list[GRPOBatch]:
+    """Micro-batches of at most micro_batch rows (or, with max_tokens, of at most that many positions), each
+    with its loss_weight. Which rows go together: micro_batches.micro_batch_rows (by_length: longest first, so
+    each micro-batch pads little; count: at least that many micro-batches, for ranks that step together).
 
-    by_length: the rows go longest first, so each micro-batch holds rows of about one length and pads little
-    (a 1000-token completion beside 50-token ones would make them all 1000 wide). The weighted micro-batch
-    losses sum to the batch loss whatever rows go together, so the gradient is the same; False: consecutive
-    rows, in the batch's order.
-
-    The weight is the slice's share of the optimisation batch: its completion tokens / total_tokens ("token")
-    or its rows / total_rows ("sequence"), times world_size. total_*: the counts over every rank (default: this
-    batch's own, the one-rank case); world_size: the ranks the trainer averages the gradients over, so the
-    weights of all ranks' slices sum to world_size and the averaged gradient is the whole batch's."""
-    if micro_batch < 1:
-        raise InvalidArgumentError(f"micro_batch must be >= 1, got {micro_batch}")
+    The weight is the micro-batch's share of the optimisation batch: its completion tokens / total_tokens
+    ("token") or its rows / total_rows ("sequence"), times world_size. total_*: the counts over every rank
+    (default: this batch's own, the one-rank case); world_size: the ranks the trainer averages the gradients
+    over, so the weights of all ranks' micro-batches sum to world_size and the averaged gradient is the whole
+    batch's, whatever rows go together."""
     if loss_norm not in ("sequence", "token"):
         raise InvalidArgumentError(f"loss_norm must be 'sequence' or 'token', got {loss_norm!r}")
     if world_size < 1:
@@ -149,18 +147,31 @@ def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "se
     B = len(batch)
     tokens = float(batch.completion_mask.sum()) if total_tokens is None else float(total_tokens)
     rows = float(B) if total_rows is None else float(total_rows)
-    order = (torch.sort(batch.attention_mask.sum(dim=1).cpu(), descending=True, stable=True).indices
-             if by_length else None)
+    groups = micro_batch_rows(batch.attention_mask.sum(dim=1), micro_batch, max_tokens=max_tokens,
+                              by_length=by_length, count=count)
     out = []
-    for s in range(0, B, micro_batch):
-        e = min(s + micro_batch, B)
-        mb = batch.select(slice(s, e) if order is None else order[s:e].to(batch.input_ids.device))
+    for g in groups:
+        mb = batch.select(g.to(batch.input_ids.device))
         if loss_norm == "token" and tokens > 0:
             share = float(mb.completion_mask.sum()) / tokens
         else:           # sequence norm, or no completion token anywhere (the loss is 0 either way)
             share = len(mb) / rows
         out.append(replace(mb, loss_weight=batch.loss_weight * share * world_size))
     return out
+
+
+def micro_batch_count(batch: GRPOBatch, micro_batch: int, max_tokens: Optional[int], *, world_size: int = 1,
+                      process_group=None, device=None) -> Optional[int]:
+    """How many micro-batches every rank runs when a token budget makes the count differ between ranks: the
+    most any rank needs (one all-reduce, every rank calls it). None when the ranks agree anyway."""
+    if max_tokens is None or world_size <= 1:
+        return None
+    import torch.distributed as dist
+
+    n = len(micro_batch_rows(batch.attention_mask.sum(dim=1), micro_batch, max_tokens=max_tokens))
+    t = torch.tensor([n], dtype=torch.int64, device=device if device is not None else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
+    return int(t.item())
 
 
 def global_counts(batch: GRPOBatch, *, world_size: int = 1, process_group=None,
@@ -210,9 +221,11 @@ class MetricAccumulator:
 def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                          backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
                          before_micro: Optional[Callable[[bool], None]] = None, device=None,
-                         world_size: int = 1, process_group=None) -> dict[str, float]:
+                         world_size: int = 1, process_group=None,
+                         micro_batch_tokens: Optional[int] = None) -> dict[str, float]:
     """Forward/backward every micro-batch of `batch` (this rank's rows); the caller averages the gradients
-    over the ranks and steps the optimizer afterwards.
+    over the ranks and steps the optimizer afterwards. micro_batch_tokens: micro-batches by a token budget
+    instead of micro_batch rows (every rank then runs as many as the rank that needs most).
 
     The one micro-batch loop of every Trainer. backward(loss) gets each micro-batch's loss, already weighted
     by its share of the batch over all ranks (torch: loss.backward(); DeepSpeed: engine.backward(loss,
@@ -224,8 +237,10 @@ def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batc
     the batch loss times world_size: its mean over the ranks is the batch loss), `micro_batches`."""
     acc = MetricAccumulator()
     tokens, rows = global_counts(batch, world_size=world_size, process_group=process_group, device=device)
+    count = micro_batch_count(batch, micro_batch, micro_batch_tokens, world_size=world_size,
+                              process_group=process_group, device=device)
     micro = split_micro_batches(batch, micro_batch, cfg.loss_norm, total_tokens=tokens, total_rows=rows,
-                                world_size=world_size)
+                                world_size=world_size, max_tokens=micro_batch_tokens, count=count)
     for i, mb in enumerate(micro):
         if device is not None:
             mb = mb.to(device, non_blocking=True)
@@ -260,7 +275,8 @@ def split_mini_batches(batch: GRPOBatch, mini_batches: int) -> list[GRPOBatch]:
 
 @torch.no_grad()
 def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
-                        ref_logprobs_fn: Optional[RefLogprobsFn] = None, device=None) -> GRPOBatch:
+                        ref_logprobs_fn: Optional[RefLogprobsFn] = None, device=None,
+                        micro_batch_tokens: Optional[int] = None) -> GRPOBatch:
     """`batch` with first_logprobs: the model's logprobs before any update on it (one forward without a graph,
     micro-batch by micro-batch), the old policy of every later update; and with the reference logprobs when
     the KL needs them, so reusing the batch does not run the reference again."""
@@ -268,14 +284,14 @@ def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch
     B, T = batch.input_ids.shape
     first = torch.zeros(B, T, dtype=torch.float32)
     ref = torch.zeros(B, T, dtype=torch.float32) if need_ref else None
-    for s in range(0, B, micro_batch):
-        mb = batch.select(slice(s, min(s + micro_batch, B)))
+    for rows in micro_batch_rows(batch.attention_mask.sum(dim=1), micro_batch, max_tokens=micro_batch_tokens):
+        mb = batch.select(rows.to(batch.input_ids.device))
         if device is not None:
             mb = mb.to(device, non_blocking=True)
         w = mb.input_ids.shape[1]           # select trimmed the trailing padding: write back into [B, T]
-        first[s:s + len(mb), :w] = policy_logprobs(model, mb, cfg.temperature).float().cpu()
+        first[rows, :w] = policy_logprobs(model, mb, cfg.temperature).float().cpu()
         if ref is not None and ref_logprobs_fn is not None:
-            ref[s:s + len(mb), :w] = ref_logprobs_fn(mb).float().cpu()
+            ref[rows, :w] = ref_logprobs_fn(mb).float().cpu()
     mask = batch.completion_mask.cpu() > 0
     dev = batch.input_ids.device
     first = torch.where(mask, first, torch.zeros_like(first)).to(dev)
@@ -309,7 +325,7 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
                    backward: Callable[[Tensor], None], optimizer_step: Callable[[], dict[str, float]],
                    ref_logprobs_fn: Optional[RefLogprobsFn] = None,
                    before_micro: Optional[Callable[[bool], None]] = None, device=None, world_size: int = 1,
-                   process_group=None) -> dict[str, float]:
+                   process_group=None, micro_batch_tokens: Optional[int] = None) -> dict[str, float]:
     """Every optimizer step a Trainer takes on one batch (its train_step): cfg.num_iterations passes over the
     batch (TRL num_iterations, verl ppo_epochs), each split into cfg.mini_batches mini-batches (verl
     ppo_mini_batch_size), one accumulate_gradients + optimizer_step() per mini-batch.
@@ -320,14 +336,15 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
     metrics join the update's. Returns the updates' combined metrics and `optimizer_steps`."""
     if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
         batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
-                                    device=device)
+                                    device=device, micro_batch_tokens=micro_batch_tokens)
     minis = split_mini_batches(batch, cfg.mini_batches)
     per_update = []
     for _ in range(cfg.num_iterations):
         for mb in minis:
             m = accumulate_gradients(model, mb, cfg, micro_batch=micro_batch, backward=backward,
                                      ref_logprobs_fn=ref_logprobs_fn, before_micro=before_micro, device=device,
-                                     world_size=world_size, process_group=process_group)
+                                     world_size=world_size, process_group=process_group,
+                                     micro_batch_tokens=micro_batch_tokens)
             m.update(optimizer_step())
             per_update.append(m)
     out = combine_updates(per_update)

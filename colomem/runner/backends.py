@@ -161,7 +161,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             cpu_base = hf_rollout.base_parameters() if cfg.shared_base else None
             lap("rollout")
             torch_trainer = TorchTrainer(
-                model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, grad_accum=grad_accum, grpo=cfg.grpo,
+                model_path, lr=cfg.lr, micro_batch=cfg.micro_batch, micro_batch_tokens=cfg.micro_batch_tokens,
+                grad_accum=grad_accum, grpo=cfg.grpo,
                 lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                 seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing,
                 checkpoint_every=cfg.checkpoint_every, trust_remote_code=cfg.trust_remote_code, process_group=ranks.group, world_size=ranks.world_size,

@@ -61,6 +61,9 @@ class RunConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     micro_batch: int = Field(64, gt=0, description="sequences per forward/backward")
+    micro_batch_tokens: Optional[int] = Field(None, gt=0, description="micro-batches by a token budget instead "
+                                              "of --micro-batch rows: rows go longest first while rows x the "
+                                              "longest stays within it (verl's ppo_max_token_len_per_gpu)")
     grad_accum: Optional[int] = Field(None, gt=0, description="unset = rows per rank / micro_batch")
     zero_stage: Literal[2, 3] = Field(2, description="DeepSpeed ZeRO stage of the GPU trainer (2: optimizer "
                                                      "state and gradients sharded; 3: parameters too)")
@@ -242,6 +245,7 @@ class RunConfig(_Strict):
         from colomem.engines.deepspeed.config import DeepSpeedConfig
 
         return DeepSpeedConfig(zero_stage=self.zero_stage, lr=self.lr, micro_batch=self.micro_batch,
+                               micro_batch_tokens=self.micro_batch_tokens,
                                grad_accum=grad_accum if grad_accum is not None else self.grad_accum,
                                gradient_checkpointing=self.gradient_checkpointing,
                                checkpoint_every=self.checkpoint_every,

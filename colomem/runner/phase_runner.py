@@ -22,7 +22,8 @@ from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
-                        micro_batch_hint, needs_measuring, reload_at_step, state_to_plan, train_spare)
+                        micro_batch_hint, micro_batch_tokens_hint, needs_measuring, reload_at_step, state_to_plan,
+                        train_spare)
 from .ranks import Ranks
 from .recompute_plan import RecomputeProbe, probe, recompute_hint
 from .status import StatusFile
@@ -286,7 +287,9 @@ class PhaseRunner:
                                     margin, self._optim_out_allowed)
             hint = "; ".join(h for h in (shrink, hint) if h)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
-            micro_hint = micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
+            micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
+                          if c.micro_batch_tokens is None else
+                          micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin, taken=grown))
             recompute = self._recompute_hint(figs, margin, grown)
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if self.reload_why:
@@ -338,8 +341,9 @@ class PhaseRunner:
         self.recompute_probe = probe(self.trainer, self.train_width)
         if self.recompute_probe is None:
             return ""
-        return recompute_hint(train_spare(self.placement, figs, margin, taken), self.recompute_probe,
-                              self.cfg.micro_batch)
+        tokens = self.cfg.micro_batch_tokens
+        rows = self.cfg.micro_batch if tokens is None else max(1, tokens // self.train_width)
+        return recompute_hint(train_spare(self.placement, figs, margin, taken), self.recompute_probe, rows)
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer

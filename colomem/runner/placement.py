@@ -341,6 +341,24 @@ def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch
             "the batch). The KV cache hint above counts the same free memory")
 
 
+def micro_batch_tokens_hint(p: Placement, figures: Sequence[MemoryFigures], tokens: int, margin: Optional[int] = None,
+                            taken: int = 0) -> str:
+    """micro_batch_hint for micro-batches by a token budget: the largest --micro-batch-tokens (a multiple of
+    256) the memory left free would hold, the activations taken as linear in the budget."""
+    if not figures or tokens <= 0:
+        return ""
+    spare = train_spare(p, figures, margin, taken)
+    per_token = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / tokens for f in figures)
+    if per_token <= 0:
+        return ""
+    best = (tokens + int(spare // per_token)) // 256 * 256
+    if best <= tokens:
+        return ""
+    return (f"{format_bytes(spare)} stays free with this placement: --micro-batch-tokens up to {best} (now {tokens}) "
+            "would fit, estimated from this step's training peak; fewer, larger micro-batches often train faster, "
+            "and the update stays the same up to rounding. The KV cache hint above counts the same free memory")
+
+
 # The largest bucket the planner grows the weight bridge to: beyond it a sync gains nothing measurable (a 7B
 # model syncs fastest with 4 GiB buckets), while each buffer of it stays allocated for the whole job.
 MAX_SYNC_BUCKET = 4 << 30
@@ -412,4 +430,4 @@ __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", 
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
-           "kv_hint", "micro_batch_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
+           "kv_hint", "micro_batch_hint", "micro_batch_tokens_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]

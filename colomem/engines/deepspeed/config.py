@@ -161,7 +161,8 @@ class DeepSpeedConfig(BaseModel):
 
     zero_stage: 2 or 3. micro_batch: rows per forward/backward; grad_accum: the nominal micro-batches per step
         (train_step takes any batch size: the accumulation boundary is set by hand at its last micro-batch;
-        None = 1). offload: "colomem" (pool swaps) | "deepspeed" (engine.offload_states) | "to" (.to loop).
+        None = 1). micro_batch_tokens: micro-batches by a token budget instead (rows, longest first, while rows
+        x the longest stays within it; colomem.grpo.micro_batches). offload: "colomem" (pool swaps) | "deepspeed" (engine.offload_states) | "to" (.to loop).
     gradient_checkpointing / checkpoint_every: recompute in the backward every checkpoint_every-th decoder
         layer's forward (1: all of them; colomem.engines.recompute).
     torch_adam: torch's AdamW instead of DeepSpeed's FusedAdam (no JIT build of the fused kernel).
@@ -183,6 +184,7 @@ class DeepSpeedConfig(BaseModel):
     zero_stage: Literal[2, 3] = 2
     lr: float = 1e-5
     micro_batch: int = 1
+    micro_batch_tokens: Optional[int] = None
     grad_accum: Optional[int] = 1
     gradient_checkpointing: bool = True
     checkpoint_every: int = Field(1, ge=1)
@@ -218,10 +220,10 @@ class DeepSpeedConfig(BaseModel):
                              "0/1 use DeepSpeed's BF16_Optimizer, whose buffers this adapter does not move")
         return v
 
-    @field_validator("micro_batch", "grad_accum", mode="before")
+    @field_validator("micro_batch", "grad_accum", "micro_batch_tokens", mode="before")
     @classmethod
     def _count(cls, v: Any, info) -> Any:
-        if v is None and info.field_name == "grad_accum":
+        if v is None and info.field_name in ("grad_accum", "micro_batch_tokens"):
             return v
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{info.field_name}={v!r}: must be an integer >= 1")

@@ -84,6 +84,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self.zero_stage = config.zero_stage
         self.lora = lora
         self.micro_batch = config.micro_batch
+        self.micro_batch_tokens = config.micro_batch_tokens
         self.grad_accum = config.accum_steps
         self.offload_method = config.offload
         self.timeout_s = float(config.timeout_s)
@@ -238,7 +239,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
 
         try:
             out = train_on_batch(
-                engine, batch, self.grpo, micro_batch=self.micro_batch, ref_logprobs_fn=ref_fn, device=self.device,
+                engine, batch, self.grpo, micro_batch=self.micro_batch, micro_batch_tokens=self.micro_batch_tokens,
+                ref_logprobs_fn=ref_fn, device=self.device,
                 before_micro=engine.set_gradient_accumulation_boundary, optimizer_step=optimizer_step,
                 backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),   # loss carries its weight
                 # DeepSpeed averages the gradients over the data-parallel ranks (all of them): the weights
