@@ -27,6 +27,7 @@ Writes DIR/diag_train.json and DIR/diag_train.md.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -278,9 +279,7 @@ def run(cfg, args, say=say) -> dict:
                         raise
                     r["oom"] = f"{type(e).__name__}: {str(e)[:300]}"
                     alive.remove((name, mb, every))
-                    trainer_zero_grad(trainer)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    trainer, model = after_oom(trainer, cfg, inputs.model_path, rows, device)
                     say(f"{name}: out of memory, left out of the later rounds")
                     continue
                 r["peak_allocated"] = max(r["peak_allocated"], peak)
@@ -327,11 +326,22 @@ def profiled(alive: list, res: dict, config_name: str) -> list:
     return [v for v in alive if v[0] == config_name or v is fastest]
 
 
-def trainer_zero_grad(trainer) -> None:
-    """Gradients a failed step left behind, dropped (the next step starts from none)."""
+def after_oom(trainer, cfg, model_path: str, rows: int, device: torch.device):
+    """(trainer, model) to go on with after a step ran out of memory. A DeepSpeed engine that failed inside its
+    backward holds half-filled gradient buckets and reduction flags no public call resets, so the next step
+    would fail or train on a mix: it is closed and built again (the weights do not matter here). The CPU
+    trainer only drops the gradients the failed step left."""
+    if device.type == "cuda":
+        trainer.close()
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+        trainer = build_trainer(cfg, model_path, rows)
+        return trainer, trainer_module(trainer)
     model = trainer_module(trainer)
     for p in model.parameters():
         p.grad = None
+    return trainer, model
 
 
 def profiled_step(trainer, batch, device: torch.device) -> dict:

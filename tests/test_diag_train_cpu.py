@@ -1,10 +1,11 @@
 """The training diagnostic (benchmarks/diag_train.py) on the CPU trainer: each variant really runs with its
 micro-batch and its recompute (the micro-batches a step ran, the decoder layers checkpointed), the executed
-FLOPs count the recompute, a bad variant is refused before anything is built, and the JSON and table are
-written."""
+FLOPs count the recompute, a bad variant is refused before anything is built, a variant out of memory is
+recorded and the others go on, and the JSON and table are written."""
 import json
 
 import pytest
+import torch
 
 from bench_module import load_benchmark
 from colomem.errors import ConfigError
@@ -49,3 +50,28 @@ def test_each_variant_runs_as_named_on_the_cpu_trainer(tmp_path, job_env):
     assert v["mb4"]["flops"] > v["mb2-gc2"]["flops"] > v["mb4-nogc"]["flops"] > 0
     assert v["mb4"]["speedup_vs_config"] == 1.0
     assert "| mb2-gc2 |" in (out / "diag_train.md").read_text()
+
+
+def test_a_variant_out_of_memory_is_a_result_and_the_others_go_on(tmp_path, job_env, monkeypatch):
+    real_step, real_after = diag.timed_step, diag.after_oom
+    rebuilt = []
+
+    def step(trainer, batch, device):
+        if trainer.micro_batch == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(trainer, batch, device)
+
+    def after(trainer, *a):
+        rebuilt.append(trainer.micro_batch)
+        return real_after(trainer, *a)
+
+    monkeypatch.setattr(diag, "timed_step", step)
+    monkeypatch.setattr(diag, "after_oom", after)
+    out = tmp_path / "diag"
+    assert diag.main(["--out", str(out), "--rows", "8", "--completion-len", "4", "--rounds", "2",
+                      "--micro-batch", "4", "--variants", "mb4,mb8,mb2"]) == 0
+    v = json.loads((out / "diag_train.json").read_text())["variants"]
+    assert v["mb8"]["oom"].startswith("OutOfMemoryError") and v["mb8"]["step_s"] == []
+    assert rebuilt == [8]                                  # once: left out of the later rounds
+    assert len(v["mb4"]["step_s"]) == len(v["mb2"]["step_s"]) == 2
+    assert "out of memory" in (out / "diag_train.md").read_text().lower()
