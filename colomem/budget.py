@@ -137,17 +137,22 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
              hidden: Optional[int] = None,
              layers: Optional[int] = None, vocab: Optional[int] = None, vllm_overhead_gib: float = 2.0,
              vllm_asleep_gib: float = 1.5, context_gib: float = 0.6, host_gib: Optional[float] = None,
-             reduce_bucket: float = 5e8, bridge_gib: float = 1.0, shared_base: bool = False) -> Budget:
+             reduce_bucket: float = 5e8, bridge_gib: float = 1.0, shared_base: bool = False,
+             micro_batch_tokens: Optional[int] = None) -> Budget:
     """The budget of one GPU. gpus: data-parallel ranks (ZeRO shards over them); tp: vLLM tensor parallel.
     bridge_gib: the weight bridge's buffers (bucket size x buffers; 512 MiB x 2 by default), which stay
     allocated in the trainer process through both phases (0 with sync_transport='direct'). shared_base: a
     LoRA job whose trainer reads vLLM's weights (--shared-base): the base is counted once, as vLLM's, and it
     stays on the GPU while the trainer trains (vLLM sleeps its KV cache only); the sync is in process.
-    checkpoint_every: with grad_ckpt, every K-th decoder layer is checkpointed (the runner's --checkpoint-every)."""
+    checkpoint_every: with grad_ckpt, every K-th decoder layer is checkpointed (the runner's --checkpoint-every).
+    micro_batch_tokens: micro-batches by a token budget (the runner's --micro-batch-tokens) instead of
+    micro_batch rows: a micro-batch then holds at most that many positions, or one row of seq_len."""
     if params <= 0 or gpus < 1 or tp < 1 or zero not in (0, 1, 2, 3) or gpu_gib <= 0 or bridge_gib < 0:
         raise ValueError("need params > 0, gpus >= 1, tp >= 1, zero in 0..3, gpu_gib > 0, bridge_gib >= 0")
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
     if tp > gpus:
         raise ValueError(f"tp ({tp}) cannot exceed the number of GPUs ({gpus})")
     if shared_base and (not lora or zero == 3 or tp > 1):
@@ -160,6 +165,7 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
                        "gpus": gpus, "tp": tp, "gpu_gib": gpu_gib, "micro_batch": micro_batch,
                        "seq_len": seq_len, "grad_ckpt": grad_ckpt,
                        "checkpoint_every": checkpoint_every if grad_ckpt else None, "shape": asdict(shape),
+                       "micro_batch_tokens": micro_batch_tokens,
                        "shared_base": shared_base},
                gpu_bytes=gpu_gib * GiB)
 
@@ -181,9 +187,10 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     buckets = Item("ZeRO reduce buckets", min(reduce_bucket * 2.0, 2 * trainable) if zero >= 1 else 0.0)
 
     # ---- activations of one micro-batch (bytes): ~34 * b*s*h per layer (flash attention, no s^2 term)
-    act = activation_bytes(shape, micro_batch, seq_len, checkpointed_layers(shape.layers, grad_ckpt,
-                                                                            checkpoint_every))
-    logits = micro_batch * seq_len * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
+    # a micro-batch's rows and width: a token budget holds its tokens (or one longer row) as one wide row
+    rows, width = (1, max(micro_batch_tokens, seq_len)) if micro_batch_tokens else (micro_batch, seq_len)
+    act = activation_bytes(shape, rows, width, checkpointed_layers(shape.layers, grad_ckpt, checkpoint_every))
+    logits = rows * width * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
     gathered = 2 * P / N * (N - 1) / max(shape.layers, 1) * 2 if zero == 3 and N > 1 else 0.0
 
     bridge = Item("weight bridge buffers", bridge_gib * GiB, False)
@@ -255,7 +262,9 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
         tips = []
         if not grad_ckpt:
             tips.append("turn on gradient checkpointing")
-        if micro_batch > 1:
+        if micro_batch_tokens:
+            tips.append("lower --micro-batch-tokens")
+        elif micro_batch > 1:
             tips.append("lower --micro-batch")
         if not lora:
             tips.append("use LoRA")
@@ -265,7 +274,7 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
             tips.append("shard over more GPUs (ZeRO)")
         b.advice.append(f"training does not fit: {over / GiB:.1f} GiB over. Try: {', '.join(tips) or 'a larger GPU'}")
     if grad_ckpt and b.train_fits:
-        _recompute_advice(b, shape, micro_batch, seq_len, checkpoint_every, (fwd, cast, grads, beside))
+        _recompute_advice(b, shape, rows, width, checkpoint_every, (fwd, cast, grads, beside))
     moved = total_state
     if b.placement is not None:
         keep = set(b.placement["keep"])
@@ -352,9 +361,11 @@ def format_budget(b: Budget) -> str:
         return "\n".join([f"{title}:"] + rows + [f"  {'total':<46} {tot / GiB:9.2f} GiB of {b.gpu_bytes / GiB:.0f} GiB"
                                                   f"  -> {verdict}"])
     inp = b.inputs
+    micro = (f"micro-batches of at most {inp['micro_batch_tokens']} tokens (rows of up to {inp['seq_len']})"
+             if inp.get("micro_batch_tokens") else f"micro-batch {inp['micro_batch']} x {inp['seq_len']} tokens")
     head = (f"{inp['params'] / 1e9:.2f} B params ({'LoRA r=%d' % inp['lora_r'] if inp['lora'] else 'full fine-tune'}),"
-            f" ZeRO-{inp['zero']}, {inp['gpus']} GPU(s), vLLM TP {inp['tp']}, micro-batch {inp['micro_batch']} x "
-            f"{inp['seq_len']} tokens, gradient checkpointing {'on' if inp['grad_ckpt'] else 'off'}")
+            f" ZeRO-{inp['zero']}, {inp['gpus']} GPU(s), vLLM TP {inp['tp']}, {micro}, gradient checkpointing "
+            f"{'on' if inp['grad_ckpt'] else 'off'}")
     parts = [head, "", table("rollout phase (per GPU)", b.rollout), "", table("train phase (per GPU)", b.train), "",
              f"answer: {'fits' if b.fits else 'does NOT fit'}; suggested --gpu-memory-utilization "
              f"{b.suggested_gpu_memory_utilization}"]
@@ -376,6 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--gpu-gib", type=float, default=141.0, help="memory of one GPU (H200: 141)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch-tokens", type=int,
+                   help="micro-batches by a token budget instead of --micro-batch rows (the runner's flag)")
     p.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
     p.add_argument("--checkpoint-every", type=int, default=1,
                    help="with gradient checkpointing: every K-th decoder layer only (the runner's flag)")
@@ -397,7 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      grad_ckpt=a.grad_ckpt, checkpoint_every=a.checkpoint_every, hidden=a.hidden,
                      layers=a.layers, vocab=a.vocab,
                      vllm_overhead_gib=a.vllm_overhead_gib, vllm_asleep_gib=a.vllm_asleep_gib, host_gib=a.host_gib,
-                     bridge_gib=a.bridge_gib, shared_base=a.shared_base)
+                     bridge_gib=a.bridge_gib, shared_base=a.shared_base, micro_batch_tokens=a.micro_batch_tokens)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(b.to_dict(), indent=1) if a.json else format_budget(b))

@@ -200,3 +200,19 @@ def test_room_while_training_names_the_fewest_checkpointed_layers_that_fit():
     hints = [a for a in tight.advice if "recompute fewer layers" in a]
     assert tight.train_fits and len(hints) == 1 and "--checkpoint-every 4 checkpoints 7 of 28" in hints[0]
     assert not any("recompute fewer" in a for a in estimate(1.5e9, grad_ckpt=False).advice)
+
+
+def test_a_token_budget_sizes_the_activations_by_its_tokens(capsys):
+    rows = _items(estimate(1.5e9, micro_batch=16, seq_len=1024).train)
+    tokens = _items(estimate(1.5e9, micro_batch=64, seq_len=1024, micro_batch_tokens=16384).train)
+    # 16384 tokens a micro-batch are 16 rows of 1024, whatever --micro-batch says
+    assert tokens["activations"] == rows["activations"] > 0 and tokens["logits"] == rows["logits"]
+    # a row longer than the budget goes alone: the micro-batch is that row
+    long = _items(estimate(1.5e9, seq_len=32768, micro_batch_tokens=4096).train)
+    assert long["activations"] == _items(estimate(1.5e9, micro_batch=1, seq_len=32768).train)["activations"]
+    tight = estimate(7e9, gpu_gib=40, micro_batch_tokens=65536, seq_len=1024)
+    assert not tight.train_fits and any("lower --micro-batch-tokens" in a for a in tight.advice)
+    with pytest.raises(ValueError):
+        estimate(1.5e9, micro_batch_tokens=0)
+    main(["--params", "1.5e9", "--micro-batch-tokens", "4096", "--seq-len", "512"])
+    assert "micro-batches of at most 4096 tokens" in capsys.readouterr().out
