@@ -38,8 +38,10 @@ WORKER = textwrap.dedent(r'''
             self.emb = torch.nn.Embedding(V, H)
             self.mix = torch.nn.Linear(H, H)
             self.out = torch.nn.Linear(H, V)
+            self.forwards = 0
 
         def forward(self, input_ids, attention_mask=None, use_cache=False):
+            self.forwards += 1
             h = torch.tanh(self.mix(self.emb(input_ids)))
             h = torch.cumsum(h, dim=1) / torch.arange(1, input_ids.shape[1] + 1)[None, :, None]   # causal
             return SimpleNamespace(logits=self.out(h))
@@ -137,7 +139,7 @@ WORKER = textwrap.dedent(r'''
             t, grads = deepspeed_trainer(grpo, world_size, tokens)
         metrics = [t.train_step(batch) for _ in range(case.get("train_steps", 2))]
         weights = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-        return {"grads": grads, "weights": weights, "metrics": metrics}
+        return {"grads": grads, "weights": weights, "metrics": metrics, "forwards": t.model.forwards}
 
 
     if __name__ == "__main__":
@@ -179,6 +181,9 @@ CASES = [
     # ranks run three (each backward may reduce gradients) and train as one rank on the whole batch
     {"name": "token-budget", "lengths": [1, 2, 1, 9, 10, 8], "rows": [[0, 1, 2], [3, 4, 5]], "micro_batch_tokens": 14,
      "grpo": {"loss_norm": "token"}},
+    # and with a first no-grad pass over the batch (two updates on it): as many forwards on both ranks there too
+    {"name": "token-budget-reuse", "lengths": [1, 2, 1, 9, 10, 8], "rows": [[0, 1, 2], [3, 4, 5]],
+     "micro_batch_tokens": 14, "grpo": {"loss_norm": "token", "num_iterations": 2}},
     {"name": "token-is-sequence", "lengths": LENGTHS, "rows": [[0, 1, 2], [3, 4, 5]],
      "grpo": {"loss_norm": "token", "is_correction": "sequence", "is_cap": 2.0, "entropy_coef": 0.05}},
 ]
@@ -263,3 +268,6 @@ def test_ranks_run_as_many_micro_batches_under_a_token_budget(ranks):
     kind, results, mod = ranks
     r0, r1 = results[0]["token-budget"], results[1]["token-budget"]
     assert r0["metrics"][0]["micro_batches"] == r1["metrics"][0]["micro_batches"] == 3
+    # two train steps of one first pass and two updates each: (3 + 2 x 3) x 2 forwards on both ranks
+    reuse0, reuse1 = results[0]["token-budget-reuse"], results[1]["token-budget-reuse"]
+    assert reuse0["forwards"] == reuse1["forwards"] == 18

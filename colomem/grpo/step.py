@@ -276,7 +276,8 @@ def split_mini_batches(batch: GRPOBatch, mini_batches: int) -> list[GRPOBatch]:
 @torch.no_grad()
 def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                         ref_logprobs_fn: Optional[RefLogprobsFn] = None, device=None,
-                        micro_batch_tokens: Optional[int] = None) -> GRPOBatch:
+                        micro_batch_tokens: Optional[int] = None, world_size: int = 1,
+                        process_group=None) -> GRPOBatch:
     """`batch` with first_logprobs: the model's logprobs before any update on it (one forward without a graph,
     micro-batch by micro-batch), the old policy of every later update; and with the reference logprobs when
     the KL needs them, so reusing the batch does not run the reference again."""
@@ -284,7 +285,11 @@ def with_first_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch
     B, T = batch.input_ids.shape
     first = torch.zeros(B, T, dtype=torch.float32)
     ref = torch.zeros(B, T, dtype=torch.float32) if need_ref else None
-    for rows in micro_batch_rows(batch.attention_mask.sum(dim=1), micro_batch, max_tokens=micro_batch_tokens):
+    # as many forwards on every rank (ZeRO-3 gathers each layer's weights from all ranks in every forward)
+    count = micro_batch_count(batch, micro_batch, micro_batch_tokens, world_size=world_size,
+                              process_group=process_group, device=device)
+    for rows in micro_batch_rows(batch.attention_mask.sum(dim=1), micro_batch, max_tokens=micro_batch_tokens,
+                                 count=count):
         mb = batch.select(rows.to(batch.input_ids.device))
         if device is not None:
             mb = mb.to(device, non_blocking=True)
@@ -336,7 +341,8 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
     metrics join the update's. Returns the updates' combined metrics and `optimizer_steps`."""
     if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
         batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
-                                    device=device, micro_batch_tokens=micro_batch_tokens)
+                                    device=device, micro_batch_tokens=micro_batch_tokens, world_size=world_size,
+                                    process_group=process_group)
     minis = split_mini_batches(batch, cfg.mini_batches)
     per_update = []
     for _ in range(cfg.num_iterations):
