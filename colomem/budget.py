@@ -190,7 +190,11 @@ def estimate(params: float, *, lora: bool = False, lora_r: int = 16, zero: int =
     # a micro-batch's rows and width: a token budget holds its tokens (or one longer row) as one wide row
     rows, width = (1, max(micro_batch_tokens, seq_len)) if micro_batch_tokens else (micro_batch, seq_len)
     act = activation_bytes(shape, rows, width, checkpointed_layers(shape.layers, grad_ckpt, checkpoint_every))
-    logits = rows * width * shape.vocab * (2 + 4 + 4)  # bf16 logits, fp32 logprob pass, their grads
+    # bf16 logits (kept for the backward) and fp32 work in chunks of at most 4096 positions
+    # (grpo/selected_logprobs.py): the forward holds a chunk and its exp, the backward the logits' bf16 gradient
+    # and one fp32 chunk; no fp32 copy of every logit is kept
+    n, c = rows * width, min(rows * width, 4096)
+    logits = shape.vocab * max(2 * n + 8 * c, 4 * n + 4 * c)
     gathered = 2 * P / N * (N - 1) / max(shape.layers, 1) * 2 if zero == 3 and N > 1 else 0.0
 
     bridge = Item("weight bridge buffers", bridge_gib * GiB, False)

@@ -196,7 +196,7 @@ def test_room_while_training_names_the_fewest_checkpointed_layers_that_fit():
     roomy = estimate(1.5e9, micro_batch=8, seq_len=261)
     assert any("--gradient-checkpointing false checkpoints 0 of 28" in a for a in roomy.advice)
     # a long sequence on a small GPU: no checkpointing would not fit, every fourth layer would
-    tight = estimate(1.5e9, micro_batch=1, seq_len=8192, gpu_gib=36)
+    tight = estimate(1.5e9, micro_batch=1, seq_len=8192, gpu_gib=32)
     hints = [a for a in tight.advice if "recompute fewer layers" in a]
     assert tight.train_fits and len(hints) == 1 and "--checkpoint-every 4 checkpoints 7 of 28" in hints[0]
     assert not any("recompute fewer" in a for a in estimate(1.5e9, grad_ckpt=False).advice)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from colomem.errors import InvalidArgumentError
-from colomem.grpo import loss as loss_mod
+from colomem.grpo import selected_logprobs as selected
 from colomem.grpo.batch import Completion, GRPOBatch, build_batch
 from colomem.grpo.config import GRPOConfig
 from colomem.grpo.loss import grpo_loss, kl_k3, token_logprobs
@@ -44,7 +44,7 @@ def test_token_logprobs_temperature_and_chunks(monkeypatch):
     logits = torch.randn(3, 7, 11, generator=g)
     ids = torch.randint(0, 11, (3, 7), generator=g)
     want = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    monkeypatch.setattr(loss_mod, "_CHUNK_ROWS", 4)        # several chunks, one partial
+    monkeypatch.setattr(selected, "CHUNK_POSITIONS", 4)      # several chunks, one partial
     got = token_logprobs(logits, ids, temperature=0.7)
     assert torch.allclose(got[:, 1:], want, atol=1e-6) and got[:, 0].abs().max() == 0
 

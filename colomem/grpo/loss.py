@@ -28,20 +28,25 @@ from torch import Tensor
 from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
+from .selected_logprobs import selected_logprobs
 
-# rows of logits turned into logprobs at once: bounds the fp32 copy for big vocabularies
+# rows of logits turned into entropies at once: bounds the fp32 copy for big vocabularies
 _CHUNK_ROWS = 4096
 
 
-def _prediction_rows(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, int]:
-    """The logits that predict a token of input_ids, one row per predicted token, and where those start.
-
-    logits may cover only the last K <= T positions (a forward with logits_to_keep=K): logits[:, k] belongs to
-    position T - K + k and predicts the token after it, so the predicted tokens are T - K + 1 .. T - 1."""
+def _window_start(logits: Tensor, input_ids: Tensor) -> int:
+    """The first token of input_ids the logits predict. logits may cover only the last K <= T positions (a
+    forward with logits_to_keep=K): logits[:, k] belongs to position T - K + k and predicts the token after it,
+    so the predicted tokens are T - K + 1 .. T - 1."""
     if logits.dim() != 3 or logits.shape[0] != input_ids.shape[0] or not 1 <= logits.shape[1] <= input_ids.shape[1]:
         raise InvalidArgumentError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}: "
                                    "expected [B, K, V] for the last K <= T positions of [B, T]")
-    first = input_ids.shape[1] - logits.shape[1] + 1
+    return input_ids.shape[1] - logits.shape[1] + 1
+
+
+def _prediction_rows(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, int]:
+    """The logits that predict a token of input_ids, one row per predicted token, and the first such token."""
+    first = _window_start(logits, input_ids)
     return logits[:, :-1, :].reshape(-1, logits.shape[-1]), first
 
 
@@ -54,21 +59,14 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     """[B, K, V] logits of the last K <= T positions -> [B, T] logprobs of input_ids, aligned with input_ids
     (0 where no logit predicts the token: position 0, and the positions before the window when K < T).
 
-    out[:, t] = log softmax(logit of position t - 1 / temperature)[input_ids[:, t]]; computed in fp32 in row
-    chunks (logsumexp + gather) so no [B, T, V] fp32 tensor is ever materialised.
+    out[:, t] = log softmax(logit of position t - 1 / temperature)[input_ids[:, t]]; computed in fp32 chunks,
+    and the backward keeps only the logits and a logsumexp per token (selected_logprobs.py), so no fp32 copy
+    of the logits lives until the backward.
     """
-    pred, first = _prediction_rows(logits, input_ids)
+    first = _window_start(logits, input_ids)
     B, T = input_ids.shape
-    target = input_ids[:, first:].reshape(-1)
-    parts = []
-    for s in range(0, pred.shape[0], _CHUNK_ROWS):
-        chunk = pred[s:s + _CHUNK_ROWS].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        picked = chunk.gather(1, target[s:s + _CHUNK_ROWS, None]).squeeze(1)
-        parts.append(picked - torch.logsumexp(chunk, dim=-1))
-    lp = torch.cat(parts) if parts else pred.new_zeros(0, dtype=torch.float32)
-    return _place(lp, B, T, first)
+    lp = selected_logprobs(logits, input_ids[:, first:], temperature)
+    return torch.cat([lp.new_zeros(B, first), lp], dim=1)
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, *, grad: bool = False,

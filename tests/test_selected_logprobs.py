@@ -1,0 +1,82 @@
+"""The sampled tokens' logprobs without an fp32 copy of the logits kept for the backward: the same values and
+gradients as autograd through fp32 chunks (every block layout, temperature, a window of positions), and what
+autograd keeps is the logits and a logsumexp per token, not 4 more bytes per logit."""
+import pytest
+import torch
+
+from colomem.grpo import selected_logprobs as sel
+from colomem.grpo.loss import token_logprobs
+
+
+def _reference(logits, ids, temperature):
+    """What token_logprobs computed with torch ops: fp32 chunks of rows, gather - logsumexp."""
+    B, K, V = logits.shape
+    first = ids.shape[1] - K + 1
+    pred = logits[:, :-1].reshape(-1, V)
+    target = ids[:, first:].reshape(-1)
+    parts = []
+    for s in range(0, pred.shape[0], 5):
+        c = pred[s:s + 5].float()
+        if temperature != 1.0:
+            c = c / temperature
+        parts.append(c.gather(1, target[s:s + 5, None]).squeeze(1) - torch.logsumexp(c, -1))
+    lp = torch.cat(parts).view(B, K - 1)
+    return torch.cat([lp.new_zeros(B, first), lp], dim=1)
+
+
+def _case(B, T, V, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, K, V, generator=g)).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return logits, ids
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 64])                # pieces of a row; rows; several rows a block
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_and_gradients_match_autograd_through_fp32_chunks(monkeypatch, chunk, temperature, dtype):
+    monkeypatch.setattr(sel, "CHUNK_POSITIONS", chunk)
+    for K in (9, 5, 1):                                      # the whole row, a window, no prediction at all
+        logits, ids = _case(3, 9, 23, K, dtype)
+        w = torch.randn(3, 9)
+        got = token_logprobs(logits, ids, temperature)
+        (got * w).sum().backward()
+        g_got = logits.grad.clone()
+        logits.grad = None
+        if K == 1:
+            assert not got.any() and not g_got.any()
+            continue
+        want = _reference(logits, ids, temperature)
+        (want * w).sum().backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(g_got, logits.grad, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+        assert got.dtype == torch.float32 and g_got.dtype == dtype
+        assert not g_got[:, -1].any()                        # the last position predicts nothing
+
+
+def test_gradcheck_in_double():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.randint(0, 5, (2, 5), generator=g)
+    for chunk in (2, 16):
+        assert torch.autograd.gradcheck(lambda x: sel.selected_logprobs(x, ids, 0.9, chunk=chunk), (logits,))
+
+
+def _saved_bytes(fn):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved)
+
+
+def test_the_backward_keeps_the_logits_not_an_fp32_copy():
+    logits, ids = _case(4, 65, 1000, 65, torch.bfloat16)
+    n = logits.numel()
+    _, ours = _saved_bytes(lambda: token_logprobs(logits, ids))
+    _, torch_ops = _saved_bytes(lambda: _reference(logits, ids, 1.0))
+    assert ours <= 2 * n + 16 * 4 * 65                       # the bf16 logits, the targets and a logsumexp a token
+    assert torch_ops >= 4 * n * 64 / 65                      # an fp32 copy of every predicting logit
