@@ -109,3 +109,15 @@ def test_a_model_without_logits_to_keep_gets_every_position():
     loss, _ = compute_loss(Plain(), batch, GRPOConfig(clip_eps=0.2, kl_coef=0.0))
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_a_peft_model_passes_the_window_through():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    rows = _lm_head_rows(model.get_base_model())
+    batch = _batch().select(slice(0, 4))
+    loss, _ = compute_loss(model, batch, GRPOConfig(clip_eps=0.2, kl_coef=0.0))
+    loss.backward()
+    assert rows == [batch.input_ids.shape[1] - 7 + 1]
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
