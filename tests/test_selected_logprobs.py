@@ -80,3 +80,21 @@ def test_the_backward_keeps_the_logits_not_an_fp32_copy():
     _, torch_ops = _saved_bytes(lambda: _reference(logits, ids, 1.0))
     assert ours <= 2 * n + 16 * 4 * 65                       # the bf16 logits, the targets and a logsumexp a token
     assert torch_ops >= 4 * n * 64 / 65                      # an fp32 copy of every predicting logit
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_the_entropy_metric_from_the_same_pass_matches_token_entropy(monkeypatch, chunk):
+    from colomem.grpo.loss import token_entropy, token_logprobs_and_entropy
+
+    monkeypatch.setattr(sel, "CHUNK_POSITIONS", chunk)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, ids = _case(3, 9, 23, 7, dtype, seed=2)
+        lp, ent = token_logprobs_and_entropy(logits, ids, 0.8)
+        torch.testing.assert_close(lp, token_logprobs(logits, ids, 0.8), rtol=0, atol=0)
+        torch.testing.assert_close(ent, token_entropy(logits.detach(), 0.8, input_ids=ids), rtol=1e-5, atol=1e-5)
+        assert not ent.requires_grad and lp.requires_grad
+        lp.sum().backward()                                  # the entropy takes no part in the gradient
+        g = logits.grad.clone()
+        logits.grad = None
+        token_logprobs(logits, ids, 0.8).sum().backward()
+        assert torch.equal(g, logits.grad)

@@ -57,7 +57,8 @@ class GRPOConfig(_Strict):
         "policy", description="ratio denominator: policy = the trainer's own logprobs before the batch's first update "
                               "(robust to rollout/trainer numerics); rollout = the rollout engine's logprobs")
     mask_truncated: bool = Field(False, description="completions cut at max_new_tokens get no loss")
-    log_entropy: bool = Field(True, description="mean token entropy in the metrics (one extra pass on logits)")
+    log_entropy: bool = Field(True, description="mean token entropy in the metrics (from the logprobs' pass over the "
+                                                "logits; with entropy_coef > 0 from the bonus' own)")
     # reusing a batch
     num_iterations: int = Field(1, ge=1, description="passes over each batch (TRL num_iterations, verl ppo_epochs); "
                                                      "above 1 the ratio's old policy is the batch's first pass")

@@ -28,7 +28,7 @@ from torch import Tensor
 from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
-from .selected_logprobs import selected_logprobs
+from .selected_logprobs import selected_logprobs, selected_logprobs_and_entropy
 
 # rows of logits turned into entropies at once: bounds the fp32 copy for big vocabularies
 _CHUNK_ROWS = 4096
@@ -67,6 +67,15 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     B, T = input_ids.shape
     lp = selected_logprobs(logits, input_ids[:, first:], temperature)
     return torch.cat([lp.new_zeros(B, first), lp], dim=1)
+
+
+def token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """token_logprobs and token_entropy's values (as a metric: no gradient) from one pass over the logits."""
+    first = _window_start(logits, input_ids)
+    B, T = input_ids.shape
+    lp, ent = selected_logprobs_and_entropy(logits, input_ids[:, first:], temperature)
+    zeros = lp.new_zeros(B, first)
+    return torch.cat([zeros, lp], dim=1), torch.cat([zeros, ent], dim=1)
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, *, grad: bool = False,

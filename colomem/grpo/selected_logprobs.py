@@ -50,21 +50,27 @@ def _scaled(logits: Tensor, b0: int, b1: int, p0: int, p1: int, temperature: flo
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int, entropy: bool):
         B, P = targets.shape
-        out = torch.empty(B, P, dtype=_compute_dtype(logits), device=logits.device)
-        lse = torch.empty(B, P, dtype=_compute_dtype(logits), device=logits.device)
+        dt = _compute_dtype(logits)
+        out = torch.empty(B, P, dtype=dt, device=logits.device)
+        lse = torch.empty(B, P, dtype=dt, device=logits.device)
+        ent = torch.empty(B, P if entropy else 0, dtype=dt, device=logits.device)
         for b0, b1, p0, p1 in _blocks(B, P, chunk):
             c = _scaled(logits, b0, b1, p0, p1, temperature)
             part = torch.logsumexp(c, dim=-1)
             out[b0:b1, p0:p1] = c.gather(-1, targets[b0:b1, p0:p1, None]).squeeze(-1) - part
             lse[b0:b1, p0:p1] = part
+            if entropy:                  # the metric from the same chunk: lse - sum(softmax * scaled logits)
+                probs = (c - part[..., None]).exp_()
+                ent[b0:b1, p0:p1] = part - torch.linalg.vecdot(probs, c)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor):
         logits, targets, lse = ctx.saved_tensors
         t = ctx.temperature
         B, P = targets.shape
@@ -77,15 +83,22 @@ class _SelectedLogprobs(torch.autograd.Function):
             if t != 1.0:
                 part.div_(t)
             grad[b0:b1, p0:p1] = part
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def selected_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, *,
                       chunk: Optional[int] = None) -> Tensor:
-    """[B, P + 1 or more, V] logits, [B, P] targets -> [B, P] fp32 (fp64 for fp64 logits): position p's log softmax(logits / temperature)
-    at targets[:, p]. Positions past P (the last one, which predicts nothing) get no gradient. chunk: positions
-    turned into fp32 at once (default CHUNK_POSITIONS)."""
-    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS))
+    """[B, P + 1 or more, V] logits, [B, P] targets -> [B, P] fp32 (fp64 for fp64 logits): position p's
+    log softmax(logits / temperature) at targets[:, p]. Positions past P (the last one, which predicts nothing)
+    get no gradient. chunk: positions turned into fp32 at once (default CHUNK_POSITIONS)."""
+    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS), False)[0]
 
 
-__all__ = ["CHUNK_POSITIONS", "selected_logprobs"]
+def selected_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0, *,
+                                  chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """selected_logprobs and, from the same fp32 chunks, each position's entropy of softmax(logits /
+    temperature) as a metric (no gradient): one pass over the logits instead of two."""
+    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS), True)
+
+
+__all__ = ["CHUNK_POSITIONS", "selected_logprobs", "selected_logprobs_and_entropy"]

@@ -26,7 +26,8 @@ from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
 from .config import GRPOConfig
-from .loss import grpo_loss, rollout_is_weights, token_entropy, token_logprobs
+from .loss import (grpo_loss, rollout_is_weights, token_entropy, token_logprobs,
+                   token_logprobs_and_entropy)
 from .micro_batches import micro_batch_rows
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
@@ -92,7 +93,11 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
     # None = this forward's own logprobs, detached (a single update per batch: ratio 1 in value)
     batch = replace(batch, old_logprobs=batch.first_logprobs if cfg.old_logprobs == "policy" else rollout_lp)
     logits = _forward_logits(model, batch)
-    logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
+    metric_ent: Optional[Tensor] = None
+    if cfg.log_entropy and cfg.entropy_coef == 0:     # the metric from the logprobs' own pass over the logits
+        logprobs, metric_ent = token_logprobs_and_entropy(logits, batch.input_ids, cfg.temperature)
+    else:
+        logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
     mask = mask.to(logits.device)
     is_w: Optional[Tensor] = None
     is_metrics: dict[str, float] = {}
@@ -120,9 +125,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             ok = mask & ~torch.isnan(gap)
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
-        if cfg.log_entropy:
-            e = ent.detach() if ent is not None else token_entropy(logits.detach(), cfg.temperature,
-                                                                    input_ids=batch.input_ids)
+        e = ent.detach() if ent is not None else metric_ent
+        if cfg.log_entropy and e is not None:
             metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
