@@ -98,3 +98,28 @@ def test_the_entropy_metric_from_the_same_pass_matches_token_entropy(monkeypatch
         logits.grad = None
         token_logprobs(logits, ids, 0.8).sum().backward()
         assert torch.equal(g, logits.grad)
+
+
+def test_the_entropy_bonus_gradient_matches_autograd_through_log_softmax():
+    from colomem.grpo.loss import token_entropy, token_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.randint(0, 5, (2, 6), generator=g)
+    w_lp, w_ent = torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    for chunk in (2, 16):
+        assert torch.autograd.gradcheck(
+            lambda y: sel.selected_logprobs_and_entropy(y, ids[:, 1:], 0.9, chunk=chunk, grad=True), (x,))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, ids = _case(3, 9, 23, 9, dtype, seed=5)
+        lp, ent = token_logprobs_and_entropy(logits, ids, 0.8, grad=True)
+        assert ent.requires_grad
+        w1, w2 = torch.randn(3, 9), torch.randn(3, 9)
+        ((lp * w1).sum() + (ent * w2).sum()).backward()
+        got = logits.grad.clone()
+        logits.grad = None
+        ((_reference(logits, ids, 0.8) * w1).sum()
+         + (token_entropy(logits, 0.8, grad=True, input_ids=ids) * w2).sum()).backward()
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ent, token_entropy(logits.detach(), 0.8, input_ids=ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.float(), logits.grad.float(), rtol=tol, atol=tol)

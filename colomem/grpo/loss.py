@@ -69,11 +69,13 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return torch.cat([lp.new_zeros(B, first), lp], dim=1)
 
 
-def token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """token_logprobs and token_entropy's values (as a metric: no gradient) from one pass over the logits."""
+def token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float = 1.0, *,
+                               grad: bool = False) -> tuple[Tensor, Tensor]:
+    """token_logprobs and token_entropy from one pass over the logits; the entropy is a metric (no gradient)
+    unless grad (an entropy bonus), and its backward keeps no fp32 copy of the logits either."""
     first = _window_start(logits, input_ids)
     B, T = input_ids.shape
-    lp, ent = selected_logprobs_and_entropy(logits, input_ids[:, first:], temperature)
+    lp, ent = selected_logprobs_and_entropy(logits, input_ids[:, first:], temperature, grad=grad)
     zeros = lp.new_zeros(B, first)
     return torch.cat([zeros, lp], dim=1), torch.cat([zeros, ent], dim=1)
 

@@ -10,7 +10,9 @@ token, and in the backward recomputes the softmax chunk by chunk:
     d logprob / d logit_v = (onehot(token)_v - softmax_v) / temperature
 
 The same formula and order of operations as autograd's own backward through the chunks, so the gradients
-match it (tests/test_selected_logprobs.py). Chunks are whole rows of positions when a row is shorter than
+match it (tests/test_selected_logprobs.py). The token's entropy comes from the same chunks when asked for
+(the metric, or an entropy bonus: d entropy / d logit_v = -softmax_v (log softmax_v + entropy) / temperature),
+instead of a second pass over the logits that would keep its own fp32 log-softmax for the backward. Chunks are whole rows of positions when a row is shorter than
 the chunk, else pieces of one row: never a [B, T, V] fp32 tensor, and no strided copy of the logits.
 """
 from __future__ import annotations
@@ -48,9 +50,14 @@ def _scaled(logits: Tensor, b0: int, b1: int, p0: int, p1: int, temperature: flo
     return c / temperature if temperature != 1.0 else c
 
 
+# what the function computes beside the logprobs: no entropy, the entropy as a metric, the entropy with its
+# gradient (an entropy bonus in the loss)
+NO_ENTROPY, ENTROPY_METRIC, ENTROPY_GRAD = 0, 1, 2
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int, entropy: bool):
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int, entropy: int):
         B, P = targets.shape
         dt = _compute_dtype(logits)
         out = torch.empty(B, P, dtype=dt, device=logits.device)
@@ -61,29 +68,48 @@ class _SelectedLogprobs(torch.autograd.Function):
             part = torch.logsumexp(c, dim=-1)
             out[b0:b1, p0:p1] = c.gather(-1, targets[b0:b1, p0:p1, None]).squeeze(-1) - part
             lse[b0:b1, p0:p1] = part
-            if entropy:                  # the metric from the same chunk: lse - sum(softmax * scaled logits)
+            if entropy:                  # from the same chunk: lse - sum(softmax * scaled logits)
                 probs = (c - part[..., None]).exp_()
                 ent[b0:b1, p0:p1] = part - torch.linalg.vecdot(probs, c)
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(logits, targets, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)
+        if entropy != ENTROPY_GRAD:
+            ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor):
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out: Optional[Tensor], grad_ent: Optional[Tensor]):
+        logits, targets, lse, ent = ctx.saved_tensors
         t = ctx.temperature
         B, P = targets.shape
         grad = torch.zeros_like(logits)             # the window's last position predicts nothing: 0 there
+        if grad_ent is not None and ent.numel() == 0:
+            grad_ent = None
+        if grad_out is None and grad_ent is None:
+            return grad, None, None, None, None
         for b0, b1, p0, p1 in _blocks(B, P, ctx.chunk):
             c = _scaled(logits, b0, b1, p0, p1, t)
-            g = grad_out[b0:b1, p0:p1, None].to(c.dtype)
-            part = (c - lse[b0:b1, p0:p1, None]).exp_().mul_(-g)               # logsumexp's backward
-            part.scatter_add_(-1, targets[b0:b1, p0:p1, None], g)                # the picked logit's
+            g = grad_out[b0:b1, p0:p1, None].to(c.dtype) if grad_out is not None else None
+            logp = c - lse[b0:b1, p0:p1, None]
+            probs = logp.exp()
+            if grad_ent is None:
+                assert g is not None
+                part = probs.mul_(-g)                                          # logsumexp's backward
+            else:
+                # d entropy / d scaled logit v = -p_v (log p_v + entropy)
+                coef = logp.add_(ent[b0:b1, p0:p1, None]).mul_(-grad_ent[b0:b1, p0:p1, None].to(c.dtype))
+                part = probs.mul_(coef.sub_(g) if g is not None else coef)
+            if g is not None:
+                part.scatter_add_(-1, targets[b0:b1, p0:p1, None], g)            # the picked logit's
             if t != 1.0:
                 part.div_(t)
             grad[b0:b1, p0:p1] = part
         return grad, None, None, None, None
+
+
+def _apply(logits: Tensor, targets: Tensor, temperature: float, chunk: Optional[int], entropy: int):
+    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS), entropy)
 
 
 def selected_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, *,
@@ -91,14 +117,15 @@ def selected_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0,
     """[B, P + 1 or more, V] logits, [B, P] targets -> [B, P] fp32 (fp64 for fp64 logits): position p's
     log softmax(logits / temperature) at targets[:, p]. Positions past P (the last one, which predicts nothing)
     get no gradient. chunk: positions turned into fp32 at once (default CHUNK_POSITIONS)."""
-    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS), False)[0]
+    return _apply(logits, targets, temperature, chunk, NO_ENTROPY)[0]
 
 
 def selected_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0, *,
-                                  chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                                  chunk: Optional[int] = None, grad: bool = False) -> tuple[Tensor, Tensor]:
     """selected_logprobs and, from the same fp32 chunks, each position's entropy of softmax(logits /
-    temperature) as a metric (no gradient): one pass over the logits instead of two."""
-    return _SelectedLogprobs.apply(logits, targets, float(temperature), int(chunk or CHUNK_POSITIONS), True)
+    temperature): one pass over the logits instead of two. grad=False: the entropy is a metric (no gradient);
+    True: differentiable (an entropy bonus), its backward recomputing the softmax from the kept logits too."""
+    return _apply(logits, targets, temperature, chunk, ENTROPY_GRAD if grad else ENTROPY_METRIC)
 
 
 __all__ = ["CHUNK_POSITIONS", "selected_logprobs", "selected_logprobs_and_entropy"]

@@ -26,8 +26,7 @@ from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
 from .config import GRPOConfig
-from .loss import (grpo_loss, rollout_is_weights, token_entropy, token_logprobs,
-                   token_logprobs_and_entropy)
+from .loss import grpo_loss, rollout_is_weights, token_logprobs, token_logprobs_and_entropy
 from .micro_batches import micro_batch_rows
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
@@ -93,9 +92,11 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
     # None = this forward's own logprobs, detached (a single update per batch: ratio 1 in value)
     batch = replace(batch, old_logprobs=batch.first_logprobs if cfg.old_logprobs == "policy" else rollout_lp)
     logits = _forward_logits(model, batch)
-    metric_ent: Optional[Tensor] = None
-    if cfg.log_entropy and cfg.entropy_coef == 0:     # the metric from the logprobs' own pass over the logits
-        logprobs, metric_ent = token_logprobs_and_entropy(logits, batch.input_ids, cfg.temperature)
+    # the entropy (a bonus in the loss, or a metric) from the logprobs' own pass over the logits
+    ent: Optional[Tensor] = None
+    if cfg.log_entropy or cfg.entropy_coef > 0:
+        logprobs, ent = token_logprobs_and_entropy(logits, batch.input_ids, cfg.temperature,
+                                                   grad=cfg.entropy_coef > 0)
     else:
         logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
     mask = mask.to(logits.device)
@@ -106,14 +107,12 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
         is_w, is_metrics = rollout_is_weights(trainer_lp.to(logprobs), rollout_lp.to(logprobs), mask,
                                               level=cfg.is_correction, mode=cfg.is_mode, cap=cfg.is_cap,
                                               log_ratio_clamp=cfg.log_ratio_clamp)
-    ent = (token_entropy(logits, cfg.temperature, grad=True, input_ids=batch.input_ids)
-           if cfg.entropy_coef > 0 else None)
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm,
                               importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
                               log_ratio_clamp=cfg.log_ratio_clamp, kl_clamp=cfg.kl_clamp,
-                              kl_ratio_correction=cfg.kl_ratio_correction, is_weights=is_w, entropy=ent,
-                              entropy_coef=cfg.entropy_coef)
+                              kl_ratio_correction=cfg.kl_ratio_correction, is_weights=is_w,
+                              entropy=ent if cfg.entropy_coef > 0 else None, entropy_coef=cfg.entropy_coef)
     metrics.update(is_metrics)
     with torch.no_grad():
         if rollout_lp is not None:
@@ -125,8 +124,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             ok = mask & ~torch.isnan(gap)
             if bool(ok.any()):
                 metrics["rollout_logprob_gap"] = float(gap[ok].mean())
-        e = ent.detach() if ent is not None else metric_ent
-        if cfg.log_entropy and e is not None:
+        if cfg.log_entropy and ent is not None:
+            e = ent.detach()
             metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
