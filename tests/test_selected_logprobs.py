@@ -106,7 +106,6 @@ def test_the_entropy_bonus_gradient_matches_autograd_through_log_softmax():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
     ids = torch.randint(0, 5, (2, 6), generator=g)
-    w_lp, w_ent = torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
     for chunk in (2, 16):
         assert torch.autograd.gradcheck(
             lambda y: sel.selected_logprobs_and_entropy(y, ids[:, 1:], 0.9, chunk=chunk, grad=True), (x,))

@@ -12,8 +12,9 @@ token, and in the backward recomputes the softmax chunk by chunk:
 The same formula and order of operations as autograd's own backward through the chunks, so the gradients
 match it (tests/test_selected_logprobs.py). The token's entropy comes from the same chunks when asked for
 (the metric, or an entropy bonus: d entropy / d logit_v = -softmax_v (log softmax_v + entropy) / temperature),
-instead of a second pass over the logits that would keep its own fp32 log-softmax for the backward. Chunks are whole rows of positions when a row is shorter than
-the chunk, else pieces of one row: never a [B, T, V] fp32 tensor, and no strided copy of the logits.
+instead of a second pass over the logits that would keep its own fp32 log-softmax for the backward. Chunks
+are whole rows of positions when a row is shorter than the chunk, else pieces of one row: never a [B, T, V]
+fp32 tensor, and no strided copy of the logits.
 """
 from __future__ import annotations
 

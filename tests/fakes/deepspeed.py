@@ -139,7 +139,7 @@ def bare_trainer(model, lora, pool=None):
                       _offloaded=False, _sync=None, _lora_cache=None, _pool=pool, _staging=Staging(), _params_kept=False,
                       _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
                       _pending=PendingReloads(), timeout_s=30.0, shared=None, _shared_storages=frozenset(),
-                      optimizer_reload="overlap", _step_reload=None, _strategies={},
+                      optimizer_reload="overlap", _step_reload=None, _strategies={}, micro_batch_tokens=None,
                       _finishing=BackgroundSlot())
     return t
 
