@@ -169,9 +169,11 @@ def test_saves_come_after_the_next_offload_and_lora_saves_adapter_and_merged_mod
     out = tmp_path / "l"
     res = run_job(cfg(out, steps=3, save_every=1, lora={"r": 4}, save_merged=True), print_fn=lambda *_: None)
     assert res.summary["status"] == "ok"
-    # step k's checkpoint is written right after step k+1's offload, from the pool; the last one at the end
-    assert [r.metrics.get("checkpoint/step") for r in res.records] == [None, 1, 2]
-    assert all(r.phase_s["checkpoint"] > 0 for r in res.records[1:])
+    # step k's checkpoint starts right after step k+1's offload, from the pool, and is written beside that
+    # step; the next step ends it before its own offload; the last one is written at the end
+    assert [r.metrics.get("checkpoint/started") for r in res.records] == [None, 1, 2]
+    assert [r.metrics.get("checkpoint/step") for r in res.records] == [None, None, 1]
+    assert all(r.phase_s["checkpoint"] > 0 for r in res.records[1:]) and "checkpoint_wait" in res.records[2].phase_s
     assert res.summary["final_checkpoint"]["step"] == 3 and len(res.summary["checkpoint_s"]) == 3
     last = out / "checkpoints" / "step-3"
     assert (last / "model" / "adapter_config.json").is_file() and (last / "model" / "adapter_model.safetensors").is_file()
@@ -193,3 +195,67 @@ def test_cli_says_which_checkpoint_resume_auto_continues_from(tmp_path, capsys):
     _say_how_to_resume(tmp_path)
     assert capsys.readouterr().err.strip() == (f"to continue from step-10: run the same command with --resume auto "
                                                f"--out {tmp_path}")
+
+
+def test_background_writes_overlap_the_next_step_and_hold_the_state_of_their_own(job_env, tmp_path, monkeypatch):
+    """Each background write waits until the step after it trained before it writes a byte, so the trainer
+    really moved on meanwhile; its files still equal those of a run that waited for every write."""
+    import threading
+
+    from colomem.engines import stand_ins
+
+    trained = threading.Event()
+    real_train, real_save = stand_ins.TorchTrainer.train_step, stand_ins.save_torch
+    overlapped = []
+
+    def train_step(self, batch):
+        out = real_train(self, batch)
+        trained.set()
+        return out
+
+    def save_torch(obj, path):
+        if threading.current_thread() is not threading.main_thread():
+            trained.clear()
+            overlapped.append(trained.wait(60))
+        real_save(obj, path)
+    monkeypatch.setattr(stand_ins.TorchTrainer, "train_step", train_step)
+    monkeypatch.setattr(stand_ins, "save_torch", save_torch)
+    bg = run_job(cfg(tmp_path / "bg", steps=4, save_every=1, keep_checkpoints=4), print_fn=lambda *_: None)
+    assert bg.summary["status"] == "ok" and overlapped == [True, True, True]    # steps 1-3 in the background
+    sync = run_job(cfg(tmp_path / "sync", steps=4, save_every=1, keep_checkpoints=4, save_background=False),
+                   print_fn=lambda *_: None)
+    assert sync.summary["status"] == "ok" and len(overlapped) == 3
+    for step in (1, 2, 3, 4):
+        a, b = final_weights(tmp_path / "bg", step), final_weights(tmp_path / "sync", step)
+        assert a["steps"] == b["steps"] == step
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+        assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i] if isinstance(sa[i][k], torch.Tensor))
+        ja, jb = (json.loads((d / "checkpoints" / f"step-{step}" / "state.json").read_text()) for d in
+                  (tmp_path / "bg", tmp_path / "sync"))
+        assert ja["weight_version"] == jb["weight_version"] == step
+
+
+def test_a_background_write_that_fails_stops_the_run_at_the_next_offload_and_keeps_the_earlier(job_env, tmp_path):
+    """The file-size limit makes the kernel refuse step 2's write, in the writer's thread: the run stops with
+    CheckpointError when step 4 would offload, step-1 intact and no half checkpoint left."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r"
+    run_job(cfg(out, steps=1, save_every=1), print_fn=lambda *_: None)
+    first = out / "checkpoints" / "step-1"
+    big = (first / "trainer.pt").stat().st_size
+    data = {"backend": "cpu", "steps": 4, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
+            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4},
+            "save_every": 2, "resume": "auto"}
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_JOB, str(big // 2), json.dumps(data)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    msg = proc.stdout.strip().splitlines()[-1]
+    assert msg.startswith("CheckpointError: writing checkpoint step-2") and "File too large" in msg, msg
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "step_s" in x]
+    assert [x["step"] for x in steps] == [0, 1, 2, 3] and steps[-1]["failed"] == "checkpoint"
+    assert steps[2].get("checkpoint/started") == 2

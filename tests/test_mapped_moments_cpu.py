@@ -194,7 +194,7 @@ def test_a_checkpoint_written_with_the_moments_in_the_pool_resumes_bit_for_bit(p
         x.finish_late()
     want = moment_values_in_pool(s)
     assert s.moments.state.resident_bytes == 0
-    checkpoint.save_state(trainer(eng), tmp_path, s)
+    checkpoint.prepare_state(trainer(eng), tmp_path, s)()
     blob = torch.load(checkpoint.rank_file(tmp_path, 0), map_location="cpu", weights_only=True)
     saved = [v[k] for v in blob["optimizer"]["state"].values() for k in MOMENTS]
     assert all(torch.equal(a, b) for a, b in zip(saved, want))

@@ -71,11 +71,11 @@ def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(poo
         eng.optimizer.optimizer.param_groups[0]["params"] = []
     eng.global_steps = 7
     want = engine_bytes(eng)
-    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "resident")
+    ds_checkpoint.prepare_state(shell(eng, steps=3), tmp_path / "resident")()
     s = ColomemOffload(lambda: ds_state.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     s.offload()
     assert eng.optimizer.bit16_groups_flat[0].untyped_storage().nbytes() == 0       # really offloaded
-    ds_checkpoint.save_state(shell(eng, steps=3), tmp_path / "pool", s)
+    ds_checkpoint.prepare_state(shell(eng, steps=3), tmp_path / "pool", s)()
     s.reload()
     s.close()
     a, b = (torch.load(tmp_path / d / "trainer-rank0.pt", weights_only=True) for d in ("resident", "pool"))
@@ -102,7 +102,7 @@ def test_deepspeed_state_from_the_pool_equals_resident_and_loads_bit_for_bit(poo
 
 def test_deepspeed_checkpoint_of_another_layout_or_model_is_a_clear_error(tmp_path):
     eng = fake_zero2_engine()
-    ds_checkpoint.save_state(shell(eng), tmp_path)
+    ds_checkpoint.prepare_state(shell(eng), tmp_path)()
     with pytest.raises(ConfigError, match="world_size 1 there, 2 here"):
         ds_checkpoint.load_state(shell(fake_zero2_engine(), world_size=2), tmp_path)
     with pytest.raises(ConfigError, match="no trainer-rank1.pt"):
@@ -226,3 +226,102 @@ def test_lora_all_linear_adapts_the_linear_layers_of_any_architecture():
     check_lora_layers(peft_model)
     adapted = {n.split(".")[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+
+
+def test_a_prepared_save_reads_the_pool_copies_of_its_step_and_the_next_offload_waits_for_its_write(
+        tiny, pool, tmp_path, monkeypatch):
+    """prepare_save on an offloaded trainer keeps views of the pool copies, not copies: the trainer reloads
+    and trains on while the files are written, and its next offload (which rewrites those copies) waits
+    until the write ended. The files hold the state of the step they were prepared at, bit for bit."""
+    import threading
+
+    from colomem.engines import stand_ins
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.errors import PhaseOrderError
+
+    offloaded_again = threading.Event()
+    seen = {}
+    real_save = stand_ins.save_torch
+
+    def slow_save(obj, path):          # the write waits to see whether the offload got past it
+        seen["offload_done_before_write"] = offloaded_again.wait(1.0)
+        real_save(obj, path)
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool)
+    try:
+        t.train_step(batch_for(0))
+        t.save_state(tmp_path / "resident")            # the reference: written at once, from the tensors
+        t.offload()
+        pending = t.prepare_save(tmp_path / "pooled")
+        assert pending.reads_pool and not pending.started
+        t.reload()
+        t.train_step(batch_for(1))                     # changes every weight the pool copies hold
+        with pytest.raises(PhaseOrderError, match="neither written nor dropped"):
+            t.offload()
+        monkeypatch.setattr(stand_ins, "save_torch", slow_save)
+        writer = threading.Thread(target=pending.write)
+        writer.start()
+
+        def offload() -> None:
+            t.offload()
+            offloaded_again.set()
+        mover = threading.Thread(target=offload)
+        mover.start()
+        writer.join(60)
+        mover.join(60)
+        assert pending.done and pending.error is None and offloaded_again.is_set()
+        assert seen["offload_done_before_write"] is False       # the offload waited for the write
+        t.reload()
+        dropped = t.prepare_save(tmp_path / "never")
+        dropped.drop()
+        t.offload()                                             # a dropped write holds nothing back
+        t.reload()
+    finally:
+        t.close()
+    a, b = (torch.load(tmp_path / d / "trainer.pt", weights_only=True) for d in ("resident", "pooled"))
+    assert same(a["model"], b["model"]) and a["steps"] == b["steps"] == 1
+    for i in a["optimizer"]["state"]:
+        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_resident_save_prepared_before_training_on_holds_its_own_copies(tiny, tmp_path):
+    """Resident (nothing in a pool), prepare_save copies every tensor, torch's step counts included, so
+    training on before the write changes nothing in the files."""
+    from colomem.engines.stand_ins import TorchTrainer
+
+    t = TorchTrainer(tiny, lr=1e-2, micro_batch=4)
+    try:
+        t.train_step(batch_for(0))
+        t.save_state(tmp_path / "now")
+        pending = t.prepare_save(tmp_path / "later")
+        assert not pending.reads_pool
+        t.train_step(batch_for(1))
+        pending.write()
+    finally:
+        t.close()
+    a, b = (torch.load(tmp_path / d / "trainer.pt", weights_only=True) for d in ("now", "later"))
+    assert same(a["model"], b["model"]) and a["steps"] == b["steps"] == 1
+    for i in a["optimizer"]["state"]:
+        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+
+
+def test_deepspeed_state_prepared_resident_is_the_state_of_that_moment(tmp_path):
+    """The DeepSpeed trainer's file prepared while resident holds copies: the engine changing every byte
+    before the write (its next step) changes nothing in the file."""
+    eng = fake_zero2_engine(seed=0)
+    eng.global_steps = 4
+    want = engine_bytes(eng)
+    write = ds_checkpoint.prepare_state(shell(eng, steps=2), tmp_path)
+    st = ds_state.collect_engine_state(eng, CPU)
+    for c in ("params", "master", "other"):
+        for _, t in st.groups[c]:
+            t.detach().add_(1) if t.is_floating_point() else None
+    for s in eng.optimizer.optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+    eng.global_steps = 5
+    write()
+    fresh = fake_zero2_engine(seed=1)
+    ds_checkpoint.load_state(shell(fresh), tmp_path)
+    assert same(engine_bytes(fresh), want)

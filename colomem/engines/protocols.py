@@ -15,6 +15,7 @@ if TYPE_CHECKING:      # the protocols import nothing heavy at run time
 
     from torch import Tensor
 
+    from colomem.engines.pending_write import PendingWrite
     from colomem.grpo.batch import Completion, GRPOBatch
 
     from .reports import SwitchReport, SyncStats
@@ -165,6 +166,12 @@ class Checkpointable(Protocol):
         Hugging Face format under path / "model" (with LoRA the adapter, and with merged the merged model
         under path / "model-merged"). Resident or offloaded (then read from the offloaded copies); every
         rank calls it and writes its own part."""
+        ...
+
+    def prepare_save(self, path: "Path", *, merged: bool = False) -> "PendingWrite":
+        """What save_state writes, gathered now (collectives, copies of what is resident, RNG, counters);
+        its write() is file I/O only, fit for a background thread while training goes on. Copies it reads
+        in the pool stay until the trainer's next offload or close, which wait for the write."""
         ...
 
     def load_state(self, path: "Path") -> None:

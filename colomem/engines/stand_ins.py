@@ -25,6 +25,7 @@ from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model
 from colomem.engines.hf_model import load_model, model_on_base
 from colomem.engines.hf_rollout import HFRollout
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
+from colomem.engines.pending_write import PendingWrite, WriteGuard, host_copy
 from colomem.engines.protocols import check_hold
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, PhaseOrderError
@@ -120,6 +121,7 @@ class TorchTrainer:
         self._pending = PendingReloads()       # optimizer state still coming back (overlap_reload)
         self._deferred: Optional[tuple] = None  # (set, handle) of an offload still copying (defer=True)
         self._finishing = BackgroundSlot()      # finish_offload(background=True) while it runs
+        self._writes = WriteGuard()             # checkpoint writes reading the pool's copies (prepare_save)
         self.pool = pool
         self.offload_mode = "none"
         if pool is not None:
@@ -200,6 +202,7 @@ class TorchTrainer:
         defer): it starts copying only at start_offload()."""
         self._check("offload()")
         check_hold(defer, hold)
+        self._writes.wait(self.swap_timeout_s)   # a checkpoint write still reading the copies this rewrites
         self.finish_offload()               # a background end of the last offload, if one still runs
         self.wait_reload()                  # reloaded but never trained on: finish the copies first
         if self.shared is not None:         # the base is the rollout's and must stay; the adapter is tiny
@@ -331,50 +334,69 @@ class TorchTrainer:
         return time.perf_counter() - t0
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def save_state(self, path: Path, *, merged: bool = False) -> None:
-        """Writes everything training needs to continue exactly: weights, AdamW state, step, RNG
-        (`trainer.pt`), and the model in Hugging Face format (`model/`: the peft adapter with LoRA; with
-        merged, also `model-merged/`: the full model with the adapter merged). Offloaded, it reads the
-        pool's copies (nothing is reloaded). Ranks hold the same state: only rank 0 writes."""
+    def prepare_save(self, path: Path, *, merged: bool = False) -> PendingWrite:
+        """Everything training needs to continue exactly: weights, AdamW state, step, RNG (`trainer.pt`),
+        and the model in Hugging Face format (`model/`: the peft adapter with LoRA; with merged, also
+        `model-merged/`: the full model with the adapter merged), ready to write: write() is file I/O only.
+        Offloaded, it reads the pool's copies where they are (the next offload and close() wait for the
+        write); anything resident is copied now. Ranks hold the same state: only rank 0 writes."""
         if self._closed:
             raise PhaseOrderError("this TorchTrainer was closed; cannot save_state()")
         self.wait_reload()
         self.finish_offload()               # the pool copies it reads must be complete
+        what = f"the checkpoint write into {str(path)!r}"
         if self.world_size > 1 and self.process_group is not None:
             import torch.distributed as dist
 
             if dist.get_rank(self.process_group) != 0:
-                return
-        path.mkdir(parents=True, exist_ok=True)
-        host = self._host_tensor
+                return PendingWrite([], reads_pool=False, what=what)
+        pooled: list[bool] = []
+
+        def host(t: Tensor) -> Tensor:
+            view = self._pool_view(t)
+            pooled.append(view is not None)
+            return view if view is not None else host_copy(t)
+
         # a shared base is the rollout's (the model at model_path, never trained): the adapter is the state
         model_sd = {k: host(v) for k, v in self.model.state_dict().items()
                     if self.shared is None or ".lora_" in k}
         opt_sd = self.optimizer.state_dict()
-        opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else v for k, v in st.items()}
+        opt_sd["param_groups"] = copy.deepcopy(opt_sd["param_groups"])
+        opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in st.items()}
                            for i, st in opt_sd["state"].items()}
-        save_torch({"model": model_sd, "optimizer": opt_sd, "steps": self.steps,
-                    "torch_rng": torch.get_rng_state()}, path / "trainer.pt")
-        if self.lora is not None:
-            save_adapter(self.model, {adapter_key(k): v for k, v in model_sd.items() if ".lora_" in k},
-                         path / "model")
-            if merged:
-                save_full_model(self.model, merged_named_weights(self.model) if self.shared is not None
-                                else self.named_weights(), path / "model-merged")
-        else:
-            save_full_model(self.model, model_sd.items(), path / "model")
+        blob = {"model": model_sd, "optimizer": opt_sd, "steps": self.steps, "torch_rng": torch.get_rng_state()}
 
-    def _host_tensor(self, t: Tensor) -> Tensor:
-        """t itself while resident; offloaded, the view of its pool copy (or t, when it was not moved)."""
+        def write_state() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            save_torch(blob, path / "trainer.pt")
+        writes = [write_state]
+        model = self.model
+        if self.lora is not None:
+            adapter = {adapter_key(k): v for k, v in model_sd.items() if ".lora_" in k}
+            writes.append(lambda: save_adapter(model, adapter, path / "model"))
+            if merged:
+                full = [(n, host_copy(t)) for n, t in (merged_named_weights(model) if self.shared is not None
+                                                        else self.named_weights())]
+                writes.append(lambda: save_full_model(model, full, path / "model-merged"))
+        else:
+            writes.append(lambda: save_full_model(model, list(model_sd.items()), path / "model"))
+        return self._writes.track(PendingWrite(writes, reads_pool=any(pooled), what=what))
+
+    def save_state(self, path: Path, *, merged: bool = False) -> None:
+        """prepare_save(path, merged=merged), written now."""
+        self.prepare_save(path, merged=merged).write()
+
+    def _pool_view(self, t: Tensor) -> Optional[Tensor]:
+        """Offloaded, the view of t's pool copy (None: t was not moved, or the trainer is resident)."""
         if not self._offloaded:
-            return t
+            return None
         for s in self._swaps:
             view = s.host_view(t)
             if view is not None:
                 return view
         if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
             raise ColomemError("TorchTrainer: a tensor of the offloaded state has no pool copy to save from")
-        return t
+        return None
 
     def load_state(self, path: Path) -> None:
         """The state save_state wrote, into this trainer (built from the same model, resident)."""
@@ -432,6 +454,7 @@ class TorchTrainer:
             return
         self._closed = True
         try:
+            self._writes.wait(self.swap_timeout_s)   # a checkpoint write still reading the pool copies
             self.wait_reload()
             self.finish_offload()
         except ColomemError as e:

@@ -153,6 +153,10 @@ class RunConfig(_Strict):
     save_merged: bool = Field(False, description="with LoRA: checkpoints also hold the full model with the "
                                                  "adapter merged (model-merged/)")
     keep_checkpoints: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
+    save_background: bool = Field(True, description="write a checkpoint's files in a thread while the next "
+                                                    "step runs (the run waits only for what is left of the "
+                                                    "write at the offload after it); off: the run waits for "
+                                                    "the whole write")
     resume: Optional[str] = Field(None, description="continue from a checkpoint: a step-<N> folder, or auto (the "
                                                     "newest under --out)")
     report_to: list[str] = Field(default_factory=lambda: ["auto"],

@@ -158,7 +158,8 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
         if isinstance(trainer, Checkpointable):     # every rank writes its part; also saves on a signal
             checkpointer = Checkpointer(out / "checkpoints", trainer, tokenizer, ident, cfg.save_every,
                                         cfg.keep_checkpoints, steps, ranks=ranks,
-                                        merged=cfg.save_merged, log=say)
+                                        merged=cfg.save_merged, log=say, background=cfg.save_background,
+                                        timeout_s=cfg.phase_timeout_s)
         runner = ColocatedRunner(cfg, rollout=rollout, trainer=trainer, pool=engines.pool,
                                  task=task, tokenizer=tokenizer, ranks=ranks, reward_specs=reward_specs,
                                  metric_specs=metric_specs, writer=writer, rank_writer=rank_writer, device=device,

@@ -127,6 +127,9 @@ class ColocatedRunner(PhaseRunner):
             self.placement = alternate(self.placement, k)
             rec.metrics["placement/rollout_sleeps"] = int(self.placement.rollout_sleeps)
 
+        if self.checkpointer is not None and self.checkpointer.writing is not None:
+            with self.timed(rec, "checkpoint_wait"):      # the offload rewrites the copies it reads
+                self._join_save(rec)
         with self.phase(rec, "offload"):
             self.offload_trainer()
         if self._save_due is not None:
@@ -223,16 +226,38 @@ class ColocatedRunner(PhaseRunner):
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _save(self, rec: StepRecord, done: int) -> None:
-        assert self.checkpointer is not None
+        """The checkpoint due after step `done`, from the pool's copies; with --save-background its files are
+        written beside this step, and the next step's _join_save ends the write."""
+        cp = self.checkpointer
+        assert cp is not None
         self._save_due = None
         try:
             self.trainer.finish_offload()          # the save reads the pool's copies: they must be complete
-            self.checkpointer.save(done, self.version)
+            cp.save(done, self.version)
         except BaseException:
             rec.metrics["failed"] = "checkpoint"
             raise
-        rec.metrics["checkpoint/step"] = done
-        rec.metrics["checkpoint/seconds"] = self.checkpointer.seconds[-1]
+        if cp.writing is not None:
+            rec.metrics["checkpoint/started"] = done
+        else:
+            self._checkpoint_metrics(rec, done)
+
+    def _join_save(self, rec: StepRecord) -> None:
+        cp = self.checkpointer
+        assert cp is not None and cp.writing is not None
+        done = cp.writing
+        try:
+            cp.join()
+        except BaseException:
+            rec.metrics["failed"] = "checkpoint"
+            raise
+        self._checkpoint_metrics(rec, done)
+
+    def _checkpoint_metrics(self, rec: StepRecord, done: int) -> None:
+        cp = self.checkpointer
+        assert cp is not None
+        rec.metrics.update({"checkpoint/step": done, "checkpoint/seconds": cp.seconds[-1],
+                            "checkpoint/write_seconds": cp.write_seconds[-1]})
 
     def _after_step(self, done: int, last: bool) -> None:
         """Saves now (the last step, or a signal), or marks the save for the next offload."""
@@ -242,11 +267,12 @@ class ColocatedRunner(PhaseRunner):
         if self.save_from_pool and not last:
             self._save_due = done
             return
+        cp.join()                        # before the offload below rewrites what it reads
         t0 = time.perf_counter()
         if self.save_from_pool:          # once more, so the state is read from the pool as in the run
             self.offload_trainer()
         offload_s = time.perf_counter() - t0
-        cp.save(done, self.version)
+        cp.save(done, self.version, background=False)
         self.final_checkpoint = {"step": done, "offload_s": offload_s, "seconds": cp.seconds[-1]}
 
     # -- the run ------------------------------------------------------------------------------------------
@@ -292,9 +318,23 @@ class ColocatedRunner(PhaseRunner):
                     bar.update(1)
             if self.evaluator is not None and self.stop_requested is None:
                 self.evaluator.after_run(self)          # the final weights, in a window of their own
+            if self.checkpointer is not None:
+                self.checkpointer.join()
         finally:
             if bar is not None:
                 bar.close()
+            self._end_write(say)
+
+    def _end_write(self, say) -> None:
+        """After a failure: a checkpoint write still reading the trainer's copies ends before the trainer
+        and its pool close; its own failure is reported, the run's is the one raised."""
+        cp = self.checkpointer
+        if cp is None or cp.writing is None:
+            return
+        try:
+            cp.join()
+        except Exception as e:  # noqa: BLE001 - the run's own error is already on its way
+            say(f"[colomem] the checkpoint being written did not complete: {e}")
 
     def _agree_on_stop(self, done: int) -> None:
         """Every rank stops after the same step. A signal can reach one rank first (a scheduler's notice that
@@ -324,7 +364,7 @@ class ColocatedRunner(PhaseRunner):
         if cp is not None and k > start and self.ranks.world_size == 1 and not cp.saved_step(k):
             if self.trainer.offloaded and not self.save_from_pool:
                 self.reload_trainer()
-            cp.save(k, self.version)
+            cp.save(k, self.version, background=False)
             saved = f"; step {k} saved"
         self.stop_failure = f"step {k + 1} could not finish after {self.stop_requested} ({why}){saved}"
         say(f"[colomem] {self.stop_requested}: {self.stop_failure}; stopped after step {k} (the signal reached "

@@ -17,13 +17,15 @@ step overwrites them before reading them.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from colomem.engines.hf_export import save_torch
+from colomem.engines.pending_write import host_copy
 from colomem.errors import ColomemError, ConfigError
 
 from .state import CATEGORIES, collect_engine_state, storage_key
@@ -57,9 +59,11 @@ def layout(trainer: Any) -> dict:
     return out
 
 
-def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = None) -> int:
-    """Writes this rank's file; returns its bytes. offloaded: the colomem offload holding the state now (read
-    from its pool copies); None: the trainer is resident (read from the GPU)."""
+def prepare_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = None) -> Callable[[], None]:
+    """This rank's file, ready to write: returns the write (file I/O only, fit for a background thread).
+    offloaded: the colomem offload holding the state now (its pool copies are read where they are, so they
+    must stay until the write ended: the trainer's WriteGuard); None: the trainer is resident (copied from the
+    GPU now)."""
     engine = trainer.engine
     items = offloaded.offloaded_items() if offloaded is not None else None
     if items is None:
@@ -68,11 +72,11 @@ def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = N
 
     def read(t: Tensor) -> Tensor:              # the whole storage, raw
         raw = offloaded.host_storage(t) if offloaded is not None else None
-        return raw if raw is not None else _gpu_bytes(t).cpu()
+        return raw if raw is not None else host_copy(_gpu_bytes(t))
 
-    def host(t: Tensor) -> Tensor:              # the tensor itself
+    def host(t: Tensor) -> Tensor:              # the tensor itself (torch's step counts live on the host)
         view = offloaded.host_view(t) if offloaded is not None else None
-        return view if view is not None else t.detach().cpu()
+        return view if view is not None else host_copy(t)
 
     storages = {n: read(t) for c, n, t in items if c in SAVED_CATEGORIES}
     categories = {n: c for c, n, _ in items if c in SAVED_CATEGORIES}
@@ -87,40 +91,49 @@ def save_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] = N
             raise ColomemError("the DeepSpeed optimizer holds state for a tensor that is not one of its fp32 "
                                "master partitions; this DeepSpeed version is not supported by the checkpoint "
                                "(please report it)")
-        opt_state[name] = {k: host(v) if isinstance(v, Tensor) else v for k, v in s.items()}
-    opt_groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        opt_state[name] = {k: host(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+    opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
     sched = getattr(engine, "lr_scheduler", None)
     blob = {"format": FORMAT, "layout": layout(trainer), "deepspeed": trainer.deepspeed_version,
             "steps": trainer.steps, "storages": storages, "categories": categories,
             "optimizer": {"state": opt_state, "param_groups": opt_groups},
             "counters": {k: getattr(engine, k) for k in _COUNTERS if isinstance(getattr(engine, k, None), int)},
-            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "lr_scheduler": copy.deepcopy(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict")
+            else None,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None}
-    path.mkdir(parents=True, exist_ok=True)
     out = rank_file(path, trainer.rank)
-    save_torch(blob, out)
-    return out.stat().st_size
+
+    def write() -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        save_torch(blob, out)
+    return write
 
 
-def save_model(trainer: Any, path: Path, merged: bool) -> None:
-    """The model beside a rank's state, on rank 0, in Hugging Face format: `model/` (the peft adapter with
-    LoRA, the full model without), and with LoRA and merged, `model-merged/` (the adapter merged). Every rank
-    calls it: ZeRO-3 gathers the weights collectively."""
+def prepare_model(trainer: Any, path: Path, merged: bool, stable: bool) -> list[Callable[[], None]]:
+    """The model beside a rank's state, on rank 0, in Hugging Face format, ready to write: `model/` (the peft
+    adapter with LoRA, the full model without), and with LoRA and merged, `model-merged/` (the adapter
+    merged). Every rank calls it: ZeRO-3 gathers the weights collectively. stable: the weights the trainer
+    gives are host tensors that stay until its next offload (offloaded); otherwise each is copied as it comes
+    (ZeRO-3 reuses its gather buffers)."""
     from colomem.engines.hf_export import save_adapter, save_full_model
 
+    writes: list[Callable[[], None]] = []
     lora = trainer.lora is not None
+    main = trainer.rank == 0
     if lora:
-        adapter = trainer.lora_state()
-        if trainer.rank == 0:
-            save_adapter(trainer.model, adapter, path / "model")
+        adapter = trainer.lora_state()                         # host copies
+        if main:
+            writes.append(lambda: save_adapter(trainer.model, adapter, path / "model"))
     if not lora or merged:
-        weights = trainer.named_weights(merged=True)           # collective on ZeRO-3 with several ranks
-        if trainer.rank == 0:
-            save_full_model(trainer.model, weights, path / ("model-merged" if lora else "model"))
-        else:
-            for _ in weights:
-                pass
+        weights: list[tuple[str, Tensor]] = []
+        for n, t in trainer.named_weights(merged=True):       # collective on ZeRO-3 with several ranks
+            if main:
+                weights.append((n, t if stable else host_copy(t)))
+        if main:
+            out = path / ("model-merged" if lora else "model")
+            writes.append(lambda: save_full_model(trainer.model, weights, out))
+    return writes
 
 
 def load_state(trainer: Any, path: Path) -> None:
@@ -198,4 +211,4 @@ def _load_optimizer(inner: Any, saved: dict, masters: dict[str, Tensor], path: P
         group.update({k: v for k, v in g.items() if k != "params"})
 
 
-__all__ = ["FORMAT", "layout", "load_state", "rank_file", "save_model", "save_state"]
+__all__ = ["FORMAT", "layout", "load_state", "prepare_model", "prepare_state", "rank_file"]

@@ -20,6 +20,9 @@ def close_trainer(t: Any) -> None:
     t._lora_cache = None
     pending = getattr(t, "_pending", None)    # (absent when __init__ failed before it)
     try:
+        writes = getattr(t, "_writes", None)   # a checkpoint write still reading the pool copies freed below
+        if writes is not None:
+            writes.wait(t.timeout_s)
         if pending:
             pending.wait(t.timeout_s)
         if getattr(t, "_strategies", None):

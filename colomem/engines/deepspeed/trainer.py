@@ -23,6 +23,7 @@ from torch import Tensor
 
 from colomem._torch import mem_get_info
 from colomem.engines.background import BackgroundSlot
+from colomem.engines.pending_write import PendingWrite, WriteGuard
 from colomem.engines.protocols import check_hold
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
@@ -96,6 +97,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self._start_peak: Optional[StepStartPeak] = None
         self._pending = PendingReloads()
         self._finishing = BackgroundSlot()   # finish_offload(background=True) while it runs
+        self._writes = WriteGuard()          # checkpoint writes reading the pool's copies (prepare_save)
         self.deepspeed_version = deepspeed.__version__
         self.last_offload: Optional[SwitchReport] = None
         self.last_reload: Optional[SwitchReport] = None
@@ -299,6 +301,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         comes first (its mapping of fresh memory ran ~10x slower beside the copy). The report is in
         `last_offload`."""
         self._check_resident("offload()")
+        self._writes.wait(self.timeout_s)      # a checkpoint write still reading the copies this rewrites
         self.finish_offload()                  # a background end of the last offload, if one still runs
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
@@ -451,11 +454,12 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         return self._weights.lora_tensors(copy=True)
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def save_state(self, path: Path, *, merged: bool = False) -> None:
-        """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`) and, on rank 0, the model in
-        Hugging Face format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too: the
-        full model with the adapter merged). Offloaded by the colomem method, everything is read from the
-        pool's host copies: no reload, no GPU memory. Every rank calls it (ZeRO-3 gathers collectively)."""
+    def prepare_save(self, path: Path, *, merged: bool = False) -> PendingWrite:
+        """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`) and, on rank 0, the model in HF
+        format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too), ready to write (file
+        I/O only). Offloaded by the colomem method, it reads the pool's copies where they are (no reload, no
+        copy; the next offload and close() wait for the write); resident, it copies the state to the host
+        now. Every rank calls it (ZeRO-3 gathers collectively)."""
         from . import checkpoint
 
         self._check_open()
@@ -465,8 +469,14 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         if self._offloaded and not isinstance(strategy, ColomemOffload):
             raise PhaseOrderError(f"save_state() on a trainer offloaded by {self._offloaded_by!r}: only the colomem "
                                   "offload keeps readable copies; save while resident")
-        checkpoint.save_state(self, path, strategy if isinstance(strategy, ColomemOffload) else None)
-        checkpoint.save_model(self, path, merged)
+        pooled = strategy if isinstance(strategy, ColomemOffload) else None
+        stable = self._offloaded and not self._params_kept
+        writes = [checkpoint.prepare_state(self, path, pooled), *checkpoint.prepare_model(self, path, merged, stable)]
+        return self._writes.track(PendingWrite(writes, reads_pool=pooled is not None, what=f"checkpoint {path}"))
+
+    def save_state(self, path: Path, *, merged: bool = False) -> None:
+        """prepare_save(path, merged=merged), written now."""
+        self.prepare_save(path, merged=merged).write()
 
     def load_state(self, path: Path) -> None:
         """A checkpoint's state into this freshly built, resident trainer (same model and layout)."""
