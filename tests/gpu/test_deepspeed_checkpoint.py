@@ -1,9 +1,11 @@
-"""DeepSpeedTrainer checkpoints on a real GPU: saved while offloaded (from the pool, no GPU memory taken), a
-fresh trainer loaded from it continues bit for bit like the trainer that never stopped, and the saved model
-(or adapter) holds exactly the trainer's weights.
+"""DeepSpeedTrainer checkpoints on a real GPU: saved while offloaded (from the pool, no GPU memory taken) and
+written in a thread while the trainer trains on, a fresh trainer loaded from it continues bit for bit like
+the trainer that never stopped, and the saved model (or adapter) holds exactly the trainer's weights.
 
 Run: python -m pytest -m "gpu and deepspeed" -s tests/gpu/test_deepspeed_checkpoint.py
 """
+import threading
+
 import pytest
 import torch
 
@@ -28,14 +30,21 @@ def test_resume_from_a_pool_checkpoint_continues_bit_for_bit(model_dir, ready, s
         a.offload()
         settle()
         alloc, free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-        a.save_state(tmp_path, merged=lora)
+        pending = a.prepare_save(tmp_path, merged=lora)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == alloc                  # read from the pool's host copies
         assert free - torch.cuda.mem_get_info()[0] < 64 * MiB
+        assert pending.reads_pool
         a.reload()
         weights = {n: t.detach().cpu().clone() for n, t in a.named_weights(merged=True)}
+        writer = threading.Thread(target=pending.write)
+        writer.start()                                 # the files are written while the trainer trains on
         for s in range(2, 4):
             a.train_step(make_batch(s))
+        a.offload()                                    # rewrites the pool copies: waits for the write first
+        assert pending.done and pending.error is None
+        writer.join(60)
+        a.reload()
         want = final_state(a)
     finally:
         a.close()
