@@ -138,27 +138,33 @@ except Exception as e:
 """
 
 
-def test_a_disk_that_fills_during_a_save_leaves_the_earlier_checkpoint_and_metrics_intact(job_env, tmp_path):
-    """A real failing write (the file-size limit makes the kernel refuse it, as a full disk does)."""
+def resume_on_a_full_disk(out, **kw) -> tuple[str, dict]:
+    """One step saved into out, then a resume of it (config kw) in a process whose files may not grow past
+    half that step's trainer file, as on a full disk. Its error line, checked to be step 2's failed write,
+    and step-1's files as they were before the resume."""
     import subprocess
     import sys
 
-    out = tmp_path / "r"
     run_job(cfg(out, steps=1, save_every=1), print_fn=lambda *_: None)
-    first = out / "checkpoints" / "step-1"
-    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
-    big = (first / "trainer.pt").stat().st_size
-    data = {"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
-            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4},
-            "save_every": 1, "resume": "auto"}
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints" / "step-1").iterdir() if p.is_file()}
+    big = (out / "checkpoints" / "step-1" / "trainer.pt").stat().st_size
+    data = {"backend": "cpu", "prompts_per_step": 4, "micro_batch": 8, "progress": False, "plots": False,
+            "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4}, "resume": "auto", **kw}
     proc = subprocess.run([sys.executable, "-c", DISK_FULL_JOB, str(big // 2), json.dumps(data)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     msg = proc.stdout.strip().splitlines()[-1]
     assert msg.startswith("CheckpointError: writing checkpoint step-2") and "File too large" in msg, msg
-    assert "free disk space or choose another --out" in msg and "intact: step-1" in msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]      # no half checkpoint
-    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in (out / "checkpoints" / "step-1").iterdir() if p.is_file()} == before
+    return msg, before
+
+
+def test_a_disk_that_fills_during_a_save_leaves_the_earlier_checkpoint_and_metrics_intact(job_env, tmp_path):
+    """A real failing write (the file-size limit makes the kernel refuse it, as a full disk does)."""
+    out = tmp_path / "r"
+    msg, _ = resume_on_a_full_disk(out, steps=2, save_every=1)
+    assert "free disk space or choose another --out" in msg and "intact: step-1" in msg
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "reward_mean" in x] == [0, 1]              # both steps' lines kept
     summary = json.loads((out / "summary.json").read_text())
@@ -239,22 +245,8 @@ def test_background_writes_overlap_the_next_step_and_hold_the_state_of_their_own
 def test_a_background_write_that_fails_stops_the_run_at_the_next_offload_and_keeps_the_earlier(job_env, tmp_path):
     """The file-size limit makes the kernel refuse step 2's write, in the writer's thread: the run stops with
     CheckpointError when step 4 would offload, step-1 intact and no half checkpoint left."""
-    import subprocess
-    import sys
-
     out = tmp_path / "r"
-    run_job(cfg(out, steps=1, save_every=1), print_fn=lambda *_: None)
-    first = out / "checkpoints" / "step-1"
-    big = (first / "trainer.pt").stat().st_size
-    data = {"backend": "cpu", "steps": 4, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
-            "plots": False, "report_to": ["none"], "out": str(out), "grpo": {"group_size": 4},
-            "save_every": 2, "resume": "auto"}
-    proc = subprocess.run([sys.executable, "-c", DISK_FULL_JOB, str(big // 2), json.dumps(data)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 3, proc.stdout + proc.stderr
-    msg = proc.stdout.strip().splitlines()[-1]
-    assert msg.startswith("CheckpointError: writing checkpoint step-2") and "File too large" in msg, msg
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
+    resume_on_a_full_disk(out, steps=4, save_every=2)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "step_s" in x]
     assert [x["step"] for x in steps] == [0, 1, 2, 3] and steps[-1]["failed"] == "checkpoint"

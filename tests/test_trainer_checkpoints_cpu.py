@@ -228,6 +228,13 @@ def test_lora_all_linear_adapts_the_linear_layers_of_any_architecture():
     assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
 
 
+def same_trainer_files(a_dir, b_dir, steps: int) -> bool:
+    """Two TorchTrainer files with the same weights, Adam state and step count (`steps`)."""
+    a, b = (torch.load(d / "trainer.pt", weights_only=True) for d in (a_dir, b_dir))
+    return (same(a["model"], b["model"]) and a["steps"] == b["steps"] == steps
+            and all(same(a["optimizer"]["state"][i], b["optimizer"]["state"][i]) for i in a["optimizer"]["state"]))
+
+
 def test_a_prepared_save_reads_the_pool_copies_of_its_step_and_the_next_offload_waits_for_its_write(
         tiny, pool, tmp_path, monkeypatch):
     """prepare_save on an offloaded trainer keeps views of the pool copies, not copies: the trainer reloads
@@ -277,10 +284,7 @@ def test_a_prepared_save_reads_the_pool_copies_of_its_step_and_the_next_offload_
         t.reload()
     finally:
         t.close()
-    a, b = (torch.load(tmp_path / d / "trainer.pt", weights_only=True) for d in ("resident", "pooled"))
-    assert same(a["model"], b["model"]) and a["steps"] == b["steps"] == 1
-    for i in a["optimizer"]["state"]:
-        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+    assert same_trainer_files(tmp_path / "resident", tmp_path / "pooled", steps=1)
     assert not (tmp_path / "never").exists()
 
 
@@ -299,10 +303,7 @@ def test_a_resident_save_prepared_before_training_on_holds_its_own_copies(tiny, 
         pending.write()
     finally:
         t.close()
-    a, b = (torch.load(tmp_path / d / "trainer.pt", weights_only=True) for d in ("now", "later"))
-    assert same(a["model"], b["model"]) and a["steps"] == b["steps"] == 1
-    for i in a["optimizer"]["state"]:
-        assert same(a["optimizer"]["state"][i], b["optimizer"]["state"][i])
+    assert same_trainer_files(tmp_path / "now", tmp_path / "later", steps=1)
 
 
 def test_deepspeed_state_prepared_resident_is_the_state_of_that_moment(tmp_path):
