@@ -10,6 +10,7 @@ import torch
 from colomem.engines.background import BackgroundSlot
 from colomem.engines.deepspeed import DeepSpeedTrainer
 from colomem.engines.deepspeed.weights import Staging, WeightExport
+from colomem.engines.pending_write import WriteGuard
 from colomem.swap import PendingReloads
 
 CPU = torch.device("cpu")
@@ -140,7 +141,7 @@ def bare_trainer(model, lora, pool=None):
                       _weights=WeightExport(model, zero_stage=2, world_size=1, device=CPU),
                       _pending=PendingReloads(), timeout_s=30.0, shared=None, _shared_storages=frozenset(),
                       optimizer_reload="overlap", _step_reload=None, _strategies={}, micro_batch_tokens=None,
-                      _finishing=BackgroundSlot())
+                      _finishing=BackgroundSlot(), _writes=WriteGuard())
     return t
 
 
