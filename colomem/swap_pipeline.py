@@ -3,9 +3,12 @@
 Re-growing a storage after its memory went back to the driver is one cudaMalloc through torch's caching
 allocator: tens of microseconds each, 8-14 ms for a 250-tensor set of 3-15 GB. Growing every storage before
 the first copy puts all of it in front of the transfer, where the caller waits for it. Here the storages are
-grown in pieces in their order, each piece submitted to the copy engine as soon as it is grown; the next
-piece is grown while those copies run. The first piece is small (its growth is what is left in front), each
-next one `PIECE_GROWTH` times the previous, so every piece's growth fits inside the copy of the one before.
+grown in pieces, each piece submitted to the copy engine as soon as it is grown; the next piece is grown
+while those copies run. The first piece is small and of few storages (its growth is what is left in front),
+each next one `PIECE_GROWTH` times the previous, so every piece's growth fits inside the copy of the one
+before, also for memory the process never used before (about twice as slow to map). The pieces are cut from
+the storages by size, not in the set's order (`head_first`): a model's embedding comes first in its order,
+and grown first it alone would be hundreds of MB in front of the first copy.
 
 All pieces queue on the engine's one H2D stream, in order; the current stream waits for the last one (when
 `ordered`), so work queued after the reload sees every byte. Only a set whose storages all move on their own
@@ -36,7 +39,8 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 FIRST_PIECE_BYTES = 64 * MiB  # what is grown before the first copy starts
-PIECE_GROWTH = 4              # each next piece's bytes over the previous one's
+PIECE_GROWTH = 2              # each next piece's bytes over the previous one's
+BY_SIZE = True                # pieces cut by size (head_first); False: in the set's order (benchmarks compare)
 
 
 def pieces(entries: list["_Entry"], first: Optional[int] = None, growth: Optional[int] = None) -> list[list]:
@@ -59,11 +63,36 @@ def pieces(entries: list["_Entry"], first: Optional[int] = None, growth: Optiona
     return out
 
 
+def head_first(entries: list["_Entry"], first: Optional[int] = None) -> list["_Entry"]:
+    """The entries in the order a pipelined transfer cuts them: first the fewest storages of at most `first`
+    bytes that reach it (the largest of them first; the smallest larger storage when they do not reach it),
+    then the others smallest first, each size in the set's order. The first piece (pieces()) is then those few
+    storages whatever the set's order, and each piece after it holds storages no smaller than the one before."""
+    first = FIRST_PIECE_BYTES if first is None else first
+    by_size = sorted(range(len(entries)), key=lambda i: entries[i].nbytes)      # stable: the set's order within
+    head: list[int] = []
+    total = 0
+    for i in sorted((i for i in by_size if entries[i].nbytes <= first), key=lambda i: -entries[i].nbytes):
+        if total >= first:
+            break
+        head.append(i)
+        total += entries[i].nbytes
+    if total < first:
+        head += [i for i in by_size if entries[i].nbytes > first][:1]
+    taken = set(head)
+    return [entries[i] for i in head] + [entries[i] for i in by_size if i not in taken]
+
+
+def reload_pieces(entries: list["_Entry"]) -> list[list]:
+    """The pieces a reload grows and copies, in order (head_first, then pieces())."""
+    return pieces(head_first(entries) if BY_SIZE else entries)
+
+
 def applies(s: "SwapSet", layout) -> bool:
     """Whether a reload of `s` with this layout takes the pipelined path: a set moved storage by storage that
     makes more than one piece (on the host path too, where the engine's worker thread copies while the next
     piece is allocated)."""
-    return s._device is not None and not layout.chunks and len(pieces(layout.direct)) > 1
+    return s._device is not None and not layout.chunks and len(reload_pieces(layout.direct)) > 1
 
 
 # Above what the driver reports free, a reload's growth also needs each storage rounded up to the allocator's
@@ -104,7 +133,7 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
     parts: list = []
     grown: list["_Entry"] = []
     grow_s = 0.0
-    cut = pieces(entries)
+    cut = reload_pieces(entries)
     try:
         for i, piece in enumerate(cut):
             t0 = time.perf_counter()
@@ -156,9 +185,10 @@ def _fail(s: "SwapSet", exc: BaseException, err: BaseException, parts: list, gro
 
 
 def offload_pieces(entries: list["_Entry"]) -> list[list]:
-    """The entries, in order, cut so that the last piece is the small one (FIRST_PIECE_BYTES) and the pieces
-    before it grow backwards: the release left after the last copy is the smallest."""
-    return [p[::-1] for p in reversed(pieces(entries[::-1]))]
+    """A reload's pieces backwards: the largest storages go first, and the last piece is the small one of few
+    storages (FIRST_PIECE_BYTES), so the release left after the last copy is the smallest (a model's output
+    head, last in its order, would otherwise be released alone after every copy ended)."""
+    return list(reversed(reload_pieces(entries)))
 
 
 def offload_applies(s: "SwapSet", layout) -> bool:

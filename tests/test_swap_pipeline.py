@@ -1,4 +1,5 @@
-"""The pipelined reload and offload on the host path: the pieces cover the set in order with growing sizes; a
+"""The pipelined reload and offload on the host path: the pieces cover the set, the first of few storages
+whatever their order, then by size with growing totals; a
 set reloaded piece by piece gets every byte back, in every dtype, views and Parameters included, as the
 grow-everything-first reload does; a piece that finds no memory or whose submission is refused leaves the set
 offloaded with its bytes in the pool and no storage grown, and a later reload restores it. An offload frees
@@ -161,12 +162,37 @@ class _EngineFailingAWait:
         return self.real.stream(direction)
 
 
+def model_like(first):
+    """A model's storages in its order, in units of first/16: the embedding first (huge), layers of tiny norms,
+    small and middle-sized weights, the output head last (huge)."""
+    u = first // 16
+    layer = [1, 1, 3, 3, 12, 12, 12]
+    return [_E(400 * u)] + [_E(n * u) for _ in range(6) for n in layer] + [_E(1), _E(400 * u)]
+
+
+def test_pieces_start_with_few_storages_up_to_the_first_piece_and_grow_by_size(small_pieces):
+    first = swap_pipeline.FIRST_PIECE_BYTES
+    entries = model_like(first)
+    cut = swap_pipeline.reload_pieces(entries)
+    flat = [e for p in cut for e in p]
+    assert sorted(map(id, flat)) == sorted(map(id, entries))            # every storage once
+    assert [e.nbytes for e in cut[0]] == [12 * first // 16, 12 * first // 16]     # the fewest that reach it
+    sizes = [e.nbytes for e in flat[len(cut[0]):]]
+    assert sizes == sorted(sizes) and sizes[-2:] == [400 * first // 16] * 2       # the two huge ones last
+    totals = [sum(e.nbytes for e in p) for p in cut]
+    assert all(t >= first * 2 ** i for i, t in enumerate(totals[:-1]))
+    # no storage fits the first piece: the smallest one alone
+    big = [_E(5 * first), _E(2 * first), _E(3 * first)]
+    assert [e.nbytes for e in swap_pipeline.reload_pieces(big)[0]] == [2 * first]
+    assert swap_pipeline.reload_pieces([]) == []
+
+
 def test_offload_pieces_end_with_the_small_one(small_pieces):
-    entries = [_E(n * KiB) for n in [5, 30, 30, 30, 30, 30, 10, 10, 10, 10, 500, 10, 10, 10]]
+    entries = model_like(swap_pipeline.FIRST_PIECE_BYTES)
     cut = swap_pipeline.offload_pieces(entries)
-    assert [e for p in cut for e in p] == entries
-    # cut from the end: >= 16 KiB, >= 32, >= 64, then the rest
-    assert [sum(e.nbytes for e in p) // KiB for p in cut] == [125, 70, 510, 20]
+    assert cut == list(reversed(swap_pipeline.reload_pieces(entries)))
+    assert sum(e.nbytes for e in cut[-1]) < 2 * swap_pipeline.FIRST_PIECE_BYTES and len(cut[-1]) == 2
+    assert max(e.nbytes for e in cut[0]) == 400 * swap_pipeline.FIRST_PIECE_BYTES // 16     # the huge ones first
 
 
 def test_an_offload_frees_each_piece_as_its_copy_ends_and_the_last_with_the_set(pool, small_pieces):

@@ -117,14 +117,15 @@ def run_gpu(a) -> dict:
     return res
 
 
-# the wall bench's variants, in the order run: name -> (SwapSet keywords, (first piece bytes, piece growth) or
-# None for the pipeline's own). The default (pipelined, re-grown in expandable segments) runs first and last
-# (A ... A: drift over the run shows as A against A); the others: every storage grown before the first copy,
-# pipelined in torch's default segments, and smaller first and last pieces (less re-growth in front of the
-# first copy and less release after the last).
+# the wall bench's variants, in the order run: name -> (SwapSet keywords, (first piece bytes, piece growth,
+# pieces cut by size) or None for the pipeline's own). The default (pipelined, re-grown in expandable segments)
+# runs first and last (A ... A: drift over the run shows as A against A); the others: every storage grown
+# before the first copy, pipelined in torch's default segments, the pieces cut in the set's order with x4
+# growth (the embedding alone in front of the first copy, the output head alone after the last), and a smaller
+# first piece.
 WALL_VARIANTS = {"pipelined": ({}, None), "grow_first": ({"pipeline": False, "expandable": False}, None),
-                 "pipelined_plain": ({"expandable": False}, None), "first16": ({}, (16 * MiB, 4)),
-                 "first16_growth2": ({}, (16 * MiB, 2)), "pipelined_again": ({}, None)}
+                 "pipelined_plain": ({"expandable": False}, None), "set_order": ({}, (64 * MiB, 4, False)),
+                 "first16": ({}, (16 * MiB, 2, True)), "pipelined_again": ({}, None)}
 # The set held in memory colomem maps itself (colomem/bench/mapped.py): name -> chunk bytes. Run between the
 # SwapSet variants and the default's second run.
 WALL_MAPPED = {"mapped": 256 * MiB, "mapped64": 64 * MiB}
@@ -132,16 +133,16 @@ WALL_MAPPED = {"mapped": 256 * MiB, "mapped64": 64 * MiB}
 
 @contextlib.contextmanager
 def piece_sizes(sizes):
-    """The pipeline's first piece and growth for the duration (None: unchanged)."""
+    """The pipeline's first piece, growth and cut by size for the duration (None: unchanged)."""
     if sizes is None:
         yield
         return
-    saved = swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH
-    swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH = sizes
+    saved = swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH, swap_pipeline.BY_SIZE
+    swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH, swap_pipeline.BY_SIZE = sizes
     try:
         yield
     finally:
-        swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH = saved
+        swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH, swap_pipeline.BY_SIZE = saved
 
 
 def wall_clock(key: str, shape, reps: int) -> dict:
