@@ -435,8 +435,8 @@ def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_th
                                                                                       stage):
     """optimizer_state_memory "mapped", as the runner's "optimizer state out behind the rollout": the moments
     move out of torch's memory at their first offload (their old memory freed once the copy ended), each step's
-    start measures the room beside its peak, and the next reload brings that much back behind the forward and
-    backward, the rest inside the step. Training matches the never-offloaded engine bit for bit; the moments'
+    start measures the room beside its peak (the first one's while still resident), and the next reload brings
+    that much back behind the forward and backward, the rest inside the step. Training matches the never-offloaded engine bit for bit; the moments'
     mapped memory is all unmapped while they are out; closing gives every pool block back."""
     import colomem
     from colomem.engines.deepspeed import mapped_moments
@@ -468,7 +468,8 @@ def test_mapped_moments_out_behind_the_rollout_come_back_part_early_and_train_th
                 losses.append(out["loss"])
             assert "optimizer_reload_s" in out and out["prefetch_room_bytes"] > 0, out
             prefetched.append(out.get("optimizer_prefetch_bytes", 0.0))
-        assert prefetched[0] == 0 and max(prefetched[1:]) > 0, prefetched   # measured at one step, used at the next
+        # the room measured at the step before (step 0's, trained resident) is used from the first reload on
+        assert min(prefetched) > 0, prefetched
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
     finally:
         t.close()
