@@ -44,7 +44,7 @@ def median_of(figure: str, *names: str) -> Callable[[Any], Optional[float]]:
 
 # result files several targets read
 LORA7B_RUN = "2026-12-02-h200/third-session/call4/grpobench/grpo_bench.json"
-WALL_RUN = "2026-12-04-h200/call25/wall/transfer.json"
+WALL_RUN = "2026-12-05-h200/call1/wall/transfer.json"
 
 
 TARGETS = [
