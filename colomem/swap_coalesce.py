@@ -105,6 +105,7 @@ class Layout:
         self._close(run)
         self._staging: Optional[torch.Tensor] = None  # sized to the largest chunk; its storage is grown per use
         self.fallback = False  # the last operation found no room for the staging buffer (one copy per storage)
+        self.pieces_memo: Optional[tuple] = None  # swap_pipeline.layout_pieces: the pipelined pieces, cut once
 
     def _close(self, run: list["_Entry"]) -> None:
         if len(run) == 1:
