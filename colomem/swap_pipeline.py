@@ -148,18 +148,19 @@ def submit_reload(s: "SwapSet", layout, *, ordered: bool, timing: bool,
     grow_s = 0.0
     cut = layout_pieces(layout)
     try:
-        for i, piece in enumerate(cut):
-            t0 = time.perf_counter()
-            with _torch.expandable_segments(device if s.expandable else None):
+        # the allocator's setting switched once for all pieces (each switch parses torch's settings again)
+        with _torch.expandable_segments(device if s.expandable else None):
+            for i, piece in enumerate(cut):
+                t0 = time.perf_counter()
                 for e in piece:
                     e.storage.resize_(e.nbytes)
                     grown.append(e)
-            grow_s += time.perf_counter() - t0
-            last = i == len(cut) - 1
-            # Each piece waits for the current stream (the allocator may hand out memory that stream still
-            # reads); the current stream waits for the last piece, behind every other on the engine's stream.
-            parts.append(eng.submit("h2d", _direct_copies(piece, False), wait_stream=cur,
-                                    signal_stream=cur if ordered and last else 0, timing=timing))
+                grow_s += time.perf_counter() - t0
+                last = i == len(cut) - 1
+                # Each piece waits for the current stream (the allocator may hand out memory that stream still
+                # reads); the current stream waits for the last piece, behind every other on the engine's stream.
+                parts.append(eng.submit("h2d", _direct_copies(piece, False), wait_stream=cur,
+                                        signal_stream=cur if ordered and last else 0, timing=timing))
     except BaseException as exc:
         err = oom_error(exc) if isinstance(exc, torch.OutOfMemoryError) else exc
         _fail(s, exc, err, parts, grown, token)
