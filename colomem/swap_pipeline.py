@@ -198,11 +198,11 @@ def _fail(s: "SwapSet", exc: BaseException, err: BaseException, parts: list, gro
 # first piece's release waits for every copy and the pieces cost what one release of the set would.
 
 
-def offload_pieces(entries: list["_Entry"]) -> list[list]:
-    """A reload's pieces backwards: the largest storages go first, and the last piece is the small one of few
-    storages (FIRST_PIECE_BYTES), so the release left after the last copy is the smallest (a model's output
-    head, last in its order, would otherwise be released alone after every copy ended)."""
-    return list(reversed(reload_pieces(entries)))
+def offload_pieces(layout) -> list[list]:
+    """A layout's reload pieces backwards: the largest storages go first, and the last piece is the small one
+    of few storages (FIRST_PIECE_BYTES), so the release left after the last copy is the smallest (a model's
+    output head, last in its order, would otherwise be released alone after every copy ended)."""
+    return list(reversed(layout_pieces(layout)))
 
 
 def offload_applies(s: "SwapSet", layout) -> bool:
@@ -217,7 +217,7 @@ def submit_offload(s: "SwapSet", layout, undo: Callable[[], None], *, timing: bo
     device = s._device
     assert device is not None
     pool = s._pool
-    cut = list(reversed(layout_pieces(layout)))
+    cut = offload_pieces(layout)
     nbytes = sum(e.nbytes for e in layout.direct)
     cur = _torch.stream_handle(device)
     try:

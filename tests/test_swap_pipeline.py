@@ -6,6 +6,8 @@ offloaded with its bytes in the pool and no storage grown, and a later reload re
 each piece once its copy ended and the last with the set; a piece whose copy fails puts the freed ones back
 from the pool; a refused piece leaves the set resident."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -189,7 +191,7 @@ def test_pieces_start_with_few_storages_up_to_the_first_piece_and_grow_by_size(s
 
 def test_offload_pieces_end_with_the_small_one(small_pieces):
     entries = model_like(swap_pipeline.FIRST_PIECE_BYTES)
-    cut = swap_pipeline.offload_pieces(entries)
+    cut = swap_pipeline.offload_pieces(SimpleNamespace(direct=entries))
     assert cut == list(reversed(swap_pipeline.reload_pieces(entries)))
     assert sum(e.nbytes for e in cut[-1]) < 2 * swap_pipeline.FIRST_PIECE_BYTES and len(cut[-1]) == 2
     assert max(e.nbytes for e in cut[0]) == 400 * swap_pipeline.FIRST_PIECE_BYTES // 16     # the huge ones first
@@ -200,7 +202,7 @@ def test_an_offload_frees_each_piece_as_its_copy_ends_and_the_last_with_the_set(
     want = {k: as_bytes(v) for k, v in ts.items()}
     s = colomem.SwapSet(ts, pool, device="cpu")
     h = s.offload_async()
-    cut = swap_pipeline.offload_pieces(s._layout.direct)
+    cut = swap_pipeline.offload_pieces(s._layout)
     assert len(cut) >= 3
     h._advance(60.0)  # what wait() runs first: every piece but the last is freed once its copy ended
     assert all(e.storage.nbytes() == 0 for p in cut[:-1] for e in p)
@@ -232,7 +234,7 @@ def test_an_offload_in_pieces_releases_the_cached_memory_before_its_first_copy(p
     monkeypatch.setattr(_torch, "release_cached", lambda device: order.append(f"release {device.type}"))
     s = colomem.SwapSet(ts, pool, device="cpu")
     s.offload()
-    assert order[0] == "release cpu" and order.count("submit") == len(swap_pipeline.offload_pieces(s._layout.direct))
+    assert order[0] == "release cpu" and order.count("submit") == len(swap_pipeline.offload_pieces(s._layout))
     assert order.count("release cpu") == 1
     order.clear()
     s.reload()
