@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from colomem.errors import PhaseOrderError, TransferTimeoutError
@@ -25,13 +26,14 @@ def host_copy(t: Any) -> Any:
 
 
 class PendingWrite:
-    """Writes (callables doing file I/O only) run once, in order, by write(); `reads_pool`: some read views
-    of the trainer's pool copies (its next offload or close waits for this write)."""
+    """Writes (callables doing file I/O only) run once, in order, by write(), into the folder `path`;
+    `reads_pool`: some read views of the trainer's pool copies (its next offload or close waits for this
+    write)."""
 
-    def __init__(self, writes: list[Callable[[], None]], *, reads_pool: bool, what: str = "checkpoint write"):
+    def __init__(self, writes: list[Callable[[], None]], *, reads_pool: bool, path: Path):
         self._writes = list(writes)
         self.reads_pool = reads_pool
-        self.what = what
+        self.what = f"the checkpoint write into {str(path)!r}"
         self.started = False
         self.error: Optional[BaseException] = None
         self.seconds = 0.0

@@ -344,12 +344,11 @@ class TorchTrainer:
             raise PhaseOrderError("this TorchTrainer was closed; cannot save_state()")
         self.wait_reload()
         self.finish_offload()               # the pool copies it reads must be complete
-        what = f"the checkpoint write into {str(path)!r}"
         if self.world_size > 1 and self.process_group is not None:
             import torch.distributed as dist
 
             if dist.get_rank(self.process_group) != 0:
-                return PendingWrite([], reads_pool=False, what=what)
+                return PendingWrite([], reads_pool=False, path=path)
         pooled: list[bool] = []
 
         def host(t: Tensor) -> Tensor:
@@ -380,7 +379,7 @@ class TorchTrainer:
                 writes.append(lambda: save_full_model(model, full, path / "model-merged"))
         else:
             writes.append(lambda: save_full_model(model, list(model_sd.items()), path / "model"))
-        return self._writes.track(PendingWrite(writes, reads_pool=any(pooled), what=what))
+        return self._writes.track(PendingWrite(writes, reads_pool=any(pooled), path=path))
 
     def save_state(self, path: Path, *, merged: bool = False) -> None:
         """prepare_save(path, merged=merged), written now."""

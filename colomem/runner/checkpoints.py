@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from colomem.engines.background import Background
 from colomem.engines.protocols import Checkpointable
@@ -81,16 +81,17 @@ def _finish(root: Path, tmp: Path, *, step: int, version: int, tokenizer: Any, i
     return final
 
 
-def _failed(root: Path, step: int, e: BaseException) -> BaseException:
-    """What a failed write raises: ours and interrupts as they are, anything else as CheckpointError."""
+def _raise_failed(root: Path, step: int, e: BaseException) -> NoReturn:
+    """Raises what a failed write raises: ours and interrupts as they are, anything else as CheckpointError."""
     if isinstance(e, ColomemError) or not isinstance(e, Exception):
-        return e                    # ours already say what to do; an interrupt is no write failure
+        raise e                     # ours already say what to do; an interrupt is no write failure
     # OSError, or a library's writer (safetensors, torch) failing on the disk
     kept = [p.name for _, p in _steps(root)]
     cause = (f"{e.strerror} ({e.filename or 'a checkpoint file'})" if isinstance(e, OSError) and e.strerror
              else f"{type(e).__name__}: {e}")
-    return CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {cause}; free disk "
-                           f"space or choose another --out. Earlier checkpoints are intact: {', '.join(kept) or 'none'}")
+    raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {cause}; free disk "
+                          f"space or choose another --out. Earlier checkpoints are intact: {', '.join(kept) or 'none'}"
+                          ) from e
 
 
 class _Save:
@@ -111,10 +112,7 @@ class _Save:
             self.pending = trainer.prepare_save(self.tmp, merged=merged)
         except BaseException as e:
             self._clean()
-            err = _failed(root, step, e)
-            if err is e:
-                raise
-            raise err from e
+            _raise_failed(root, step, e)
 
     def start(self) -> None:
         """The files written in a thread of their own; finish() collects it."""
@@ -133,10 +131,7 @@ class _Save:
         except BaseException as e:
             if self.thread is None or self.thread.done:
                 self._clean()
-            err = _failed(self.root, self.step, e)
-            if err is e:
-                raise
-            raise err from e
+            _raise_failed(self.root, self.step, e)
 
     def _clean(self) -> None:
         if self.main:

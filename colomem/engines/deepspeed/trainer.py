@@ -472,7 +472,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         pooled = strategy if isinstance(strategy, ColomemOffload) else None
         stable = self._offloaded and not self._params_kept
         writes = [checkpoint.prepare_state(self, path, pooled), *checkpoint.prepare_model(self, path, merged, stable)]
-        return self._writes.track(PendingWrite(writes, reads_pool=pooled is not None, what=f"checkpoint {path}"))
+        return self._writes.track(PendingWrite(writes, reads_pool=pooled is not None, path=path))
 
     def save_state(self, path: Path, *, merged: bool = False) -> None:
         """prepare_save(path, merged=merged), written now."""
