@@ -2,7 +2,8 @@
 # One GPU-host call: build the CUDA core, run the chosen stages, leave logs and JSON under $OUT.
 # Usage (from the repo root on the GPU host): bash benchmarks/gpu_run.sh core,vllm,deepspeed,...
 # Stages, run in the order given: core (GPU tests of pool/swap/engine), transfer (python -m colomem.bench),
-# smallbench (its small-tensor part alone), wall (its wall-clock part alone: WALL_SETS; wallexp: the same with
+# smallbench (its small-tensor part alone), wall (its wall-clock part alone: WALL_SETS; wallprime: one set with its
+# first re-growth primed; wallexp: the same with
 # torch's expandable segments), diagrelease (where a
 # swap's release and re-growth time goes), slab (GPU tests of small storages packed onto shared slabs),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsstep (its tests of
@@ -112,6 +113,9 @@ stage() {  # the stages run in the order given on the command line
     smallbench) run bench_small 150 python3 -m colomem.bench --out "$OUT/small" --only small ;;
     # each shape's offload and reload by the wall clock: the pipelined reload against growing every storage first
     wall) run bench_wall "${WALL_TIMEOUT_S:-240}" python3 -m colomem.bench --out "$OUT/wall" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;
+    # the same for one set, expandable memory of its size mapped and filled once before its first cycle
+    wallprime) run bench_wall_primed 150 python3 -m colomem.bench --out "$OUT/wall-primed" --only wall --prime \
+      --sets "${WALLPRIME_SETS:-1.5b}" ;;
     # the same with torch's expandable segments (memory mapped in physical chunks, unmapped without a device sync)
     wallexp) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run bench_wall_expandable 180 python3 -m colomem.bench \
       --out "$OUT/wall-expandable" --only wall --sets "${WALL_SETS:-1.5b,7b,llama3-8b}" ;;

@@ -23,7 +23,7 @@ import time
 import torch
 
 import colomem
-from colomem import swap_coalesce, swap_pipeline, swap_slab
+from colomem import _torch, swap_coalesce, swap_pipeline, swap_slab
 from colomem.bench import mapped as bench_mapped
 from colomem.bench import transfer
 from colomem.bench.shapes import SHAPES
@@ -51,6 +51,9 @@ def parse_args(argv=None):
                     help="small: only the raw peaks and the small-tensor set; wall: only the raw peaks and each "
                     "set's offload and reload by the wall clock, the pipelined reload against growing every "
                     "storage first (short GPU runs)")
+    ap.add_argument("--prime", action="store_true",
+                    help="with --only wall: before each set's first cycle, map and fill expandable memory of the "
+                    "set's size once and give it back (does the process's first re-growth cost the first cycle?)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke run)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
@@ -76,7 +79,7 @@ def run_gpu(a) -> dict:
         return res
     if a.only == "wall":
         res["chunk_sweep_gbps"] = transfer.chunk_sweep(peak_bytes, [64, 256], 3)
-        res["wall"] = {key: wall_clock(key, SHAPES["tiny" if a.quick else key], a.reps)
+        res["wall"] = {key: wall_clock(key, SHAPES["tiny" if a.quick else key], a.reps, prime=a.prime)
                        for key in a.sets.split(",") if key}
         return res
     if a.chunks_mib:
@@ -145,11 +148,27 @@ def piece_sizes(sizes):
         swap_pipeline.FIRST_PIECE_BYTES, swap_pipeline.PIECE_GROWTH, swap_pipeline.BY_SIZE = saved
 
 
-def wall_clock(key: str, shape, reps: int) -> dict:
+def prime_expandable(nbytes: int) -> float:
+    """Maps `nbytes` of torch's expandable segments, fills them and gives them back to the driver; returns the
+    seconds it took. The process's first re-growth then lands where one has been before."""
+    t0 = time.perf_counter()
+    with _torch.expandable_segments(torch.device("cuda")):
+        block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(1)
+    del block
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def wall_clock(key: str, shape, reps: int, prime: bool = False) -> dict:
     """One set's cycles by the wall clock, each of WALL_VARIANTS in turn. In a process started with
-    expandable segments all of them use them."""
+    expandable segments all of them use them. prime: expandable memory of the set's size mapped and filled
+    once before the first cycle (prime_expandable)."""
     tensors = transfer.make_set(shape, "cuda")
     log(f"set {key}: {len(shape.tensors())} tensors, {shape.nbytes() / GB:.2f} GB, by the wall clock")
+    if prime:
+        log(f"  primed {shape.nbytes() / GB:.2f} GB of expandable memory in {prime_expandable(shape.nbytes()):.3f} s")
     out = {}
     order = [n for n in WALL_VARIANTS if n != "pipelined_again"] + list(WALL_MAPPED) + ["pipelined_again"]
     for name in order:
