@@ -20,6 +20,7 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   expandable   the default with --trainer-expandable: all of the trainer's memory in expandable segments
   hidden       the default with --trainer-expandable and --overlap-offload
   mapped       the default with --optimizer-state-memory mapped
+  saved        the default with a checkpoint every other step (--save-every 2, written beside the next step)
   nogc, ckpt2  the default without gradient checkpointing, and checkpointing every other decoder layer
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
@@ -91,6 +92,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
+         # the planner's with a checkpoint every other step (the newest one kept), written in the background
+         "saved": ["--switch", "colomem", "--save-every", "2", "--keep-checkpoints", "1"],
          "trl": [], "trl_sleep": ["--trl-sleep"],
          # the same recompute on both sides, interleaved in one call (RECOMPUTE_PAIRS): no checkpointing, and
          # checkpointing every other decoder layer (the TRL harness applies --checkpoint-every to its model)
@@ -237,6 +240,11 @@ def analyse(out_dir: Path) -> dict:
         "samples_per_step": steps[-1].get("samples_total"),
         "completion_len_mean": _median([r.get("completion_len_mean") for r in warm]),
         "shared_base": summary.get("shared_base"),
+        # each checkpoint: what the run waited for it (gathering the state, and any wait for its write at the
+        # next step) against the write itself, which runs beside the next step with --save-background
+        "checkpoints": [{"step": r["checkpoint/step"], "seconds": r.get("checkpoint/seconds"),
+                         "write_seconds": r.get("checkpoint/write_seconds")}
+                        for r in lines if "checkpoint/step" in r],
     })
     alt = alternate_figures(steps)
     if alt is not None:

@@ -69,3 +69,18 @@ def test_a_bench_at_its_stage_end_skips_its_runs_and_still_writes_its_report(tmp
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stdout.count("skipped, too little time left in the stage") == 4
     assert json.loads((tmp_path / "inrank_bench.json").read_text())["runs"] == {}
+
+
+def test_figures_only_reports_each_checkpoint_the_run_waited_for_against_its_write(tmp_path):
+    run = tmp_path / "full_saved"
+    run.mkdir()
+    lines = [{"event": "start", "time": 0.0}, _step(0, 12.0, 0.9), _step(1, 8.0, 0.1),
+             {**_step(2, 8.5, 0.1), "checkpoint/started": 2},
+             {**_step(3, 8.2, 0.1), "checkpoint/step": 2, "checkpoint/seconds": 0.6,
+              "checkpoint/write_seconds": 7.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--out", str(tmp_path),
+                        "--figures-only"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads((tmp_path / "grpo_bench.json").read_text())["runs"]["full_saved"]["result"]
+    assert res["checkpoints"] == [{"step": 2, "seconds": 0.6, "write_seconds": 7.5}]
