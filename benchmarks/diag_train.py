@@ -20,7 +20,8 @@ allocator's peak, the executed matmul FLOPs and their rate against a bf16 GEMM m
 the planner's probe predicts for it (`extra_peak_measured` / `extra_peak_predicted`). With --profile, one
 profiled step of the config's variant and of the fastest: device time by kernel category (GEMM, attention,
 elementwise, the optimizer, copies, communication) and the device's busy share of the step (well below 1:
-the host cannot keep the device fed). A variant that runs out of memory is reported as such and left out of
+the host cannot keep the device fed). With --cprofile, one step of the config's variant under cProfile (its
+backward on the calling thread): where the host's time goes. A variant that runs out of memory is reported as such and left out of
 the later rounds.
 
 Writes DIR/diag_train.json and DIR/diag_train.md.
@@ -72,6 +73,8 @@ def build_parser():
     g.add_argument("--rounds", type=int, default=3, help="timed steps of each variant, interleaved")
     g.add_argument("--rows", type=int, default=None, help="rows a step (default prompts_per_step x group_size)")
     g.add_argument("--completion-len", type=int, default=None, help="completion tokens (default max_new_tokens)")
+    g.add_argument("--cprofile", action="store_true",
+                   help="one step of the config's variant under cProfile (where the host's time goes)")
     g.add_argument("--profile", action="store_true",
                    help="one profiled step of the config's variant and of the fastest one")
     return p
@@ -228,7 +231,8 @@ def timed_step(trainer, batch, device: torch.device) -> tuple[float, int, dict]:
     return seconds, peak, metrics
 
 
-def run(cfg, args, say=say) -> dict:
+def run(cfg, args, say=say, save=None) -> dict:
+    """save(result): called with what is measured so far, after the rounds and after each profile."""
     from colomem.runner.job import job_inputs
 
     inputs = job_inputs(cfg, say=say)
@@ -287,14 +291,35 @@ def run(cfg, args, say=say) -> dict:
                 if rnd > 0:
                     r["step_s"].append(seconds)
                 say(f"round {rnd} {name}: {seconds:.3f} s, peak {peak / 2**30:.1f} GiB")
+        # what the rounds measured is written before any profiling: a profile cut by the stage's bound loses
+        # only itself
+        summarize(out, res, pr, cfg, params, layer_params, share, tokens, ceiling)
+        if save is not None:
+            save(out)
+        if args.cprofile:
+            name, mb, every = next((v for v in alive if v[0] == f"mb{cfg.micro_batch}"), alive[0])
+            trainer.micro_batch = mb
+            set_recompute(model, every)
+            text = cprofiled_step(trainer, synthetic_batch(rows, prompt_len, completion, vocab, seed=5 + mb), device)
+            res[name]["cprofile_top"] = text
+            if save is not None:
+                save(out)
         if args.profile:
             for name, mb, every in profiled(alive, res, f"mb{cfg.micro_batch}"):
                 trainer.micro_batch = mb
                 set_recompute(model, every)
                 res[name]["profile"] = profiled_step(trainer, synthetic_batch(rows, prompt_len, completion, vocab,
                                                                               seed=7 + mb), device)
+                if save is not None:
+                    save(out)
     finally:
         trainer.close()
+    return out
+
+
+def summarize(out: dict, res: dict, pr, cfg, params: int, layer_params: int, share: float, tokens: int,
+              ceiling) -> None:
+    """Each variant's medians, FLOP rate and peaks against the probe's prediction, into out["variants"]."""
     for name, r in res.items():
         if r["step_s"]:
             med = statistics.median(r["step_s"])
@@ -316,7 +341,6 @@ def run(cfg, args, say=say) -> dict:
         for r in res.values():
             if r.get("step_s_median"):
                 r["speedup_vs_config"] = base["step_s_median"] / r["step_s_median"]
-    return out
 
 
 def profiled(alive: list, res: dict, config_name: str) -> list:
@@ -347,10 +371,33 @@ def after_oom(trainer, cfg, model_path: str, rows: int, device: torch.device):
 def profiled_step(trainer, batch, device: torch.device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # the device's kernels only on a GPU: recording every host op of a DeepSpeed step slows it several-fold
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         seconds, _, _ = timed_step(trainer, batch, device)
     return profile_summary(prof.key_averages(), seconds)
+
+
+def cprofiled_step(trainer, batch, device: torch.device, top: int = 45) -> str:
+    """One step under cProfile: the host functions by their own time and by their total. A GPU-bound step
+    spends its host time waiting (a synchronize, a tensor's item); a host-bound one in Python and launches."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    # the backward on this thread (autograd runs a GPU's backward on a thread of its own otherwise, which
+    # cProfile does not see): the gradient hooks' Python shows up under their own names
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        seconds, _, _ = timed_step(trainer, batch, device)
+        prof.disable()
+    buf = io.StringIO()
+    buf.write(f"one step under cProfile: {seconds:.3f} s\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
 
 
 def table(result: dict) -> str:
@@ -377,9 +424,16 @@ def table(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ns, cfg, out = script_config(build_parser(), argv, "runs/diag_train")
-    result = run(cfg, ns)
-    (out / "diag_train.json").write_text(json.dumps(result, indent=1))
-    (out / "diag_train.md").write_text(table(result))
+
+    def save(result: dict) -> None:
+        (out / "diag_train.json").write_text(json.dumps(result, indent=1))
+        (out / "diag_train.md").write_text(table(result))
+        for name, r in result["variants"].items():
+            if r.get("cprofile_top"):
+                (out / f"cprofile_{name}.txt").write_text(r["cprofile_top"])
+
+    result = run(cfg, ns, save=save)
+    save(result)
     print(table(result))
     return 0
 
