@@ -370,7 +370,9 @@ def main(argv=None) -> int:
     ap.add_argument("--first-round", type=int, help="number of this call's first round (default: 1, or after "
                                                       "the last round of --continue-from)")
     ap.add_argument("--steps", type=int, default=5, help="steps per run (the first is a warm-up)")
-    ap.add_argument("--extra", default="", help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64'")
+    ap.add_argument("--extra", action="append", default=[],
+                    help="extra runner flags for every 1.5B run, e.g. '--prompts-per-step 64' (may be given again: "
+                         "--extra=--no-enforce-eager --extra=--micro-batch=32)")
     ap.add_argument("--run-timeout-s", type=float, default=480.0)
     ap.add_argument("--peer-timeout-s", type=float, default=480.0, help="bound on each run of a peer's mode (trl)")
     ap.add_argument("--run-default", action="store_true", help="also run the default tiny job (40 steps)")
@@ -378,6 +380,7 @@ def main(argv=None) -> int:
     ap.add_argument("--figures-only", action="store_true", help="run nothing: read the figures of the runs "
                     "already under --out (one folder each) into its report, e.g. after a call cut a run short")
     a = ap.parse_args(argv)
+    a.extra = " ".join(a.extra)
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for bad, known, what in ((set(configs) - set(CONFIGS), CONFIGS, "config"), (set(modes) - set(MODES), MODES, "mode")):

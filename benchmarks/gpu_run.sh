@@ -18,7 +18,7 @@
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
 # creation), diagdecode (vLLM's rollout after sleep / wake and beside a resident trainer), diagtrain (the training
-# phase alone, variant by variant: DIAGTRAIN_CONFIGS, DIAGTRAIN_ARGS). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it, SYNC_BUCKETS sets
+# phase alone, variant by variant: DIAGTRAIN_CONFIGS, DIAGTRAIN_ARGS). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it (grpobench2: GRPOBENCH2_*), SYNC_BUCKETS sets
 # the bucket sizes of syncbench. Each stage is bounded by its own timeout. benchmarks/README.md says what
 # each stage measures.
 set -uo pipefail
@@ -170,6 +170,9 @@ stage() {  # the stages run in the order given on the command line
     dsbench) run bench_ds 240 python3 benchmarks/bench_deepspeed_offload.py --out "$OUT/ds" ;;
     grpo) run grpo_default 240 python3 runners/grpo_colocated.py --out "$OUT/grpo" ;;
     grpobench) run bench_grpo "${GRPOBENCH_TIMEOUT_S:-400}" python3 benchmarks/bench_grpo.py --out "$OUT/grpobench" ${GRPOBENCH_ARGS:-} ;;
+    # a second bench in the same call with its own arguments (another micro-batch for every run, say)
+    grpobench2) run bench_grpo2 "${GRPOBENCH2_TIMEOUT_S:-400}" python3 benchmarks/bench_grpo.py --out "$OUT/grpobench2" \
+      ${GRPOBENCH2_ARGS:-} ;;
     inrank) run bench_inrank "${INRANK_TIMEOUT_S:-560}" python3 benchmarks/bench_inrank.py --out "$OUT/inrank" ${INRANK_ARGS:-} ;;
     inranktest) run inrank_tests 400 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_inrank_engine_gpu.py ;;
     *) echo "unknown stage $1" ;;
