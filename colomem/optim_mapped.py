@@ -9,13 +9,15 @@ backward and the rest at the step.
 The optimizer keeps working on the same state dict: the moments' tensors are replaced, once, by tensors of
 the same dtype and shape in the mapped memory. Three hooks on the torch optimizer keep it from reading
 memory that is not mapped: before each step and before state_dict() the state is brought back in full (in
-the current stream's order), and after load_state_dict() (which puts new tensors in the state) the mapped
+the current stream's order; a checkpoint of the offloaded state may read it in the pool instead,
+read_in_place), and after load_state_dict() (which puts new tensors in the state) the mapped
 copy is let go, so the loaded state is what the optimizer uses; map it again with a new MappedOptimizerState.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -69,6 +71,7 @@ class MappedOptimizerState:
         items = [(f"{i}.{k}", t) for i, (_, k, t) in enumerate(found)]
         self.active = False
         self.closed = False
+        self._in_place = False                 # state_dict() leaves the state in the pool (read_in_place)
         self._hooks: list = []
         self.moving: Optional[MappedHandle] = None
         self._old: list[torch.Tensor] = []
@@ -87,7 +90,7 @@ class MappedOptimizerState:
         self.active = True
         opt = self.optimizer
         self._hooks = [opt.register_step_pre_hook(self._before_read),
-                       opt.register_state_dict_pre_hook(self._before_read),
+                       opt.register_state_dict_pre_hook(self._before_state_dict),
                        opt.register_load_state_dict_post_hook(self._after_load)]
 
     def finish_move(self, timeout: Optional[float] = DEFAULT_TIMEOUT_S) -> int:
@@ -144,6 +147,19 @@ class MappedOptimizerState:
         if self.set.device.type != "cuda":
             self.set.wait(timeout)
 
+    @contextlib.contextmanager
+    def read_in_place(self) -> Iterator[bool]:
+        """Inside, state_dict() leaves the state where it is when all of it is in the pool with nothing
+        copying: its reader takes each mapped tensor's bytes from its host view (set.host_view), as a
+        checkpoint of an offloaded trainer does, instead of bringing the whole state back to the device first.
+        Yields whether it does; when it does not, state_dict() brings the state back as always."""
+        self._in_place = (self.active and not self.closed and self.moving is None and self.set.pending is None
+                          and self.set.resident_bytes == 0)
+        try:
+            yield self._in_place
+        finally:
+            self._in_place = False
+
     def close(self) -> None:
         """Brings the state back into torch tensors the optimizer then owns, and frees the mapped memory."""
         if self.closed:
@@ -173,6 +189,10 @@ class MappedOptimizerState:
     # -- hooks -----------------------------------------------------------------------------------------------
     def _before_read(self, *_args: Any) -> None:
         self.ensure_resident()
+
+    def _before_state_dict(self, *_args: Any) -> None:
+        if not self._in_place:
+            self.ensure_resident()
 
     def _after_load(self, *_args: Any) -> None:
         """load_state_dict() put new tensors in the state: the mapped ones are no longer the optimizer's. A

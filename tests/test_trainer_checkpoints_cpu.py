@@ -159,8 +159,10 @@ def test_torch_trainer_with_mapped_moments_saves_while_offloaded_and_resumes_bit
         a.train_step(batch_for(0))
         step(a, 1)
         a.offload()
-        assert a._swaps[1].state is not None and not a._swaps[1].state.set.resident    # the moments in the pool
+        moments = a._swaps[1].state
+        assert moments is not None and moments.set.resident_bytes == 0     # the moments in the pool
         a.save_state(tmp_path / "ckpt")
+        assert moments.set.resident_bytes == 0 and moments.active   # read there: not brought back for the save
         a.reload()
         for k in (2, 3):
             step(a, k)

@@ -10,8 +10,9 @@ and the next offload moves the loaded ones the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -105,6 +106,12 @@ class MappedOptimizerSet:
     def host_view(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         s = self._live()
         return s.set.host_view(t) if s is not None else None
+
+    def read_in_place(self) -> ContextManager[bool]:
+        """state_dict() without bringing the moments back while all of them are in the pool
+        (MappedOptimizerState.read_in_place); yields False, and changes nothing, otherwise."""
+        s = self._live()
+        return s.read_in_place() if s is not None else contextlib.nullcontext(False)
 
     def close(self) -> None:
         """The moments dropped with the trainer (it is closing): the mapped memory and pool blocks freed."""

@@ -11,11 +11,12 @@ They let the colocated runner run the same loop on a machine without a GPU. Noth
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Optional
+from typing import Any, Collection, ContextManager, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -359,7 +360,8 @@ class TorchTrainer:
         # a shared base is the rollout's (the model at model_path, never trained): the adapter is the state
         model_sd = {k: host(v) for k, v in self.model.state_dict().items()
                     if self.shared is None or ".lora_" in k}
-        opt_sd = self.optimizer.state_dict()
+        with self._optimizer_read():
+            opt_sd = self.optimizer.state_dict()
         opt_sd["param_groups"] = copy.deepcopy(opt_sd["param_groups"])
         opt_sd["state"] = {i: {k: host(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in st.items()}
                            for i, st in opt_sd["state"].items()}
@@ -384,6 +386,13 @@ class TorchTrainer:
     def save_state(self, path: Path, *, merged: bool = False) -> None:
         """prepare_save(path, merged=merged), written now."""
         self.prepare_save(path, merged=merged).write()
+
+    def _optimizer_read(self) -> ContextManager[Any]:
+        """Around the save's optimizer.state_dict(): offloaded, mapped moments stay in the pool (host() reads
+        their host views), instead of coming back to the device in full for the save."""
+        optim = self._swaps[1] if self._offloaded and len(self._swaps) > 1 else None
+        read = getattr(optim, "read_in_place", None)
+        return read() if read is not None else contextlib.nullcontext()
 
     def _pool_view(self, t: Tensor) -> Optional[Tensor]:
         """Offloaded, the view of t's pool copy (None: t was not moved, or the trainer is resident)."""
