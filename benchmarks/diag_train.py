@@ -21,8 +21,8 @@ the planner's probe predicts for it (`extra_peak_measured` / `extra_peak_predict
 profiled step of the config's variant and of the fastest: device time by kernel category (GEMM, attention,
 elementwise, the optimizer, copies, communication) and the device's busy share of the step (well below 1:
 the host cannot keep the device fed). With --cprofile, one step of the config's variant under cProfile (its
-backward on the calling thread): where the host's time goes. A variant that runs out of memory is reported as such and left out of
-the later rounds.
+backward on the calling thread): where the host's time goes. A variant that runs out of memory is reported
+as such and left out of the later rounds.
 
 Writes DIR/diag_train.json and DIR/diag_train.md.
 """
@@ -231,7 +231,7 @@ def timed_step(trainer, batch, device: torch.device) -> tuple[float, int, dict]:
     return seconds, peak, metrics
 
 
-def run(cfg, args, say=say, save=None) -> dict:
+def run(cfg, args, say=say, save=lambda result: None) -> dict:
     """save(result): called with what is measured so far, after the rounds and after each profile."""
     from colomem.runner.job import job_inputs
 
@@ -294,24 +294,21 @@ def run(cfg, args, say=say, save=None) -> dict:
         # what the rounds measured is written before any profiling: a profile cut by the stage's bound loses
         # only itself
         summarize(out, res, pr, cfg, params, layer_params, share, tokens, ceiling)
-        if save is not None:
-            save(out)
+        save(out)
         if args.cprofile:
             name, mb, every = next((v for v in alive if v[0] == f"mb{cfg.micro_batch}"), alive[0])
             trainer.micro_batch = mb
             set_recompute(model, every)
             text = cprofiled_step(trainer, synthetic_batch(rows, prompt_len, completion, vocab, seed=5 + mb), device)
             res[name]["cprofile_top"] = text
-            if save is not None:
-                save(out)
+            save(out)
         if args.profile:
             for name, mb, every in profiled(alive, res, f"mb{cfg.micro_batch}"):
                 trainer.micro_batch = mb
                 set_recompute(model, every)
                 res[name]["profile"] = profiled_step(trainer, synthetic_batch(rows, prompt_len, completion, vocab,
                                                                               seed=7 + mb), device)
-                if save is not None:
-                    save(out)
+                save(out)
     finally:
         trainer.close()
     return out
@@ -432,8 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if r.get("cprofile_top"):
                 (out / f"cprofile_{name}.txt").write_text(r["cprofile_top"])
 
-    result = run(cfg, ns, save=save)
-    save(result)
+    result = run(cfg, ns, save=save)      # written by save() as each part was measured
     print(table(result))
     return 0
 
