@@ -80,20 +80,26 @@ def build_parser():
     return p
 
 
+RMB = "-rmb"
+
+
 def parse_variants(text: Optional[str], micro_batch: int, rows: int,
                    checkpointing: bool) -> list[tuple[str, int, int]]:
     """[(name, micro_batch, every)]: every = 0 no recompute, K recompute every K-th decoder layer (1: all of
-    them). ConfigError on a bad name or a micro-batch that is not in [1, rows]."""
+    them). A name may end in -rmb: that variant reduces ZeRO-2's gradients after every micro-batch
+    (grad_reduction per_micro_batch; reduction_per_step). ConfigError on a bad name or a micro-batch that is
+    not in [1, rows]."""
     if not text:
         sizes = [m for m in (micro_batch, 2 * micro_batch, 4 * micro_batch) if m <= rows] or [rows]
         text = ",".join([f"mb{m}" for m in sizes] + ([f"mb{m}-nogc" for m in sizes] if checkpointing else []))
     out = []
     for name in (v.strip() for v in text.split(",") if v.strip()):
-        body, _, tail = name.partition("-")
+        body, _, tail = name.removesuffix(RMB).partition("-")
         gc_every = tail[2:] if tail.startswith("gc") else ""
         if not body.startswith("mb") or not body[2:].isdigit() or not (
                 tail in ("", "nogc") or (gc_every.isdigit() and int(gc_every) >= 1)):
-            raise ConfigError(f"--variants: {name!r} is not mb<N>, mb<N>-nogc or mb<N>-gc<K>")
+            raise ConfigError(f"--variants: {name!r} is not mb<N>, mb<N>-nogc or mb<N>-gc<K> (each may end in "
+                              f"{RMB})")
         n = int(body[2:])
         if not 1 <= n <= rows:
             raise ConfigError(f"--variants: {name!r} asks for micro-batches of {n} rows; a step has {rows}")
@@ -102,6 +108,12 @@ def parse_variants(text: Optional[str], micro_batch: int, rows: int,
     if len({name for name, _, _ in out}) != len(out):
         raise ConfigError("--variants: a variant is named twice")
     return out
+
+
+def reduction_per_step(name: str, default: bool) -> bool:
+    """Whether variant `name` reduces a step's gradients once (the trainer's own choice unless it ends in
+    -rmb: after every micro-batch)."""
+    return False if name.endswith(RMB) else default
 
 
 def synthetic_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int):
@@ -266,6 +278,7 @@ def run(cfg, args, say=say, save=lambda result: None) -> dict:
                                    "step_s": [], "peak_allocated": 0, "micro_batches": None, "oom": None}
                             for name, mb, every in variants}
     alive = list(variants)
+    per_step = getattr(trainer, "reduce_per_step", None)      # DeepSpeed's gradient reduction, as configured
     try:
         for rnd in range(args.rounds + 1):               # round 0: each variant's warm-up step
             # each round starts one variant later: none always runs right after the same other one
@@ -273,6 +286,8 @@ def run(cfg, args, say=say, save=lambda result: None) -> dict:
             for name, mb, every in alive[k:] + alive[:k]:
                 r = res[name]
                 trainer.micro_batch = mb
+                if per_step is not None:
+                    trainer.reduce_per_step = r["reduce_per_step"] = reduction_per_step(name, per_step)
                 set_recompute(model, every)
                 r["checkpointed_layers"] = checkpointed_layers(model)
                 batch = synthetic_batch(rows, prompt_len, completion, vocab, seed=1000 * rnd + mb)

@@ -116,10 +116,26 @@ def test_good_arguments_pass():
     ({"lora": LoraSpec(target_modules=[])}, "target_modules is empty"),
     ({"optimizer_state_memory": "mapped", "offload": "deepspeed"}, "needs offload='colomem'"),
     ({"optimizer_state_memory": "vmm"}, "optimizer_state_memory"),
+    ({"grad_reduction": "per_step", "zero_stage": 3}, "needs ZeRO-2 (not 3)"),
+    ({"grad_reduction": "per_step", "grad_accum_dtype": "fp32"}, "not 'fp32'"),
+    ({"grad_reduction": "once"}, "grad_reduction"),
 ])
 def test_bad_arguments_raise_naming_the_argument(change, words):
     with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
         dsa.validate_trainer_args(**{**GOOD, **change})
+
+
+@pytest.mark.parametrize("options, world_size, per_step", [
+    ({}, 1, True),                                      # one rank, ZeRO-2: the same additions, bit for bit
+    ({}, 2, False),                                     # several ranks keep DeepSpeed's order of reductions
+    ({"zero_stage": 3}, 1, False),
+    ({"grad_accum_dtype": "fp32"}, 1, False),           # fp32 accumulation is DeepSpeed's per micro-batch
+    ({"grad_accum_dtype": "bf16"}, 1, True),
+    ({"grad_reduction": "per_step"}, 4, True),
+    ({"grad_reduction": "per_micro_batch"}, 1, False),
+])
+def test_grad_reduction_resolves_per_step_only_where_asked_or_bit_identical(options, world_size, per_step):
+    assert dsa.DeepSpeedConfig(**options).reduces_per_step(world_size) is per_step
 
 
 def test_config_carries_every_option_and_builds_the_same_ds_config():

@@ -18,7 +18,10 @@ def test_variants_parse_with_the_configs_checkpointing_and_bad_ones_are_refused(
         ("mb4", 4, 1), ("mb8", 8, 1), ("mb16", 16, 1), ("mb4-nogc", 4, 0), ("mb8-nogc", 8, 0), ("mb16-nogc", 16, 0)]
     assert diag.parse_variants(None, 8, 8, False) == [("mb8", 8, 0)]
     assert diag.parse_variants("mb2,mb2-gc3", 4, 8, False) == [("mb2", 2, 0), ("mb2-gc3", 2, 3)]
-    for bad in ("mb0", "mb9", "mbx", "mb2-gc0", "mb2-fast", "mb2,mb2"):
+    assert diag.parse_variants("mb2-rmb,mb2-nogc-rmb", 4, 8, True) == [("mb2-rmb", 2, 1), ("mb2-nogc-rmb", 2, 0)]
+    assert diag.reduction_per_step("mb2-rmb", True) is False and diag.reduction_per_step("mb2", True) is True
+    assert diag.reduction_per_step("mb2", False) is False
+    for bad in ("mb0", "mb9", "mbx", "mb2-gc0", "mb2-fast", "mb2,mb2", "mb2-rmb-gc3", "mb2-rmb,mb2-rmb"):
         with pytest.raises(ConfigError):
             diag.parse_variants(bad, 4, 8, True)
 

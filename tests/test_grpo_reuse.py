@@ -106,3 +106,40 @@ def test_combined_metrics():
     out = combine_updates([{"loss": 1.0, "ratio_max": 1.0, "is_weight_min": 0.5, "reload_wait_s": 0.25},
                            {"loss": 3.0, "ratio_max": 1.4, "is_weight_min": 0.2, "reload_wait_s": 0.0}])
     assert out == {"loss": 2.0, "ratio_max": 1.4, "is_weight_min": 0.2, "reload_wait_s": 0.25}
+
+
+def test_each_update_runs_its_micro_batches_inside_the_accumulation_context_and_steps_outside():
+    """accumulation() (DeepSpeed: one gradient reduction per update) is entered once per optimizer step, holds
+    every backward of that step's micro-batches and is left before the step; the update is unchanged."""
+    from contextlib import contextmanager
+
+    b = _random_batch(11)
+    cfg = GRPOConfig(group_size=2, num_iterations=2, mini_batches=2)
+    events = []
+
+    @contextmanager
+    def accumulation():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    model, ref = _TinyLM(), copy.deepcopy(_TinyLM())
+    ref.load_state_dict(model.state_dict())
+    sgd, sgd_ref = _sgd(model), _sgd(ref)
+
+    def step():
+        events.append("step")
+        return sgd()
+
+    def backward(loss):
+        events.append("backward")
+        loss.backward()
+
+    m = train_on_batch(model, b, cfg, micro_batch=2, backward=backward, optimizer_step=step,
+                       accumulation=accumulation)
+    train_on_batch(ref, b, cfg, micro_batch=2, backward=lambda l: l.backward(), optimizer_step=sgd_ref)
+    per_update = -(-(len(b) // 2) // 2)               # micro-batches of 2 rows in a mini-batch of half the rows
+    assert m["optimizer_steps"] == 4 and per_update == 2
+    assert events == (["enter"] + ["backward"] * per_update + ["exit", "step"]) * 4
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -16,8 +16,9 @@ That is why DeepSpeed must not scale again by the accumulation steps (scale_wrt_
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -333,7 +334,8 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
                    backward: Callable[[Tensor], None], optimizer_step: Callable[[], dict[str, float]],
                    ref_logprobs_fn: Optional[RefLogprobsFn] = None,
                    before_micro: Optional[Callable[[bool], None]] = None, device=None, world_size: int = 1,
-                   process_group=None, micro_batch_tokens: Optional[int] = None) -> dict[str, float]:
+                   process_group=None, micro_batch_tokens: Optional[int] = None,
+                   accumulation: Optional[Callable[[], ContextManager]] = None) -> dict[str, float]:
     """Every optimizer step a Trainer takes on one batch (its train_step): cfg.num_iterations passes over the
     batch (TRL num_iterations, verl ppo_epochs), each split into cfg.mini_batches mini-batches (verl
     ppo_mini_batch_size), one accumulate_gradients + optimizer_step() per mini-batch.
@@ -341,7 +343,8 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
     With more than one update the old policy of the clipped ratio is the batch's first-pass logprobs (before
     any of these updates), so later updates see ratios away from 1 and the clip bounds how far they go.
     optimizer_step(): the trainer's own (average the gradients over the ranks, clip, step, zero them); its
-    metrics join the update's. Returns the updates' combined metrics and `optimizer_steps`."""
+    metrics join the update's. accumulation(): a context each update's micro-batches run in, left before its
+    optimizer_step (DeepSpeed: engine.coalesce_grad_reduction, one gradient reduction per update). Returns the updates' combined metrics and `optimizer_steps`."""
     if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
         batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
                                     device=device, micro_batch_tokens=micro_batch_tokens, world_size=world_size,
@@ -350,10 +353,11 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
     per_update = []
     for _ in range(cfg.num_iterations):
         for mb in minis:
-            m = accumulate_gradients(model, mb, cfg, micro_batch=micro_batch, backward=backward,
-                                     ref_logprobs_fn=ref_logprobs_fn, before_micro=before_micro, device=device,
-                                     world_size=world_size, process_group=process_group,
-                                     micro_batch_tokens=micro_batch_tokens)
+            with accumulation() if accumulation is not None else nullcontext():
+                m = accumulate_gradients(model, mb, cfg, micro_batch=micro_batch, backward=backward,
+                                         ref_logprobs_fn=ref_logprobs_fn, before_micro=before_micro, device=device,
+                                         world_size=world_size, process_group=process_group,
+                                         micro_batch_tokens=micro_batch_tokens)
             m.update(optimizer_step())
             per_update.append(m)
     out = combine_updates(per_update)

@@ -137,6 +137,12 @@ class RunConfig(_Strict):
                              "whole) or mapped (memory colomem maps chunk by chunk, from their first offload on: "
                              "with optimizer_reload step, the part that fits beside the step's peak comes back "
                              "behind forward/backward, only the rest inside the step); colomem offload only")
+    grad_reduction: Literal["auto", "per_step", "per_micro_batch"] = Field(
+        "auto", description="DeepSpeed ZeRO-2, when a step's gradients are reduced: per_step (they add up on the "
+                            "parameters over the micro-batches and are reduced once, before the optimizer step: "
+                            "far less host work a micro-batch), per_micro_batch (DeepSpeed's default: after "
+                            "every micro-batch's backward), auto (per_step on one rank, where the step is the "
+                            "same bit for bit; per_micro_batch on several)")
     trainer_expandable: bool = Field(False, description="the trainer's process takes all of its CUDA memory "
                                                         "from torch's expandable segments, switched on once "
                                                         "vLLM's engine process has started (vLLM refuses them in "
@@ -257,7 +263,8 @@ class RunConfig(_Strict):
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,
                                optimizer_reload=self.start_optimizer_reload,
-                               optimizer_state_memory=self.optimizer_state_memory)
+                               optimizer_state_memory=self.optimizer_state_memory,
+                               grad_reduction=self.grad_reduction)
 
     def rollout_engine_seed(self, rollout_group: int = 0) -> int:
         """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank

@@ -73,14 +73,14 @@ def baseline():
     return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
 
 
-def make_trainer(model_dir, stage, lora, pool=None, lr=None, **kw):
+def make_trainer(model_dir, stage, lora, pool=None, lr=None, micro_batch=2, **kw):
     from colomem.engines.deepspeed import DeepSpeedTrainer
     from colomem.grpo.config import GRPOConfig, LoraSpec
 
     spec = LoraSpec(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if lora else None
     grpo = GRPOConfig(kl_coef=0.05 if lora else 0.0, log_entropy=False)
     lr = lr or (1e-4 if lora else 1e-5)
-    return DeepSpeedTrainer(model_dir, zero_stage=stage, lora=spec, lr=lr, micro_batch=2,
+    return DeepSpeedTrainer(model_dir, zero_stage=stage, lora=spec, lr=lr, micro_batch=micro_batch,
                             grad_accum=2, pool=pool, gradient_checkpointing=True, grpo=grpo,
                             torch_adam=TORCH_ADAM, attn_implementation="eager", seed=0, **kw)
 
@@ -237,6 +237,31 @@ def test_offload_frees_reload_restores_training_matches(model_dir, ready, stage,
     assert free_end >= free_base - DRIVER_MARGIN
     # a later ZeRO-2 job in this process trains with torch's own linear again (the same bits as a fresh one)
     assert torch.nn.functional.linear is TORCH_LINEAR
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradients_reduced_once_a_step_train_bit_for_bit_like_every_micro_batch(model_dir, ready, lora):
+    """grad_reduction "per_step" (DeepSpeed's coalesce_grad_reduction: the micro-batches' gradients add up on
+    the parameters and ZeRO-2 reduces them once) against "per_micro_batch" (its hooks after every backward),
+    four micro-batches a step on one rank: the same losses, gradient norms and every byte of the parameters,
+    fp32 masters and Adam moments after each of the steps."""
+    runs = {}
+    for mode in ("per_micro_batch", "per_step"):
+        t = make_trainer(model_dir, 2, lora, micro_batch=1, grad_reduction=mode)
+        try:
+            assert t.reduce_per_step == (mode == "per_step")
+            seen = []
+            for s in range(STEPS):
+                m = t.train_step(make_batch(s))
+                assert m["micro_batches"] == 4.0
+                seen.append((m["loss"], m["grad_norm"], final_state(t)))
+            runs[mode] = seen
+        finally:
+            t.close()
+    for s, (a, b) in enumerate(zip(runs["per_micro_batch"], runs["per_step"])):
+        assert a[:2] == b[:2], f"step {s}: loss / grad norm {a[:2]} (per micro-batch) vs {b[:2]} (per step)"
+        differ = sorted(k for k in a[2] if a[2][k] != b[2].get(k))
+        assert not differ, f"step {s}: {len(differ)} tensors differ, e.g. {differ[:5]}"
 
 
 @pytest.mark.parametrize("method", ["deepspeed", "to"])

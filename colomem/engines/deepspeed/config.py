@@ -176,6 +176,16 @@ class DeepSpeedConfig(BaseModel):
         optimizer_reload "step" the part that fits beside the step's peak comes back behind the forward and
         backward and only the rest inside the step: mapped_moments.py).
         grad_accum_dtype: None (DeepSpeed's default: the model dtype), "fp32" or "bf16".
+    grad_reduction: when ZeRO-2 reduces the gradients of a step's micro-batches. "per_micro_batch" (DeepSpeed's
+        default): its per-parameter hooks copy every gradient into a bucket, reduce it and copy it into the
+        rank's partition after each micro-batch's backward, host work that on one rank makes the training phase
+        wait for the host. "per_step": the micro-batches' gradients add up on the parameters (in the model
+        dtype, as DeepSpeed's own accumulation does) and are reduced once, before the optimizer step
+        (DeepSpeed's coalesce_grad_reduction); between micro-batches a rank then holds its full gradients, and
+        for a moment at the reduction the partition beside them. "auto": per_step on one rank (the same
+        additions in the same order: the step is the same bit for bit), per_micro_batch on several ranks
+        (where per_step changes the order of the reductions and keeps the full gradients on every rank).
+        per_step needs ZeRO-2 and gradients accumulated in the model dtype (grad_accum_dtype None or "bf16").
     ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
     seed: torch seed before the model and the LoRA adapter are built.
     """
@@ -196,6 +206,7 @@ class DeepSpeedConfig(BaseModel):
     eps: float = 1e-8
     max_grad_norm: Optional[float] = 1.0
     grad_accum_dtype: Optional[Literal["fp32", "bf16"]] = None
+    grad_reduction: Literal["auto", "per_step", "per_micro_batch"] = "auto"
     reduce_bucket_size: Optional[int] = None
     seed: int = 0
     attn_implementation: Optional[str] = None
@@ -284,10 +295,21 @@ class DeepSpeedConfig(BaseModel):
         if self.offload == "deepspeed" and self.zero_stage == 3 and self.torch_adam:
             raise ValueError("offload='deepspeed' with ZeRO-3 needs DeepSpeed's FusedAdam (its offload_states() "
                              "asserts it); set torch_adam=False or use offload='colomem'")
+        if self.grad_reduction == "per_step" and (self.zero_stage != 2 or self.grad_accum_dtype == "fp32"):
+            raise ValueError(f"grad_reduction='per_step' adds the micro-batches' gradients up on the parameters "
+                             f"and reduces them once: it needs ZeRO-2 (not {self.zero_stage}) and gradients "
+                             f"accumulated in the model dtype (grad_accum_dtype None or 'bf16', not "
+                             f"{self.grad_accum_dtype!r}); use grad_reduction='per_micro_batch'")
         if self.optimizer_state_memory == "mapped" and self.offload != "colomem":
             raise ValueError(f"optimizer_state_memory='mapped' needs offload='colomem' (not {self.offload!r}): "
                              "only colomem's offload moves the moments chunk by chunk")
         return self
+
+    def reduces_per_step(self, world_size: int) -> bool:
+        """Whether the trainer reduces a step's gradients once (grad_reduction resolved for world_size ranks)."""
+        if self.grad_reduction != "auto":
+            return self.grad_reduction == "per_step"
+        return world_size == 1 and self.zero_stage == 2 and self.grad_accum_dtype != "fp32"
 
     @property
     def accum_steps(self) -> int:

@@ -29,7 +29,8 @@ from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
 
-from .config import DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed, init_distributed
+from .config import (TESTED_DEEPSPEED, DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed,
+                     init_distributed)
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, trim_module_stack, worth_naming, zero3_global_holders)
 from .model import build_model, check_model_dir
@@ -55,6 +56,9 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
     Multi-GPU: start with torchrun (data parallel over all ranks); every rank calls every method. On ZeRO-3
     with several ranks, offload(prepare_sync=True) and named_weights() gather parameters collectively.
     """
+    # one gradient reduction a step (DeepSpeed's coalesce_grad_reduction) instead of one a micro-batch: set
+    # from DeepSpeedConfig.grad_reduction when the engine is built
+    reduce_per_step = False
 
     def __init__(self, model_path: Any, *, config: Optional[DeepSpeedConfig] = None, lora: Any = None,
                  pool: Any = None, grpo: Any = None, shared_base: Optional[Mapping[str, Tensor]] = None,
@@ -141,7 +145,13 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self._weights = WeightExport(self.model, zero_stage=self.zero_stage, world_size=self.world_size,
                                      device=self.device)
         self._fwd_stack = zero3_global_holders()[0] if self.zero_stage == 3 else None
+        # one gradient reduction a step instead of one a micro-batch (DeepSpeedConfig.grad_reduction)
+        self.reduce_per_step = config.reduces_per_step(self.world_size)
         try:
+            if self.reduce_per_step and not hasattr(self.engine, "coalesce_grad_reduction"):
+                raise NotAvailableError(f"grad_reduction='per_step' needs DeepSpeed's coalesce_grad_reduction, "
+                                        f"which DeepSpeed {deepspeed.__version__} lacks; install "
+                                        f"deepspeed=={TESTED_DEEPSPEED} or set grad_reduction='per_micro_batch'")
             stage = int(self.engine.zero_optimization_stage())
             if stage != self.zero_stage or not hasattr(self.engine.optimizer, "optimizer"):
                 raise ColomemError(f"DeepSpeed built a stage-{stage} {type(self.engine.optimizer).__name__}, not "
@@ -220,6 +230,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
             before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
             start = self._step_start_peak()
             retries = alloc_retries(self.device)
+            if self.reduce_per_step:         # the reduction ran at the block's end; the step is this boundary
+                engine.set_gradient_accumulation_boundary(True)
             engine.step()
             self.steps += 1
             out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),
@@ -244,6 +256,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
                 engine, batch, self.grpo, micro_batch=self.micro_batch, micro_batch_tokens=self.micro_batch_tokens,
                 ref_logprobs_fn=ref_fn, device=self.device,
                 before_micro=engine.set_gradient_accumulation_boundary, optimizer_step=optimizer_step,
+                # per step: the micro-batches' gradients add up on the parameters, reduced once when it ends
+                accumulation=engine.coalesce_grad_reduction if self.reduce_per_step else None,
                 backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),   # loss carries its weight
                 # DeepSpeed averages the gradients over the data-parallel ranks (all of them): the weights
                 # are the global token (or row) shares times world_size, summed over the default group
