@@ -22,6 +22,7 @@ MiB = 1 << 20
 STEPS = 4                    # optimizer steps per run; every gap between two steps is an offload + reload
 CYCLES = 20
 ALLOC_MARGIN = 64 * MiB      # torch allocations that may stay after offload (small DeepSpeed scalars etc.)
+PEAK_SLACK = 4 * MiB         # one small tensor live at a training peak or not, by the timing of a copy
 DRIVER_MARGIN = 320 * MiB    # driver memory that may stay: kernel modules loaded by the engine, handles
 TORCH_ADAM = os.environ.get("COLOMEM_TEST_TORCH_ADAM", "0") == "1"
 TORCH_LINEAR = torch.nn.functional.linear    # ZeRO-3's set-up replaces it process-wide until its trainer closes
@@ -448,7 +449,9 @@ def test_the_moments_sent_out_behind_training_come_back_inside_the_step_and_trai
         assert final_state(t) == ref_state
         print(f"\n[{stage}] training peak: resident {resident_peak / MiB:.0f} MiB, moments out behind the {behind} "
               f"{max(peaks) / MiB:.0f} MiB")
-        assert max(peaks) <= resident_peak
+        # with one gradient reduction a step the peak is the reduction's (the gradients beside their partition),
+        # and where the copy out ends against it moves by a tensor of a few MiB (one 2 MiB tensor measured)
+        assert max(peaks) <= resident_peak + PEAK_SLACK
     finally:
         t.close()
     assert pool.stats()["in_use_bytes"] == 0
