@@ -16,8 +16,8 @@ from colomem.runner.loop_memory import grow_sync_bucket
 from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, alternate, candidates, choose,
                                       Placement, sync_bucket, sync_bucket_target,
-                                      figures_from_step, kv_hint, micro_batch_hint,
-                                      micro_batch_tokens_hint,
+                                      figures_from_step, kv_hint, micro_batch_fit, micro_batch_hint,
+                                      micro_batch_tokens_fit, micro_batch_tokens_hint,
                                       needs_measuring, reload_at_step, state_to_plan, train_need)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
@@ -161,6 +161,44 @@ def test_the_memory_left_free_is_offered_to_a_larger_token_budget():
     assert "--micro-batch-tokens up to 34816 (now 8192)" in hint            # 8192 + 26 GB / (8 GB / 8192)
     assert micro_batch_tokens_hint(p, [f], 8192, margin=2 * GB, taken=26 * GB) == ""   # nothing left free
     assert micro_batch_tokens_hint(p, [figs()], 8192, margin=2 * GB) == ""             # no activations measured
+
+
+def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so():
+    """--grow-micro-batch: after the measuring step the trainer's micro-batch (or token budget) becomes the
+    largest the free memory holds, the line says from which step, and nothing changes when none larger fits."""
+    from colomem.runner.phase_runner import PhaseRunner
+
+    f = figs(peak=53)                                  # as above: 16 rows of 64 fit, or 34816 tokens
+    p = choose("auto", "auto", [f], margin=2 * GB)
+    assert micro_batch_fit(p, [f], 4, 64, margin=2 * GB) == 16
+    assert micro_batch_fit(p, [f], 4, 64, margin=2 * GB, taken=20 * GB) == 4
+    assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB) == 34816
+    assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB, taken=26 * GB) == 8192
+
+    def runner(tokens=None):
+        trainer = SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens)
+        return SimpleNamespace(cfg=SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens), trainer=trainer,
+                               placement=p, micro_batch_grown=None)
+    r = runner()
+    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 0, 2)
+    assert r.trainer.micro_batch == 16 and r.micro_batch_grown == (4, 16)
+    assert line.startswith("--micro-batch 4 -> 16 from step 2 on")
+    r = runner(tokens=8192)
+    assert PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 0, 2).startswith("--micro-batch-tokens 8192 -> 34816")
+    assert r.trainer.micro_batch_tokens == 34816 and r.trainer.micro_batch == 4
+    r = runner()
+    assert PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 20 * GB, 2) == ""         # nothing larger fits
+    assert r.trainer.micro_batch == 4 and r.micro_batch_grown is None
+
+
+def test_grow_micro_batch_needs_the_measured_placement():
+    base = {"backend": "cpu"}
+    config_from_dict({**base, "grow_micro_batch": True})
+    config_from_dict({**base, "grow_micro_batch": True, "offload": "none"})        # vLLM's sleep still measured
+    for fixed in ({"offload": "none", "rollout_sleep": "never"}, {"offload": "all", "rollout_sleep": "always"},
+                  {"switch": "timesplit"}):
+        with pytest.raises(ConfigError, match="--grow-micro-batch"):
+            config_from_dict({**base, "grow_micro_batch": True, **fixed})
 
 
 def test_the_memory_left_free_is_offered_to_the_kv_cache():

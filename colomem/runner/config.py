@@ -137,6 +137,11 @@ class RunConfig(_Strict):
                              "whole) or mapped (memory colomem maps chunk by chunk, from their first offload on: "
                              "with optimizer_reload step, the part that fits beside the step's peak comes back "
                              "behind forward/backward, only the rest inside the step); colomem offload only")
+    grow_micro_batch: bool = Field(False, description="after the measuring step, train with the largest "
+                                                      "micro-batch (or --micro-batch-tokens budget) that the "
+                                                      "placement's free memory holds, estimated from that step's "
+                                                      "training peak (what the training hint names); the update "
+                                                      "stays the same up to rounding")
     grad_reduction: Literal["auto", "per_step", "per_micro_batch"] = Field(
         "auto", description="DeepSpeed ZeRO-2, when a step's gradients are reduced: per_step (they add up on the "
                             "parameters over the micro-batches and are reduced once, before the optimizer step: "
@@ -241,12 +246,17 @@ class RunConfig(_Strict):
         if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
             raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
                              "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")
-        from .placement import candidates
+        from .placement import candidates, needs_measuring
 
         try:
             candidates(self.offload, self.rollout_sleep)
         except ConfigError as e:
             raise ValueError(str(e)) from None
+        if self.grow_micro_batch and not (self.switch == "colomem"
+                                          and needs_measuring(self.offload, self.rollout_sleep)):
+            raise ValueError("--grow-micro-batch sizes the micro-batch from the memory the placement planner "
+                             "measures in the first step; it needs --switch colomem and --offload auto or "
+                             "--rollout-sleep auto")
         return self
 
     # the engines' own configs: built (and so validated) when the run config is, before anything starts

@@ -22,8 +22,8 @@ from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
-                        micro_batch_hint, micro_batch_tokens_hint, needs_measuring, reload_at_step, state_to_plan,
-                        train_spare)
+                        micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
+                        needs_measuring, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
 from .recompute_plan import RecomputeProbe, probe, recompute_hint
 from .status import StatusFile
@@ -59,6 +59,7 @@ class PhaseRunner:
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
+        self.micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
         self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
         self.recompute_probe: Optional[RecomputeProbe] = None
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
@@ -282,15 +283,19 @@ class PhaseRunner:
             self._choose_optimizer_reload(figs, margin)
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
-            hint = kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
-            shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
-                                    margin, self._optim_out_allowed)
-            hint = "; ".join(h for h in (shrink, hint) if h)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
                           if c.micro_batch_tokens is None else
                           micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin, taken=grown))
-            recompute = self._recompute_hint(figs, margin, grown)
+            if c.grow_micro_batch:
+                micro_hint = self._grow_micro_batch(figs, rows, margin, grown, rec.step + 2) or micro_hint
+            # a grown micro-batch takes the free memory the KV cache and recompute hints would offer
+            hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
+                    if not self.micro_batch_grown else "")
+            shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
+                                    margin, self._optim_out_allowed)
+            hint = "; ".join(h for h in (shrink, hint) if h)
+            recompute = self._recompute_hint(figs, margin, grown) if not self.micro_batch_grown else ""
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if self.reload_why:
             self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
@@ -303,6 +308,7 @@ class PhaseRunner:
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
                                "kv_hint": hint, "micro_batch_hint": micro_hint, "recompute_hint": recompute,
+                               "micro_batch_grown": list(self.micro_batch_grown) if self.micro_batch_grown else None,
                                "recompute_probe": self.recompute_probe.to_dict() if self.recompute_probe else None,
                                "optimizer_reload": getattr(self.trainer, "optimizer_reload", None),
                                "optimizer_reload_why": self.reload_why,
@@ -332,6 +338,27 @@ class PhaseRunner:
         if int(self.trainer.last_offload.by_category.get("optim", 0) or 0) > 0:
             self.trainer.optimizer_reload = "step"
             self._measured_at_step = True
+
+    def _grow_micro_batch(self, figs: list, rows: int, margin: Optional[int], taken: int,
+                          from_step: int) -> str:
+        """--grow-micro-batch: the trainer's micro-batch (or token budget) raised to the largest the placement's
+        free memory holds (placement.micro_batch_fit); what changed, or "" when nothing did. Every rank sees every
+        rank's figures, so all of them pick the same."""
+        c = self.cfg
+        tokens = c.micro_batch_tokens
+        if tokens is None:
+            name, now = "micro_batch", int(getattr(self.trainer, "micro_batch", c.micro_batch))
+            new = micro_batch_fit(self.placement, figs, now, rows, margin, taken=taken)
+        else:
+            name, now = "micro_batch_tokens", int(getattr(self.trainer, "micro_batch_tokens", None) or tokens)
+            new = micro_batch_tokens_fit(self.placement, figs, now, margin, taken=taken)
+        if new <= now or not hasattr(self.trainer, name):
+            return ""
+        setattr(self.trainer, name, new)
+        self.micro_batch_grown = (now, new)
+        flag = "--" + name.replace("_", "-")
+        return (f"{flag} {now} -> {new} from step {from_step} on (--grow-micro-batch: the largest that "
+                f"the memory this placement leaves free holds, estimated from this step's training peak)")
 
     def _recompute_hint(self, figs: list, margin: Optional[int], taken: int) -> str:
         """With gradient checkpointing on: what the memory free while training would buy in recompute,

@@ -319,43 +319,63 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
     return "; ".join(parts)
 
 
+def _activation_share(figures: Sequence[MemoryFigures], per: int) -> float:
+    """Bytes of training activations and temporaries per row (or token) of the measured micro-batch: the
+    training peak less the trainer's state, taken as linear in the micro-batch."""
+    return max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / per for f in figures)
+
+
+def micro_batch_fit(p: Placement, figures: Sequence[MemoryFigures], micro_batch: int, rows: int,
+                    margin: Optional[int] = None, taken: int = 0) -> int:
+    """The largest micro-batch (rows) that divides `rows` (one optimizer step's rows on a rank) and fits in the
+    memory placement p leaves free while training, estimated from the measured step (_activation_share);
+    micro_batch itself when none larger would."""
+    if not figures or micro_batch <= 0 or rows <= micro_batch:
+        return micro_batch
+    spare = train_spare(p, figures, margin, taken)
+    per_row = _activation_share(figures, micro_batch)
+    if per_row <= 0 or spare < per_row:
+        return micro_batch
+    most = min(rows, micro_batch + int(spare // per_row))
+    return max(d for d in range(micro_batch, most + 1) if rows % d == 0)
+
+
+def micro_batch_tokens_fit(p: Placement, figures: Sequence[MemoryFigures], tokens: int,
+                           margin: Optional[int] = None, taken: int = 0) -> int:
+    """micro_batch_fit for micro-batches by a token budget: the largest budget (a multiple of 256) the free
+    memory holds, the activations linear in the budget; `tokens` itself when none larger would."""
+    if not figures or tokens <= 0:
+        return tokens
+    per_token = _activation_share(figures, tokens)
+    if per_token <= 0:
+        return tokens
+    best = (tokens + int(train_spare(p, figures, margin, taken) // per_token)) // 256 * 256
+    return max(best, tokens)
+
+
 def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch: int, rows: int,
                      margin: Optional[int] = None, taken: int = 0) -> str:
-    """What the memory left free with placement p would buy training: a larger --micro-batch, the largest
-    that divides `rows` (the rows of one optimizer step on a rank) and fits. Estimated from the measured step:
-    its training peak less the trainer's state is taken as activations and temporaries, linear in the
-    micro-batch. Empty when the micro-batch would not grow."""
-    if not figures or micro_batch <= 0 or rows <= micro_batch:
-        return ""
-    spare = train_spare(p, figures, margin, taken)
-    per_row = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / micro_batch for f in figures)
-    if per_row <= 0 or spare < per_row:
-        return ""
-    most = min(rows, micro_batch + int(spare // per_row))
-    best = max(d for d in range(micro_batch, most + 1) if rows % d == 0)
+    """What the memory left free with placement p would buy training: a larger --micro-batch (micro_batch_fit).
+    Empty when the micro-batch would not grow."""
+    best = micro_batch_fit(p, figures, micro_batch, rows, margin, taken)
     if best <= micro_batch:
         return ""
-    return (f"{format_bytes(spare)} stays free with this placement: --micro-batch up to {best} (now {micro_batch}) "
-            "would fit, estimated from this step's training peak; fewer, larger micro-batches often train "
+    return (f"{format_bytes(train_spare(p, figures, margin, taken))} stays free with this placement: --micro-batch "
+            f"up to {best} (now {micro_batch}) would fit, estimated from this step's training peak "
+            "(--grow-micro-batch takes it); fewer, larger micro-batches often train "
             "faster, and the update stays the same up to rounding (each micro-batch is weighted by its share of "
             "the batch). The KV cache hint above counts the same free memory")
 
 
 def micro_batch_tokens_hint(p: Placement, figures: Sequence[MemoryFigures], tokens: int, margin: Optional[int] = None,
                             taken: int = 0) -> str:
-    """micro_batch_hint for micro-batches by a token budget: the largest --micro-batch-tokens (a multiple of
-    256) the memory left free would hold, the activations taken as linear in the budget."""
-    if not figures or tokens <= 0:
-        return ""
-    spare = train_spare(p, figures, margin, taken)
-    per_token = max((f.train_peak - f.kept_bytes(ALL_CATEGORIES)) / tokens for f in figures)
-    if per_token <= 0:
-        return ""
-    best = (tokens + int(spare // per_token)) // 256 * 256
+    """micro_batch_hint for micro-batches by a token budget (micro_batch_tokens_fit)."""
+    best = micro_batch_tokens_fit(p, figures, tokens, margin, taken)
     if best <= tokens:
         return ""
-    return (f"{format_bytes(spare)} stays free with this placement: --micro-batch-tokens up to {best} (now {tokens}) "
-            "would fit, estimated from this step's training peak; fewer, larger micro-batches often train faster, "
+    return (f"{format_bytes(train_spare(p, figures, margin, taken))} stays free with this placement: "
+            f"--micro-batch-tokens up to {best} (now {tokens}) would fit, estimated from this step's training peak "
+            "(--grow-micro-batch takes it); fewer, larger micro-batches often train faster, "
             "and the update stays the same up to rounding. The KV cache hint above counts the same free memory")
 
 
@@ -430,4 +450,5 @@ __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", 
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
-           "kv_hint", "micro_batch_hint", "micro_batch_tokens_hint", "needs_measuring", "sync_bucket", "sync_bucket_target"]
+           "kv_hint", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
+           "needs_measuring", "sync_bucket", "sync_bucket_target"]
