@@ -22,13 +22,15 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   mapped       the default with --optimizer-state-memory mapped
   saved        the default with a checkpoint every other step (--save-every 2, written beside the next step)
   nogc, ckpt2  the default without gradient checkpointing, and checkpointing every other decoder layer
+  mb32, grow   the default with micro-batches of 32 rows, and with --grow-micro-batch (the largest that fits)
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
   trl          TRL's GRPOTrainer, vLLM colocated in its process, trainer resident, vLLM awake (no sleep)
   trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
-  trl_nogc, trl_ckpt2  TRL with the recompute of nogc / ckpt2: per job, <job>_speedup_vs_trl_by_recompute sets
+  trl_nogc, trl_ckpt2, trl_mb32  TRL with the recompute of nogc / ckpt2, or mb32's micro-batch: per job,
+               <job>_speedup_vs_trl_by_recompute sets
                each pair side by side, and <job>_speedup_vs_trl_best each side's best step (TRL in its strongest
                measured setting) against the other's
 Their vLLM runs eager exactly when the runner's does in this call (the config's enforce_eager and --extra).
@@ -101,9 +103,14 @@ MODES = {"colomem": ["--switch", "colomem"],
          "shared_nogc": ["--switch", "colomem", "--shared-base", "--gradient-checkpointing", "false"],
          "trl_nogc": ["--gradient-checkpointing", "false"],
          "ckpt2": ["--switch", "colomem", "--gradient-checkpointing", "true", "--checkpoint-every", "2"],
-         "trl_ckpt2": ["--gradient-checkpointing", "true", "--checkpoint-every", "2"]}
+         "trl_ckpt2": ["--gradient-checkpointing", "true", "--checkpoint-every", "2"],
+         # the same micro-batch of 32 rows on both sides (TRL's per_device_train_batch_size), and the planner's
+         # with the micro-batch it grows to from the measured memory
+         "mb32": ["--switch", "colomem", "--micro-batch", "32"],
+         "trl_mb32": ["--micro-batch", "32"],
+         "grow": ["--switch", "colomem", "--grow-micro-batch"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
-PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2")}
+PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32")}
 PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped
 PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags the runner does not take
 # top-level speedups of the planner's default against each other layout, on the full fine-tune

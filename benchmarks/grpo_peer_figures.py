@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from colomem.runner.timeline import median as _median
 
-# colomem's mode and TRL's with the same recompute: their steps' ratio is reported per setting, and the best
-# of each side against the other (each in its strongest measured setting)
+# colomem's mode and TRL's with the same recompute (or the same micro-batch): their steps' ratio is reported
+# per setting, and the best of each side against the other (each in its strongest measured setting; colomem's
+# grown micro-batch is one of its settings)
 RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
-                   "ckpt2": (("ckpt2",), "trl_ckpt2")}
+                   "ckpt2": (("ckpt2",), "trl_ckpt2"), "mb32": (("mb32",), "trl_mb32"),
+                   "grow": (("grow",), None)}
 
 
 def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
@@ -20,14 +22,15 @@ def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
     ours, theirs, by = {}, {}, {}
     for setting, (modes, peer) in RECOMPUTE_PAIRS.items():
         steps = [s for s in (over_rounds(cfg, m, "step_s") for m in modes) if s is not None]
-        trl = over_rounds(cfg, peer, "step_s")
+        trl = over_rounds(cfg, peer, "step_s") if peer is not None else None
         if steps:
             ours[setting] = min(steps)
         if trl is not None:
             theirs[setting] = trl
         if steps and trl is not None:
             by[setting] = trl / min(steps)
-    if len(by) > 1 or (by and set(by) != {"config"}):     # more than the plain pair, reported already
+    # more than the plain pair (reported already): a setting of TRL's or of colomem's own beside it
+    if by and (set(by) != {"config"} or set(ours) != {"config"}):
         report[f"{cfg}_speedup_vs_trl_by_recompute"] = by
         report[f"{cfg}_speedup_vs_trl_best"] = min(theirs.values()) / min(ours.values())
         report[f"{cfg}_best_recompute"] = {"colomem": min(ours, key=ours.__getitem__),

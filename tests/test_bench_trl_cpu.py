@@ -126,8 +126,26 @@ def test_colomem_and_trl_with_the_same_recompute_and_each_in_its_best_setting():
     only_plain = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0)}}
     bench.top_level(only_plain)
     assert "full_speedup_vs_trl_best" not in only_plain and only_plain["speedup_vs_trl"] == pytest.approx(11 / 7)
-    assert set(bench.MODES) >= {"nogc", "trl_nogc", "ckpt2", "trl_ckpt2", "shared_nogc"}
-    assert all(bench.PEER_SCRIPTS[m] == "benchmarks/bench_trl.py" for m in ("trl_nogc", "trl_ckpt2"))
+    assert set(bench.MODES) >= {"nogc", "trl_nogc", "ckpt2", "trl_ckpt2", "shared_nogc", "mb32", "trl_mb32", "grow"}
+    assert all(bench.PEER_SCRIPTS[m] == "benchmarks/bench_trl.py" for m in ("trl_nogc", "trl_ckpt2", "trl_mb32"))
+    assert "grow" not in bench.PEER_SCRIPTS and "--grow-micro-batch" in bench.MODES["grow"]
+
+
+def test_the_same_micro_batch_on_both_sides_and_the_grown_one_against_trls_best():
+    """mb32 against trl_mb32 (the same micro-batch), and the planner's grown micro-batch as one more colomem
+    setting: the best of each side against the other's, with only the config's TRL run too."""
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    report = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0),
+                       "full_mb32": res(step_s=5.0), "full_trl_mb32": res(step_s=8.0),
+                       "full_grow": res(step_s=4.8)}}
+    bench.top_level(report)
+    assert report["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "mb32": 8 / 5})
+    assert report["full_speedup_vs_trl_best"] == pytest.approx(8 / 4.8)
+    assert report["full_best_recompute"] == {"colomem": "grow", "trl": "mb32"}
+    grown = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0), "full_grow": res(step_s=5.5)}}
+    bench.top_level(grown)
+    assert grown["full_speedup_vs_trl_best"] == pytest.approx(11 / 5.5)
 
 
 def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
