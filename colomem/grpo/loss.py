@@ -20,7 +20,7 @@ old policy is noise to be capped, not a direction to follow.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from torch import Tensor
 from colomem.errors import InvalidArgumentError
 
 from .batch import GRPOBatch
+from .metrics import Value, read
 from .selected_logprobs import selected_logprobs, selected_logprobs_and_entropy
 
 # rows of logits turned into entropies at once: bounds the fp32 copy for big vocabularies
@@ -170,14 +171,16 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
               importance_level: str = "token", dual_clip: Optional[float] = None,
               log_ratio_clamp: Optional[float] = None, kl_clamp: Optional[float] = None,
               kl_ratio_correction: bool = False, is_weights: Optional[Tensor] = None,
-              entropy: Optional[Tensor] = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+              entropy: Optional[Tensor] = None, entropy_coef: float = 0.0,
+              lazy: bool = False) -> tuple[Tensor, dict[str, Any]]:
     """Clipped GRPO loss of `logprobs` ([B, T], aligned with batch.input_ids) and its metrics (formulas: the
     module docstring; the options are GRPOConfig's, of the same names).
 
     old_logprobs None = on-policy (ratio 1 in value, gradient of the plain policy gradient). is_weights: the
     rollout importance weights ([B, T], rollout_is_weights) on the policy term; entropy: [B, T] per-token
     entropy with its graph, for entropy_coef > 0. The returned loss is multiplied by batch.loss_weight (1.0
-    unless the batch is a micro-batch of a larger one).
+    unless the batch is a micro-batch of a larger one). lazy: the metrics as 0-d tensors, not read from the
+    device (colomem.grpo.metrics: a MetricAccumulator reads a step's at once), else floats.
     """
     if logprobs.shape != batch.input_ids.shape:
         raise InvalidArgumentError(f"logprobs {tuple(logprobs.shape)} do not match the batch "
@@ -227,20 +230,22 @@ def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: f
         n = mask.sum().clamp(min=1).float()
         lo = (ratio < 1.0 - eps_lo) & (adv < 0) & mask     # clipped below: pushing down stopped
         hi = (ratio > 1.0 + eps_hi) & (adv > 0) & mask     # clipped above: pushing up stopped
-        metrics = {
-            "loss": float(loss.detach()),     # weighted: the micro-batch values sum to the batch loss
-            "pg_loss": float(pg_loss.detach()),   # this batch's own policy loss (not weighted)
-            "clip_frac": float((lo | hi).sum() / n),
-            "clip_frac_low": float(lo.sum() / n),
-            "clip_frac_high": float(hi.sum() / n),
-            "ratio_mean": float(torch.where(mask, ratio, zeros).sum() / n),
-            "ratio_max": float(torch.where(mask, ratio, zeros).max()) if mask.any() else 1.0,
-            "completion_tokens": float(mask.sum()),
+        in_mask = torch.where(mask, ratio, zeros)
+        metrics: dict[str, Value] = {
+            "loss": loss.detach(),     # weighted: the micro-batch values sum to the batch loss
+            "pg_loss": pg_loss.detach(),   # this batch's own policy loss (not weighted)
+            "clip_frac": (lo | hi).sum() / n,
+            "clip_frac_low": lo.sum() / n,
+            "clip_frac_high": hi.sum() / n,
+            "ratio_mean": in_mask.sum() / n,
+            # 1 where no token counts (read nothing here: a where, not an if)
+            "ratio_max": torch.where(mask.any(), in_mask.max(), torch.ones_like(n)) if ratio.numel() else 1.0,
+            "completion_tokens": mask.sum(),
         }
         if dual_clip is not None:
-            metrics["clip_frac_dual"] = float(((ratio > dual_clip) & (adv < 0) & mask).sum() / n)
+            metrics["clip_frac_dual"] = ((ratio > dual_clip) & (adv < 0) & mask).sum() / n
         if clamped is not None:
-            metrics["log_ratio_clamped_frac"] = float(clamped.sum() / n)
+            metrics["log_ratio_clamped_frac"] = clamped.sum() / n
         if kl is not None:
-            metrics["kl"] = float(torch.where(mask, kl, zeros).sum() / n)
-    return loss, metrics
+            metrics["kl"] = torch.where(mask, kl, zeros).sum() / n
+    return loss, (metrics if lazy else read(metrics))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from colomem.errors import InvalidArgumentError
 from .batch import GRPOBatch
 from .config import GRPOConfig
 from .loss import grpo_loss, rollout_is_weights, token_logprobs, token_logprobs_and_entropy
+from .metrics import MetricAccumulator, optional, read
 from .micro_batches import micro_batch_rows
 
 RefLogprobsFn = Callable[[GRPOBatch], Tensor]
@@ -66,14 +67,15 @@ def policy_logprobs(model, batch: GRPOBatch, temperature: float = 1.0) -> Tensor
     return token_logprobs(_forward_logits(model, batch), batch.input_ids, temperature)
 
 
-def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
-                 ref_logprobs_fn: Optional[RefLogprobsFn] = None) -> tuple[Tensor, dict[str, float]]:
+def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig, ref_logprobs_fn: Optional[RefLogprobsFn] = None, *,
+                 lazy: bool = False) -> tuple[Tensor, dict[str, Any]]:
     """GRPO loss of `model` on `batch` (one forward). With cfg.kl_coef > 0 and no batch.ref_logprobs,
     ref_logprobs_fn(batch) supplies them (e.g. peft_reference_fn: the LoRA base with adapters off).
 
     The ratio's old policy: old_logprobs="policy" the trainer's own logprobs before the first update on this
     batch (batch.first_logprobs, or this forward's when there is a single update), "rollout" the rollout
-    engine's (batch.old_logprobs). is_correction weights the policy term by first / rollout logprobs."""
+    engine's (batch.old_logprobs). is_correction weights the policy term by first / rollout logprobs. lazy: the
+    metrics left on the device (colomem.grpo.metrics), else floats read at once."""
     if cfg.kl_coef > 0 and batch.ref_logprobs is None:
         if ref_logprobs_fn is None:
             raise InvalidArgumentError("kl_coef > 0 but the batch has no ref_logprobs and no ref_logprobs_fn "
@@ -113,7 +115,8 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
                               importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
                               log_ratio_clamp=cfg.log_ratio_clamp, kl_clamp=cfg.kl_clamp,
                               kl_ratio_correction=cfg.kl_ratio_correction, is_weights=is_w,
-                              entropy=ent if cfg.entropy_coef > 0 else None, entropy_coef=cfg.entropy_coef)
+                              entropy=ent if cfg.entropy_coef > 0 else None, entropy_coef=cfg.entropy_coef,
+                              lazy=True)
     metrics.update(is_metrics)
     with torch.no_grad():
         if rollout_lp is not None:
@@ -123,12 +126,13 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig,
             mine = batch.first_logprobs.to(logprobs) if batch.first_logprobs is not None else logprobs.detach()
             gap = (mine - rollout_lp.to(logprobs)).abs()
             ok = mask & ~torch.isnan(gap)
-            if bool(ok.any()):
-                metrics["rollout_logprob_gap"] = float(gap[ok].mean())
+            count = ok.sum()
+            metrics["rollout_logprob_gap"] = optional(torch.where(ok, gap, torch.zeros_like(gap)).sum()
+                                                      / count.clamp(min=1), count > 0)
         if cfg.log_entropy and ent is not None:
             e = ent.detach()
-            metrics["entropy"] = float(torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1))
-    return loss, metrics
+            metrics["entropy"] = torch.where(mask, e, torch.zeros_like(e)).sum() / mask.sum().clamp(min=1)
+    return loss, (metrics if lazy else read(metrics))
 
 
 def split_micro_batches(batch: GRPOBatch, micro_batch: int, loss_norm: str = "sequence", *,
@@ -194,34 +198,6 @@ def global_counts(batch: GRPOBatch, *, world_size: int = 1, process_group=None,
     return float(tokens), float(rows)
 
 
-class MetricAccumulator:
-    """Weighted means of micro-batch metrics (max for *_max, min for *_min; sums for counts and the weighted
-    "loss")."""
-    _SUM = ("completion_tokens", "loss")
-
-    def __init__(self):
-        self._acc: dict[str, float] = {}
-        self._w: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, float], weight: float) -> None:
-        for k, v in metrics.items():
-            if k.endswith("_max"):
-                self._acc[k] = max(self._acc.get(k, float("-inf")), v)
-                self._w[k] = 1.0
-            elif k.endswith("_min"):
-                self._acc[k] = min(self._acc.get(k, float("inf")), v)
-                self._w[k] = 1.0
-            elif k in self._SUM:
-                self._acc[k] = self._acc.get(k, 0.0) + v
-                self._w[k] = 1.0
-            else:
-                self._acc[k] = self._acc.get(k, 0.0) + v * weight
-                self._w[k] = self._w.get(k, 0.0) + weight
-
-    def result(self) -> dict[str, float]:
-        return {k: (v / self._w[k] if self._w[k] else v) for k, v in self._acc.items()}
-
-
 def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int,
                          backward: Callable[[Tensor], None], ref_logprobs_fn: Optional[RefLogprobsFn] = None,
                          before_micro: Optional[Callable[[bool], None]] = None, device=None,
@@ -250,7 +226,9 @@ def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batc
             mb = mb.to(device, non_blocking=True)
         if before_micro is not None:
             before_micro(i == len(micro) - 1)
-        loss, metrics = compute_loss(model, mb, cfg, ref_logprobs_fn)
+        # the metrics stay on the device until the update ends: a read here would stop the host from
+        # queueing the backward until the forward's kernels are done
+        loss, metrics = compute_loss(model, mb, cfg, ref_logprobs_fn, lazy=True)
         backward(loss)
         acc.add(metrics, mb.loss_weight / batch.loss_weight)
     out = acc.result()
