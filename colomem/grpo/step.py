@@ -221,9 +221,10 @@ def accumulate_gradients(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batc
                               process_group=process_group, device=device)
     micro = split_micro_batches(batch, micro_batch, cfg.loss_norm, total_tokens=tokens, total_rows=rows,
                                 world_size=world_size, max_tokens=micro_batch_tokens, count=count)
-    for i, mb in enumerate(micro):
-        if device is not None:
-            mb = mb.to(device, non_blocking=True)
+    # every micro-batch's copy to the device queued before the first forward: a copy from pageable host memory
+    # holds the host until it is staged, which between two micro-batches would delay queueing the next forward
+    placed = [mb.to(device, non_blocking=True) for mb in micro] if device is not None else micro
+    for i, mb in enumerate(placed):
         if before_micro is not None:
             before_micro(i == len(micro) - 1)
         # the metrics stay on the device until the update ends: a read here would stop the host from
