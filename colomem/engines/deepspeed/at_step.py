@@ -1,4 +1,4 @@
-"""What a DeepSpeedTrainer brings back at (or for) the optimizer step: the hooks that read the peak as the
+"""What a DeepSpeedTrainer brings back at (or for) the optimizer step, and the step itself: the hooks that read the peak as the
 step starts and reload the optimizer state that waits for it (step_reload.py), and the prefetch of Adam's
 moments held in mapped memory behind the forward and backward. A mixin of DeepSpeedTrainer, which holds the
 state it reads.
@@ -17,7 +17,7 @@ import torch
 from colomem._torch import mem_get_info
 from colomem.swap import PendingReloads
 
-from .step_reload import ReloadAtStep, StepStartPeak
+from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, reload_figures
 from .strategies import ColomemOffload
 
 GiB = 1 << 30
@@ -50,7 +50,44 @@ class AtStepReload:
     engine: Any
     timeout_s: float
     finish_offload: Callable[..., float]  # DeferredOffload's
+    reduce_per_step: bool
+    steps: int
     prefetch_margin_bytes: int = PREFETCH_MARGIN_BYTES
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """The optimizer step ending an update (train_on_batch's optimizer_step) and its figures: the reload
+        it waited for, the peaks before it and as it started, and what came back inside it."""
+        # the step reads the masters and moments: those still in the pool come back from inside it; those
+        # still copying out (optimizer_out_until_step) free their memory first, before ZeRO's cast
+        waited = self._pending.wait(self.timeout_s) + self.finish_offload()
+        engine = self.engine
+        hook = self._step_reload
+        at_step = hook is not None and hook.armed
+        # the forward and backward's own peak (the caller resets it before training), apart from the step's:
+        # what must fit if the optimizer state stayed on the GPU until the step
+        before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+        start = self._step_start_peak()
+        retries = alloc_retries(self.device)
+        if self.reduce_per_step:         # the reduction ran as the update's block ended; the step is the boundary
+            engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        self.steps += 1
+        out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),
+               "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}
+        if start is not None:            # with the gradients' cast: what fits beside it could come back early
+            out["reserved_at_step_start_max"] = float(start.bytes)
+            if start.room is not None:
+                out["prefetch_room_bytes"] = float(start.room)
+        colomem = self._strategies.get("colomem")
+        if hook is not None and at_step and isinstance(colomem, ColomemOffload):
+            out["optimizer_reload_s"] = hook.seconds
+            out.update(reload_figures(colomem.late_stats()))
+            if colomem.moments is not None:
+                out["optimizer_prefetch_bytes"] = float(colomem.moments.prefetched)
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        return out
 
     def wait_reload(self, timeout: Optional[float] = None) -> float:
         """Waits for the part of the last reload that overlap_reload left in flight (train_step calls this

@@ -38,7 +38,7 @@ from .closing import close_trainer
 from .deferred import DeferredOffload
 from .at_step import AtStepReload
 from .mapped_moments import MappedMoments
-from .step_reload import ReloadAtStep, StepStartPeak, alloc_retries, inner_torch_optimizer, reload_figures
+from .step_reload import ReloadAtStep, StepStartPeak, inner_torch_optimizer
 from .strategies import ColomemOffload, DeepSpeedOffload, OffloadStrategy, ToOffload
 from .weights import Staging, SyncSource, WeightExport
 
@@ -219,43 +219,11 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         stack = self._fwd_stack
         depth = len(stack) if stack is not None else 0
 
-        def optimizer_step() -> dict[str, float]:
-            # the step reads the masters and moments: those still in the pool come back from inside it; those
-            # still copying out (optimizer_out_until_step) free their memory first, before ZeRO's cast
-            waited = self._pending.wait(self.timeout_s) + self.finish_offload()
-            hook = self._step_reload
-            at_step = hook is not None and hook.armed
-            # the forward and backward's own peak (the caller resets it before training), apart from the step's:
-            # what must fit if the optimizer state stayed on the GPU until the step
-            before = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
-            start = self._step_start_peak()
-            retries = alloc_retries(self.device)
-            if self.reduce_per_step:         # the reduction ran at the block's end; the step is this boundary
-                engine.set_gradient_accumulation_boundary(True)
-            engine.step()
-            self.steps += 1
-            out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),
-                   "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}
-            if start is not None:            # with the gradients' cast: what fits beside it could come back early
-                out["reserved_at_step_start_max"] = float(start.bytes)
-                if start.room is not None:
-                    out["prefetch_room_bytes"] = float(start.room)
-            colomem = self._strategies.get("colomem")
-            if hook is not None and at_step and isinstance(colomem, ColomemOffload):
-                out["optimizer_reload_s"] = hook.seconds
-                out.update(reload_figures(colomem.late_stats()))
-                if colomem.moments is not None:
-                    out["optimizer_prefetch_bytes"] = float(colomem.moments.prefetched)
-            norm = engine.get_global_grad_norm()
-            if norm is not None:
-                out["grad_norm"] = float(norm)
-            return out
-
         try:
             out = train_on_batch(
                 engine, batch, self.grpo, micro_batch=self.micro_batch, micro_batch_tokens=self.micro_batch_tokens,
                 ref_logprobs_fn=ref_fn, device=self.device,
-                before_micro=engine.set_gradient_accumulation_boundary, optimizer_step=optimizer_step,
+                before_micro=engine.set_gradient_accumulation_boundary, optimizer_step=self._optimizer_step,
                 # per step: the micro-batches' gradients add up on the parameters, reduced once when it ends
                 accumulation=engine.coalesce_grad_reduction if self.reduce_per_step else None,
                 backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),   # loss carries its weight
