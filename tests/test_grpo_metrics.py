@@ -12,10 +12,13 @@ from colomem.grpo.step import accumulate_gradients, compute_loss, split_micro_ba
 from test_grpo_loss import _random_batch, _TinyLM
 
 
+@pytest.mark.parametrize("correction", ["none", "token", "sequence"])
 @pytest.mark.parametrize("micro", [1, 2, 4])
-def test_the_lazy_metrics_average_to_the_float_paths_numbers_with_one_read_per_update(micro, monkeypatch):
-    cfg = GRPOConfig(group_size=2, loss_norm="token", old_logprobs="rollout", log_entropy=True, dual_clip=3.0,
-                     log_ratio_clamp=20.0)
+def test_the_lazy_metrics_average_to_the_float_paths_numbers_with_one_read_per_update(micro, correction,
+                                                                                    monkeypatch):
+    cfg = GRPOConfig(group_size=2, loss_norm="token", log_entropy=True, dual_clip=3.0, log_ratio_clamp=20.0,
+                     **({"old_logprobs": "rollout"} if correction == "none" else
+                        {"is_correction": correction, "is_cap": 1.5}))
     b = _random_batch(3)
     model = _TinyLM()
     # the float path, by hand: each micro-batch's metrics read as floats, averaged in Python
@@ -33,6 +36,8 @@ def test_the_lazy_metrics_average_to_the_float_paths_numbers_with_one_read_per_u
     assert len(reads) == 1                               # one read for the whole update, none per micro-batch
     assert {k: got[k] for k in want} == want             # the same float64 arithmetic: equal, not close
     assert {"loss", "entropy", "rollout_logprob_gap", "ratio_max", "clip_frac_dual"} <= set(want)
+    if correction != "none":
+        assert {"is_weight_mean", "is_weight_min", "is_weight_max", "is_truncated_frac"} <= set(want)
 
 
 def test_compute_loss_hands_its_metrics_over_unread():

@@ -132,15 +132,16 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Optional[Tensor] = None,
 
 
 def rollout_is_weights(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str,
-                       mode: str, cap: float, log_ratio_clamp: Optional[float] = None
-                       ) -> tuple[Tensor, dict[str, float]]:
+                       mode: str, cap: float, log_ratio_clamp: Optional[float] = None, lazy: bool = False
+                       ) -> tuple[Tensor, dict[str, Any]]:
     """Importance weights for the rollout engine / trainer mismatch (TRL's vllm_importance_sampling_correction,
     verl's rollout_is): w = pi_trainer_old / pi_rollout, per token (level "token") or one per completion
     (level "sequence": the product over its tokens, exp of the summed log-ratios), then capped: "truncate"
     min(w, cap), "mask" w where w <= cap, else 0. Constants (no gradient); [B, T], 0 outside the mask.
 
     Metrics over the completion tokens ("token") or the completions with a token ("sequence"): the applied
-    weights' is_weight_mean/min/max, and is_truncated_frac or is_masked_frac, the share above the cap."""
+    weights' is_weight_mean/min/max, and is_truncated_frac or is_masked_frac, the share above the cap (lazy:
+    left on the device as 0-d tensors, colomem.grpo.metrics)."""
     if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
         raise InvalidArgumentError(f"importance weights: level {level!r} (token|sequence), mode {mode!r} "
                                    "(truncate|mask)")
@@ -155,15 +156,15 @@ def rollout_is_weights(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask:
         over = (w > cap) & units
         w = torch.clamp(w, max=cap) if mode == "truncate" else torch.where(over, torch.zeros_like(w), w)
         n = units.sum().clamp(min=1).float()
-        picked = w[units]
-        metrics = {
-            "is_weight_mean": float(picked.sum() / n),
-            "is_weight_min": float(picked.min()) if picked.numel() else 1.0,
-            "is_weight_max": float(picked.max()) if picked.numel() else 1.0,
-            ("is_truncated_frac" if mode == "truncate" else "is_masked_frac"): float(over.sum() / n),
+        any_unit, one = units.any(), torch.ones_like(n)
+        metrics: dict[str, Value] = {       # 1 for min / max where no unit counts (a where, not a read)
+            "is_weight_mean": torch.where(units, w, 0.0).sum() / n,
+            "is_weight_min": torch.where(any_unit, torch.where(units, w, float("inf")).min(), one),
+            "is_weight_max": torch.where(any_unit, torch.where(units, w, float("-inf")).max(), one),
+            ("is_truncated_frac" if mode == "truncate" else "is_masked_frac"): over.sum() / n,
         }
         w = torch.where(m, w.expand_as(m), torch.zeros_like(trainer_logprobs))
-    return w, metrics
+    return w, (metrics if lazy else read(metrics))
 
 
 def grpo_loss(logprobs: Tensor, batch: GRPOBatch, *, clip_eps: float, kl_coef: float = 0.0,

@@ -109,7 +109,7 @@ def compute_loss(model, batch: GRPOBatch, cfg: GRPOConfig, ref_logprobs_fn: Opti
         trainer_lp = batch.first_logprobs if batch.first_logprobs is not None else logprobs.detach()
         is_w, is_metrics = rollout_is_weights(trainer_lp.to(logprobs), rollout_lp.to(logprobs), mask,
                                               level=cfg.is_correction, mode=cfg.is_mode, cap=cfg.is_cap,
-                                              log_ratio_clamp=cfg.log_ratio_clamp)
+                                              log_ratio_clamp=cfg.log_ratio_clamp, lazy=True)
     loss, metrics = grpo_loss(logprobs, batch, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               clip_eps_high=cfg.clip_eps_high, loss_norm=cfg.loss_norm,
                               importance_level=cfg.importance_level, dual_clip=cfg.dual_clip,
