@@ -116,8 +116,9 @@ def test_good_arguments_pass():
     ({"lora": LoraSpec(target_modules=[])}, "target_modules is empty"),
     ({"optimizer_state_memory": "mapped", "offload": "deepspeed"}, "needs offload='colomem'"),
     ({"optimizer_state_memory": "vmm"}, "optimizer_state_memory"),
-    ({"grad_reduction": "per_step", "zero_stage": 3}, "needs ZeRO-2 (not 3)"),
-    ({"grad_reduction": "per_step", "grad_accum_dtype": "fp32"}, "not 'fp32'"),
+    ({"grad_reduction": "per_step", "zero_stage": 3}, "needs ZeRO-2, not ZeRO-3"),
+    ({"grad_reduction": "per_step", "grad_accum_dtype": "fp32"}, "model dtype (grad_accum_dtype None or 'bf16', "
+                                                                  "not 'fp32')"),
     ({"grad_reduction": "once"}, "grad_reduction"),
 ])
 def test_bad_arguments_raise_naming_the_argument(change, words):

@@ -296,10 +296,10 @@ class DeepSpeedConfig(BaseModel):
             raise ValueError("offload='deepspeed' with ZeRO-3 needs DeepSpeed's FusedAdam (its offload_states() "
                              "asserts it); set torch_adam=False or use offload='colomem'")
         if self.grad_reduction == "per_step" and (self.zero_stage != 2 or self.grad_accum_dtype == "fp32"):
+            why = (f"ZeRO-2, not ZeRO-{self.zero_stage}" if self.zero_stage != 2 else
+                   "gradients accumulated in the model dtype (grad_accum_dtype None or 'bf16', not 'fp32')")
             raise ValueError(f"grad_reduction='per_step' adds the micro-batches' gradients up on the parameters "
-                             f"and reduces them once: it needs ZeRO-2 (not {self.zero_stage}) and gradients "
-                             f"accumulated in the model dtype (grad_accum_dtype None or 'bf16', not "
-                             f"{self.grad_accum_dtype!r}); use grad_reduction='per_micro_batch'")
+                             f"and reduces them once: it needs {why}; use grad_reduction='per_micro_batch'")
         if self.optimizer_state_memory == "mapped" and self.offload != "colomem":
             raise ValueError(f"optimizer_state_memory='mapped' needs offload='colomem' (not {self.offload!r}): "
                              "only colomem's offload moves the moments chunk by chunk")
