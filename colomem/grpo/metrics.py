@@ -80,9 +80,8 @@ class MetricAccumulator:
                 if prev is None:
                     self._acc[k] = v
                 elif isinstance(prev, Tensor) or isinstance(v, Tensor):
-                    both = [torch.as_tensor(x, dtype=torch.float64) for x in (prev, v)]
                     dev = next(x.device for x in (prev, v) if isinstance(x, Tensor))
-                    a, b = (x.to(dev) for x in both)
+                    a, b = (torch.as_tensor(x, dtype=torch.float64, device=dev) for x in (prev, v))
                     self._acc[k] = torch.maximum(a, b) if pick is max else torch.minimum(a, b)
                 else:
                     self._acc[k] = pick(prev, v)

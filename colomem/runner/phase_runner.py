@@ -284,11 +284,13 @@ class PhaseRunner:
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
-            micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
-                          if c.micro_batch_tokens is None else
-                          micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin, taken=grown))
-            if c.grow_micro_batch:
-                micro_hint = self._grow_micro_batch(figs, rows, margin, grown, rec.step + 2) or micro_hint
+            # --grow-micro-batch takes what the hint would name; the hint stays for a trainer it cannot grow
+            micro_hint = self._grow_micro_batch(figs, rows, margin, grown, rec.step + 2) if c.grow_micro_batch else ""
+            if not self.micro_batch_grown:
+                micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
+                              if c.micro_batch_tokens is None else
+                              micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
+                                                      taken=grown))
             # a grown micro-batch takes the free memory the KV cache and recompute hints would offer
             hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
                     if not self.micro_batch_grown else "")

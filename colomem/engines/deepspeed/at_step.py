@@ -1,7 +1,7 @@
-"""What a DeepSpeedTrainer brings back at (or for) the optimizer step, and the step itself: the hooks that read the peak as the
-step starts and reload the optimizer state that waits for it (step_reload.py), and the prefetch of Adam's
-moments held in mapped memory behind the forward and backward. A mixin of DeepSpeedTrainer, which holds the
-state it reads.
+"""What a DeepSpeedTrainer brings back at (or for) the optimizer step, and the step itself: the hooks that
+read the peak as the step starts and reload the optimizer state that waits for it (step_reload.py), and the
+prefetch of Adam's moments held in mapped memory behind the forward and backward. A mixin of
+DeepSpeedTrainer, which holds the state it reads.
 
 How much of the moments to prefetch is measured, not guessed: at each step's start the hook reads how much
 more could have been mapped there (`prefetch_room`), and the next reload prefetches the smallest room of the
