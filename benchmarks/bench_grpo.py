@@ -24,6 +24,7 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   nogc, ckpt2  the default without gradient checkpointing, and checkpointing every other decoder layer
   mb32, grow   the default with micro-batches of 32 rows, and with --grow-micro-batch (the largest that fits)
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
+  shared_mb32, shared_grow  a LoRA job's --shared-base with micro-batches of 32 rows, and grown
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
@@ -108,7 +109,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          # with the micro-batch it grows to from the measured memory
          "mb32": ["--switch", "colomem", "--micro-batch", "32"],
          "trl_mb32": ["--micro-batch", "32"],
-         "grow": ["--switch", "colomem", "--grow-micro-batch"]}
+         "grow": ["--switch", "colomem", "--grow-micro-batch"],
+         "shared_mb32": ["--switch", "colomem", "--shared-base", "--micro-batch", "32"],
+         "shared_grow": ["--switch", "colomem", "--shared-base", "--grow-micro-batch"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
 PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32")}
 PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped

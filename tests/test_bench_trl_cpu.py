@@ -148,6 +148,21 @@ def test_the_same_micro_batch_on_both_sides_and_the_grown_one_against_trls_best(
     assert grown["full_speedup_vs_trl_best"] == pytest.approx(11 / 5.5)
 
 
+def test_a_lora_jobs_shared_base_with_a_larger_micro_batch_counts_against_trls_best():
+    """The shared base's mb32 and grown runs are colomem's settings of a LoRA job beside TRL's mb32."""
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    assert "--shared-base" in bench.MODES["shared_grow"] and "--grow-micro-batch" in bench.MODES["shared_grow"]
+    assert bench.MODES["shared_mb32"][-2:] == ["--micro-batch", "32"] and "shared_grow" not in bench.PEER_SCRIPTS
+    report = {"runs": {"lora7b_shared": res(step_s=29.0), "lora7b_trl": res(step_s=30.0),
+                       "lora7b_shared_mb32": res(step_s=14.0), "lora7b_trl_mb32": res(step_s=21.0),
+                       "lora7b_shared_grow": res(step_s=12.0)}}
+    bench.top_level(report)
+    assert report["lora7b_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 30 / 29, "mb32": 21 / 14})
+    assert report["lora7b_speedup_vs_trl_best"] == pytest.approx(21 / 12)
+    assert report["lora7b_best_recompute"] == {"colomem": "grow", "trl": "mb32"}
+
+
 def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
     bench = _load("bench_grpo")
     res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
