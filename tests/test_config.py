@@ -126,6 +126,11 @@ def test_sizes_and_literals():
     cfg = load_run_config(["--switch", "timesplit"])
     assert cfg.effective_sleep_level == 1 and cfg.trainer_offload == "deepspeed"
     assert cfg.effective_weights_backup == "vllm"
+    # a literal of numbers takes the number the flag names (the flag's string is not one of the choices)
+    cfg = load_run_config(["--zero-stage", "3", "--sleep-level", "1"])
+    assert cfg.zero_stage == 3 and cfg.sleep_level == 1 and cfg.deepspeed_config().zero_stage == 3
+    with pytest.raises(ConfigError, match="zero_stage"):
+        load_run_config(["--zero-stage", "1"])
 
 
 def test_models_can_be_built_in_code():

@@ -60,6 +60,11 @@ def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
     if origin is dict or ann is dict:
         val = yaml.safe_load(raw)
         return val if val is not None else {}
+    if origin is Literal:           # the choice the string names (--zero-stage 3 is the int 3, not "3")
+        for choice in typing.get_args(ann):
+            if str(choice) == raw.strip():
+                return choice
+        return raw
     if ann is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
