@@ -25,12 +25,14 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   mb32, grow   the default with micro-batches of 32 rows, and with --grow-micro-batch (the largest that fits)
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
   shared_mb32, shared_grow  a LoRA job's --shared-base with micro-batches of 32 rows, and grown
+  compile, shared_compile  the default (a LoRA job's shared base) with --torch-compile
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
   trl          TRL's GRPOTrainer, vLLM colocated in its process, trainer resident, vLLM awake (no sleep)
   trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
-  trl_nogc, trl_ckpt2, trl_mb32  TRL with the recompute of nogc / ckpt2, or mb32's micro-batch: per job,
+  trl_nogc, trl_ckpt2, trl_mb32, trl_compile  TRL with the recompute of nogc / ckpt2, mb32's micro-batch, or
+               the same decoder-layer parts compiled as --torch-compile compiles: per job,
                <job>_speedup_vs_trl_by_recompute sets
                each pair side by side, and <job>_speedup_vs_trl_best each side's best step (TRL in its strongest
                measured setting) against the other's
@@ -111,9 +113,14 @@ MODES = {"colomem": ["--switch", "colomem"],
          "trl_mb32": ["--micro-batch", "32"],
          "grow": ["--switch", "colomem", "--grow-micro-batch"],
          "shared_mb32": ["--switch", "colomem", "--shared-base", "--micro-batch", "32"],
-         "shared_grow": ["--switch", "colomem", "--shared-base", "--grow-micro-batch"]}
+         "shared_grow": ["--switch", "colomem", "--shared-base", "--grow-micro-batch"],
+         # the decoder layers' parts compiled, on both sides (the TRL harness compiles its model the same way)
+         "compile": ["--switch", "colomem", "--torch-compile"],
+         "shared_compile": ["--switch", "colomem", "--shared-base", "--torch-compile"],
+         "trl_compile": ["--torch-compile"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
-PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32")}
+PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32",
+                                                        "trl_compile")}
 PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped
 PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags the runner does not take
 # top-level speedups of the planner's default against each other layout, on the full fine-tune

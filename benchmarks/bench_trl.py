@@ -373,6 +373,11 @@ def run(cfg, ns, out: Path, summary: dict, writer) -> None:
         from colomem.engines.recompute import keep_checkpointing_every
 
         keep_checkpointing_every(trainer.model, cfg.checkpoint_every)
+    if cfg.torch_compile:
+        # the runner's --torch-compile on TRL's model too: the same parts of its decoder layers compiled
+        from colomem.engines.compile import compile_decoder_layers
+
+        summary["trl"]["compiled_parts"] = compile_decoder_layers(trainer.model, "cuda" if cuda else "cpu")
     clock.instrument(trainer)
     t_train = time.perf_counter()
     try:

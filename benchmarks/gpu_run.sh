@@ -18,7 +18,7 @@
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
 # sync's time goes, DIAG_CONFIGS="1GiB:2 2GiB:1"), diagreload (per-cycle reload rates after a pool's
 # creation), diagdecode (vLLM's rollout after sleep / wake and beside a resident trainer), diagtrain (the training
-# phase alone, variant by variant: DIAGTRAIN_CONFIGS, DIAGTRAIN_ARGS). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it (grpobench2: GRPOBENCH2_*), SYNC_BUCKETS sets
+# phase alone, variant by variant: DIAGTRAIN_CONFIGS, DIAGTRAIN_ARGS; diagcompile: the same with --torch-compile). GRPOBENCH_ARGS adds arguments to grpobench and GRPOBENCH_TIMEOUT_S bounds it (grpobench2: GRPOBENCH2_*), SYNC_BUCKETS sets
 # the bucket sizes of syncbench. Each stage is bounded by its own timeout. benchmarks/README.md says what
 # each stage measures.
 set -uo pipefail
@@ -149,6 +149,12 @@ stage() {  # the stages run in the order given on the command line
         run "diag_train_$name" "${DIAGTRAIN_TIMEOUT_S:-360}" python3 benchmarks/diag_train.py --config "$cfg" \
           --out "$OUT/diag_train/$name" --profile ${DIAGTRAIN_ARGS:-}
       done ;;
+    # the same with the decoder layers' parts compiled (--torch-compile), beside the eager figures
+    diagcompile) for cfg in ${DIAGTRAIN_CONFIGS:-configs/grpo_1p5b_full.yaml}; do
+        name=$(basename "$cfg" .yaml)
+        run "diag_train_compile_$name" "${DIAGTRAIN_TIMEOUT_S:-360}" python3 benchmarks/diag_train.py --config "$cfg" \
+          --out "$OUT/diag_train_compile/$name" --torch-compile ${DIAGTRAIN_ARGS:-}
+      done ;;
     diagdecode) run diag_decode 400 python3 benchmarks/diag_decode.py --out "$OUT/diag_decode" ${DIAGDECODE_ARGS:-} ;;
     diagreload) run diag_reload 150 python3 benchmarks/diag_reload.py --out "$OUT/diag"
       # the same with torch's expandable segments (cuMemMap'd physical chunks instead of cudaMalloc segments)
@@ -158,7 +164,7 @@ stage() {  # the stages run in the order given on the command line
       tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
     # the optimizer state reloaded inside the optimizer step (optimizer_reload "step"), alone
     dsstep) run ds_step_tests 240 python3 -m pytest -q -s -rs -m deepspeed tests/gpu/test_deepspeed_adapter.py \
-      -k "optimizer_state_reloaded_inside or moments_sent_out or mapped_moments or reduced_once" ;;
+      -k "optimizer_state_reloaded_inside or moments_sent_out or mapped_moments or reduced_once or compiled" ;;
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
     partial) run partial_offload_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_partial_offload_gpu.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;

@@ -12,7 +12,8 @@ from colomem.runner.timeline import median as _median
 # grown micro-batch is one of its settings)
 RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
                    "ckpt2": (("ckpt2",), "trl_ckpt2"), "mb32": (("mb32", "shared_mb32"), "trl_mb32"),
-                   "grow": (("grow", "shared_grow"), None)}
+                   "grow": (("grow", "shared_grow"), None),
+                   "compile": (("compile", "shared_compile"), "trl_compile")}
 
 
 def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:

@@ -17,15 +17,15 @@ _load = load_benchmark
 
 @pytest.fixture(scope="module")
 def trl_run(tmp_path_factory):
-    """Two steps of the default job's shape (fewer prompts, to stay quick; checkpointing every other layer), in a
-    fresh process."""
+    """Two steps of the default job's shape (fewer prompts, to stay quick; checkpointing every other layer; the
+    decoder layers' parts compiled), in a fresh process."""
     pytest.importorskip("trl")
     out = tmp_path_factory.mktemp("trl-cpu")
     env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
                     COLOMEM_CACHE=str(tmp_path_factory.getbasetemp() / "colomem-cache-jobs"), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_trl.py"), "--config", str(REPO / "configs/default.yaml"),
            "--no-vllm", "--steps", "2", "--prompts-per-step", "4", "--micro-batch", "16", "--no-progress",
-           "--gradient-checkpointing", "true", "--checkpoint-every", "2", "--out", str(out)]
+           "--gradient-checkpointing", "true", "--checkpoint-every", "2", "--torch-compile", "--out", str(out)]
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -42,6 +42,8 @@ def test_trl_runs_the_runner_job_and_writes_its_summary(trl_run):
     assert summary["trl"]["grpo_config"]["steps_per_generation"] == 2        # 32 rows in micro-batches of 16
     # --checkpoint-every 2 holds on TRL's model too, through every time its trainer turns checkpointing on
     assert summary["config"]["checkpoint_every"] == 2 and summary["trl"]["checkpointed_layers"] == 2
+    # --torch-compile too: every part of TRL's decoder layers (4 layers: attention, MLP, two norms each)
+    assert summary["config"]["torch_compile"] is True and summary["trl"]["compiled_parts"] == 16
     assert summary["first_step_s"] > 0 and summary["step_s_median"] > 0
     assert summary["steps_wall_s"] == pytest.approx(sum(r["step_s"] for r in steps))
     for r in steps:
@@ -129,6 +131,14 @@ def test_colomem_and_trl_with_the_same_recompute_and_each_in_its_best_setting():
     assert set(bench.MODES) >= {"nogc", "trl_nogc", "ckpt2", "trl_ckpt2", "shared_nogc", "mb32", "trl_mb32", "grow"}
     assert all(bench.PEER_SCRIPTS[m] == "benchmarks/bench_trl.py" for m in ("trl_nogc", "trl_ckpt2", "trl_mb32"))
     assert "grow" not in bench.PEER_SCRIPTS and "--grow-micro-batch" in bench.MODES["grow"]
+    # --torch-compile on both sides: the runner compiles its trainer's layers, the TRL harness its model's
+    assert bench.PEER_SCRIPTS["trl_compile"] == "benchmarks/bench_trl.py"
+    assert all("--torch-compile" in bench.MODES[m] for m in ("compile", "shared_compile", "trl_compile"))
+    compiled = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0),
+                         "full_compile": res(step_s=5.0), "full_trl_compile": res(step_s=9.0)}}
+    bench.top_level(compiled)
+    assert compiled["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "compile": 9 / 5})
+    assert compiled["full_speedup_vs_trl_best"] == pytest.approx(9 / 5)
 
 
 def test_the_same_micro_batch_on_both_sides_and_the_grown_one_against_trls_best():

@@ -56,7 +56,7 @@ class TorchTrainer:
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
                  world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
                  shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap",
-                 optimizer_state_memory: str = "torch"):
+                 optimizer_state_memory: str = "torch", torch_compile: bool = False):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -112,6 +112,10 @@ class TorchTrainer:
             else:        # full fine-tune: a frozen copy of the starting weights
                 ref = copy.deepcopy(model).eval().requires_grad_(False)
                 self._ref_fn = frozen_reference_fn(ref, self.grpo.temperature)
+        if torch_compile:                      # after the reference copy: that one runs without gradients
+            from colomem.engines.compile import compile_decoder_layers
+
+            compile_decoder_layers(model, self.device.type)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self._offloaded = False

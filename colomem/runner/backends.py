@@ -167,11 +167,17 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing,
                 checkpoint_every=cfg.checkpoint_every, trust_remote_code=cfg.trust_remote_code, process_group=ranks.group, world_size=ranks.world_size,
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
-                optimizer_reload=cfg.start_optimizer_reload, optimizer_state_memory=cfg.optimizer_state_memory)
+                optimizer_reload=cfg.start_optimizer_reload, optimizer_state_memory=cfg.optimizer_state_memory,
+                torch_compile=cfg.torch_compile)
             trainer = torch_trainer
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)
         lap("trainer")
+        if cfg.torch_compile:
+            from colomem.engines.compile import compiled_parts
+
+            log_fn(f"[colomem] training: torch.compile on {compiled_parts(trainer.model)} parts of the decoder "
+                   "layers (they compile in the first steps)")
         return Engines(rollout, trainer, pool, backend, tokenizer, shared=shared, build_parts_s=parts)
     except BaseException:
         close_engines(Engines(rollout, trainer, pool, backend, shared=shared))

@@ -142,6 +142,10 @@ class RunConfig(_Strict):
                                                       "placement's free memory holds, estimated from that step's "
                                                       "training peak (what the training hint names); the update "
                                                       "stays the same up to rounding")
+    torch_compile: bool = Field(False, description="torch.compile each decoder layer's attention, MLP and norms "
+                                                   "for training: fused kernels and far less host work a "
+                                                   "micro-batch (small micro-batches wait on the host); the "
+                                                   "first steps compile (tens of seconds); ZeRO-2 only")
     grad_reduction: Literal["auto", "per_step", "per_micro_batch"] = Field(
         "auto", description="DeepSpeed ZeRO-2, when a step's gradients are reduced: per_step (they add up on the "
                             "parameters over the micro-batches and are reduced once, before the optimizer step: "
@@ -268,7 +272,7 @@ class RunConfig(_Strict):
                                micro_batch_tokens=self.micro_batch_tokens,
                                grad_accum=grad_accum if grad_accum is not None else self.grad_accum,
                                gradient_checkpointing=self.gradient_checkpointing,
-                               checkpoint_every=self.checkpoint_every,
+                               checkpoint_every=self.checkpoint_every, torch_compile=self.torch_compile,
                                trust_remote_code=self.trust_remote_code, offload=self.trainer_offload,
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=self.seed,
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,

@@ -186,6 +186,9 @@ class DeepSpeedConfig(BaseModel):
         additions in the same order: the step is the same bit for bit), per_micro_batch on several ranks
         (where per_step changes the order of the reductions and keeps the full gradients on every rank).
         per_step needs ZeRO-2 and gradients accumulated in the model dtype (grad_accum_dtype None or "bf16").
+    torch_compile: torch.compile each decoder layer's parts (colomem.engines.compile): fused kernels and far
+        less host work per micro-batch; the first steps pay the compile. ZeRO-2 only (ZeRO-3 gathers each
+        module's parameters in hooks a compiled module would trace).
     ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
     seed: torch seed before the model and the LoRA adapter are built.
     """
@@ -215,6 +218,7 @@ class DeepSpeedConfig(BaseModel):
     overlap_reload: bool = True
     optimizer_reload: Literal["overlap", "step"] = "overlap"
     optimizer_state_memory: Literal["torch", "mapped"] = "torch"
+    torch_compile: bool = False
 
     def __init__(self, **options: Any) -> None:
         try:
@@ -300,6 +304,9 @@ class DeepSpeedConfig(BaseModel):
                    "gradients accumulated in the model dtype (grad_accum_dtype None or 'bf16', not 'fp32')")
             raise ValueError(f"grad_reduction='per_step' adds the micro-batches' gradients up on the parameters "
                              f"and reduces them once: it needs {why}; use grad_reduction='per_micro_batch'")
+        if self.torch_compile and self.zero_stage != 2:
+            raise ValueError(f"torch_compile compiles the decoder layers' parts, which ZeRO-{self.zero_stage}'s "
+                             "parameter-gathering hooks run inside; use ZeRO-2 or turn torch_compile off")
         if self.optimizer_state_memory == "mapped" and self.offload != "colomem":
             raise ValueError(f"optimizer_state_memory='mapped' needs offload='colomem' (not {self.offload!r}): "
                              "only colomem's offload moves the moments chunk by chunk")

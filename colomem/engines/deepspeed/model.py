@@ -21,8 +21,8 @@ from .state import release_zero3_references
 def build_model(model_path: Any, config: DeepSpeedConfig, lora: Any, device: torch.device,
                 shared_base: Optional[Mapping[str, Tensor]] = None) -> tuple[Any, Any]:
     """(the model to train, the SharedBaseReport of its base shared with the rollout engine or None): loaded
-    in bf16 (or taken as given, or built on the rollout engine's weights), gradient checkpointing and the
-    LoRA adapter as the config and spec ask."""
+    in bf16 (or taken as given, or built on the rollout engine's weights), gradient checkpointing, the LoRA
+    adapter and torch.compile of its decoder layers as the config and spec ask."""
     model: Any
     report: Any = None
     if shared_base is not None:
@@ -54,6 +54,10 @@ def build_model(model_path: Any, config: DeepSpeedConfig, lora: Any, device: tor
         if config.gradient_checkpointing:
             model.enable_input_require_grads()
         check_lora_layers(model)
+    if config.torch_compile:           # last: the parts it compiles hold the LoRA layers
+        from colomem.engines.compile import compile_decoder_layers
+
+        compile_decoder_layers(model, device.type)
     return model, report
 
 
