@@ -53,6 +53,7 @@ def test_compiled_layers_train_like_eager_ones_through_offloads(tiny, lora):
     try:
         layers = decoder_layers(compiled.model)
         parts = compiled_parts(compiled.model)
+        kinds = len({type(m) for m in compiled.model.modules() if getattr(m, "_compiled_call_impl", None)})
         assert layers and parts == sum(len(list(x.children())) for x in layers)
         assert compiled_parts(eager.model) == 0
         for step in range(3):       # micro-batches of 3 rows: the last one is smaller, every width differs
@@ -73,8 +74,9 @@ def test_compiled_layers_train_like_eager_ones_through_offloads(tiny, lora):
         for p in pools:
             p.close(force=True)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # the layers share their parts' graphs: fewer graphs than compiled parts (not one per layer)
-    assert 0 < counters["stats"]["unique_graphs"] < parts
+    # the layers share their parts' graphs: a few per kind of part (with and without gradients, a shape
+    # compiled again), fewer than the compiled parts (not one per layer)
+    assert 0 < counters["stats"]["unique_graphs"] <= 4 * kinds and counters["stats"]["unique_graphs"] < parts
 
 
 def test_a_model_without_decoder_layers_and_a_missing_compiler_are_refused():

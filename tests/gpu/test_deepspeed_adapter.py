@@ -278,7 +278,7 @@ def test_compiled_decoder_layers_train_like_eager_ones_through_offloads(model_di
 
     torch._dynamo.reset()
     counters.clear()
-    seen, parts = {}, 0
+    seen, parts, kinds = {}, 0, 0
     for compiled in (False, True):
         pool = colomem.PinnedPool(0)
         t = make_trainer(model_dir, 2, lora, pool=pool, micro_batch=1, torch_compile=compiled)
@@ -286,6 +286,7 @@ def test_compiled_decoder_layers_train_like_eager_ones_through_offloads(model_di
             if compiled:
                 parts = compiled_parts(t.model)
                 assert parts == 4 * 8          # attention, MLP and two norms in each of the 8 layers
+                kinds = len({type(m) for m in t.model.modules() if getattr(m, "_compiled_call_impl", None)})
             steps = []
             for s in range(STEPS):
                 m = t.train_step(make_batch(s))
@@ -297,7 +298,8 @@ def test_compiled_decoder_layers_train_like_eager_ones_through_offloads(model_di
             t.close()
             pool.close(force=True)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert 0 < counters["stats"]["unique_graphs"] < parts
+    # a few graphs per kind of part (with and without gradients, a shape compiled again), not one per layer
+    assert 0 < counters["stats"]["unique_graphs"] <= 4 * kinds < parts, dict(counters["stats"])
     for s, ((la, ga), (lb, gb)) in enumerate(zip(seen[False], seen[True])):
         assert lb == pytest.approx(la, rel=2e-2, abs=1e-3), f"step {s}: loss {lb} compiled vs {la} eager"
         assert gb == pytest.approx(ga, rel=5e-2), f"step {s}: grad norm {gb} compiled vs {ga} eager"
