@@ -141,36 +141,36 @@ def test_colomem_and_trl_with_the_same_recompute_and_each_in_its_best_setting():
     assert compiled["full_speedup_vs_trl_best"] == pytest.approx(9 / 5)
 
 
-def test_the_same_micro_batch_on_both_sides_and_the_grown_one_against_trls_best():
+GROWN_CASES = [  # (job, its runs' step seconds by mode, speedup by setting, best against best, the best settings)
+    pytest.param("full", {"colomem": 7.0, "trl": 11.0, "mb32": 5.0, "trl_mb32": 8.0, "grow": 4.8},
+                 {"config": 11 / 7, "mb32": 8 / 5}, 8 / 4.8, {"colomem": "grow", "trl": "mb32"}, id="full"),
+    # a LoRA job's shared base with TRL's mb32 micro-batch and grown
+    pytest.param("lora7b", {"shared": 29.0, "trl": 30.0, "shared_mb32": 14.0, "trl_mb32": 21.0, "shared_grow": 12.0},
+                 {"config": 30 / 29, "mb32": 21 / 14}, 21 / 12, {"colomem": "grow", "trl": "mb32"}, id="lora7b-shared"),
+]
+
+
+@pytest.mark.parametrize("job, steps, by, best, best_setting", GROWN_CASES)
+def test_the_same_micro_batch_on_both_sides_and_the_grown_one_against_trls_best(job, steps, by, best, best_setting):
     """mb32 against trl_mb32 (the same micro-batch), and the planner's grown micro-batch as one more colomem
-    setting: the best of each side against the other's, with only the config's TRL run too."""
+    setting: the best of each side against the other's."""
     bench = _load("bench_grpo")
     res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
-    report = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0),
-                       "full_mb32": res(step_s=5.0), "full_trl_mb32": res(step_s=8.0),
-                       "full_grow": res(step_s=4.8)}}
+    assert "--grow-micro-batch" in bench.MODES["shared_grow"] and "--shared-base" in bench.MODES["shared_grow"]
+    assert bench.MODES["shared_mb32"][-2:] == ["--micro-batch", "32"] and "shared_grow" not in bench.PEER_SCRIPTS
+    report = {"runs": {f"{job}_{mode}": res(step_s=s) for mode, s in steps.items()}}
     bench.top_level(report)
-    assert report["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "mb32": 8 / 5})
-    assert report["full_speedup_vs_trl_best"] == pytest.approx(8 / 4.8)
-    assert report["full_best_recompute"] == {"colomem": "grow", "trl": "mb32"}
+    assert report[f"{job}_speedup_vs_trl_by_recompute"] == pytest.approx(by)
+    assert report[f"{job}_speedup_vs_trl_best"] == pytest.approx(best)
+    assert report[f"{job}_best_recompute"] == best_setting
+
+
+def test_a_grown_micro_batch_counts_against_trls_plain_run_alone():
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
     grown = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0), "full_grow": res(step_s=5.5)}}
     bench.top_level(grown)
     assert grown["full_speedup_vs_trl_best"] == pytest.approx(11 / 5.5)
-
-
-def test_a_lora_jobs_shared_base_with_a_larger_micro_batch_counts_against_trls_best():
-    """The shared base's mb32 and grown runs are colomem's settings of a LoRA job beside TRL's mb32."""
-    bench = _load("bench_grpo")
-    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
-    assert "--shared-base" in bench.MODES["shared_grow"] and "--grow-micro-batch" in bench.MODES["shared_grow"]
-    assert bench.MODES["shared_mb32"][-2:] == ["--micro-batch", "32"] and "shared_grow" not in bench.PEER_SCRIPTS
-    report = {"runs": {"lora7b_shared": res(step_s=29.0), "lora7b_trl": res(step_s=30.0),
-                       "lora7b_shared_mb32": res(step_s=14.0), "lora7b_trl_mb32": res(step_s=21.0),
-                       "lora7b_shared_grow": res(step_s=12.0)}}
-    bench.top_level(report)
-    assert report["lora7b_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 30 / 29, "mb32": 21 / 14})
-    assert report["lora7b_speedup_vs_trl_best"] == pytest.approx(21 / 12)
-    assert report["lora7b_best_recompute"] == {"colomem": "grow", "trl": "mb32"}
 
 
 def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
