@@ -208,3 +208,24 @@ def test_mapped_moments_reach_the_trainer_config_and_only_with_the_colomem_switc
         load_run_config(["--optimizer-state-memory", "mapped", "--switch", "timesplit"])
     with pytest.raises(ConfigError, match="optimizer_state_memory"):
         load_run_config(["--optimizer-state-memory", "everywhere"])
+
+
+def test_every_flag_takes_its_own_default_written_out():
+    """Each flag given its default as text (what --help shows) parses back to that default: numbers, literals
+    of numbers, booleans, lists."""
+    from colomem.runner.config import _SUBMODELS, _flag_table
+
+    checked = 0
+    for flag, path in _flag_table().items():
+        model = RunConfig if len(path) == 1 else _SUBMODELS[path[0]]
+        default = model.model_fields[path[-1]].get_default(call_default_factory=True)
+        if default is None or isinstance(default, dict):
+            continue
+        text = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        value = load_run_config((["--lora"] if path[0] == "lora" else []) + [flag, text])
+        for name in path:
+            value = getattr(value, name)
+        as_list = (lambda v: list(v) if isinstance(v, tuple) else v)  # noqa: E731
+        assert as_list(value) == as_list(default), (flag, text, value)
+        checked += 1
+    assert checked > 50
