@@ -69,65 +69,11 @@ from colomem.runner.timeline import median as _median  # noqa: E402  (the runner
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from grpo_alternate import alternate_figures  # noqa: E402
+from grpo_modes import CONFIGS, MODES, PEER_MODULES, PEER_ONLY_FLAGS, PEER_SCRIPTS, VERSUS  # noqa: E402
 from grpo_peer_figures import lora_top_level, recompute_top_level  # noqa: E402
 from grpo_table import table  # noqa: E402
 from stage_deadline import bound_or_skip  # noqa: E402
-CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lora.yaml",
-           "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
-           "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
-MODES = {"colomem": ["--switch", "colomem"],
-         "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
-         "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
-         "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
-         # the two above in one process, step by step (what differs between launches is the same for both)
-         "alternate": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "alternate"],
-         "timesplit": ["--switch", "timesplit"],
-         "overlap": ["--switch", "colomem", "--overlap-offload"],      # the planner's, offload behind the wake
-         # the planner's with all of the trainer's memory in expandable segments (releases never wait for copies)
-         "expandable": ["--switch", "colomem", "--trainer-expandable"],
-         # both: the optimizer state's offload overlaps the weights' wake only where its release cannot wait
-         # for the copies (a cudaFree of default segments waits for every copy in flight)
-         "hidden": ["--switch", "colomem", "--trainer-expandable", "--overlap-offload"],
-         # the planner's with Adam's moments in memory colomem maps chunk by chunk (part back behind training)
-         "mapped": ["--switch", "colomem", "--optimizer-state-memory", "mapped"],
-         # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
-         "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
-         # the planner's with the seeded requests' noise drawn in one launch
-         "batchednoise": ["--switch", "colomem", "--seeded-noise", "batched"],
-         # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
-         "shared": ["--switch", "colomem", "--shared-base"],
-         "inrank": ["--switch", "colomem", "--engine", "in-rank"],
-         # the planner's with a checkpoint every other step (the newest one kept), written in the background
-         "saved": ["--switch", "colomem", "--save-every", "2", "--keep-checkpoints", "1"],
-         "trl": [], "trl_sleep": ["--trl-sleep"],
-         # the same recompute on both sides, interleaved in one call (RECOMPUTE_PAIRS): no checkpointing, and
-         # checkpointing every other decoder layer (the TRL harness applies --checkpoint-every to its model)
-         "nogc": ["--switch", "colomem", "--gradient-checkpointing", "false"],
-         "shared_nogc": ["--switch", "colomem", "--shared-base", "--gradient-checkpointing", "false"],
-         "trl_nogc": ["--gradient-checkpointing", "false"],
-         "ckpt2": ["--switch", "colomem", "--gradient-checkpointing", "true", "--checkpoint-every", "2"],
-         "trl_ckpt2": ["--gradient-checkpointing", "true", "--checkpoint-every", "2"],
-         # the same micro-batch of 32 rows on both sides (TRL's per_device_train_batch_size), and the planner's
-         # with the micro-batch it grows to from the measured memory
-         "mb32": ["--switch", "colomem", "--micro-batch", "32"],
-         "trl_mb32": ["--micro-batch", "32"],
-         "grow": ["--switch", "colomem", "--grow-micro-batch"],
-         "shared_mb32": ["--switch", "colomem", "--shared-base", "--micro-batch", "32"],
-         "shared_grow": ["--switch", "colomem", "--shared-base", "--grow-micro-batch"],
-         # the decoder layers' parts compiled, on both sides (the TRL harness compiles its model the same way)
-         "compile": ["--switch", "colomem", "--torch-compile"],
-         "shared_compile": ["--switch", "colomem", "--shared-base", "--torch-compile"],
-         "trl_compile": ["--torch-compile"]}
-# modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
-PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32",
-                                                        "trl_compile")}
-PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped
-PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags the runner does not take
-# top-level speedups of the planner's default against each other layout, on the full fine-tune
-VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
-          "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
-          "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng",
-          "batchednoise": "speedup_vs_batchednoise"}
+
 GiB = float(1 << 30)
 
 
