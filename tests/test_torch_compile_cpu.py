@@ -1,6 +1,7 @@
 """torch_compile on the CPU trainer: each decoder layer's parts run compiled (every layer through the same
 graphs), the steps train like eager ones to float32 rounding, with gradient checkpointing and LoRA and
 through offloads that empty the parameters' storages between steps; what cannot compile is refused early."""
+import json
 import subprocess
 import sys
 
@@ -105,3 +106,35 @@ def test_the_option_reaches_the_trainers_and_zero3_is_refused():
     assert not load_run_config([]).deepspeed_config().torch_compile
     with pytest.raises(ConfigError, match="ZeRO-2"):
         load_run_config(["--torch-compile", "--zero-stage", "3", "--backend", "gpu"])
+
+
+def test_a_runner_job_with_compiled_layers_samples_with_what_it_trained(tmp_path, monkeypatch):
+    """--torch-compile through the runner on the CPU backend: the trainer's layers run compiled, the line
+    saying so is printed once, and the rollout (eager, with the synced weights) gives the sampled tokens the
+    logprobs the compiled trainer computes."""
+    from colomem.engines.compile import compiled_parts
+    from colomem.runner.backends import build_engines
+    from colomem.runner.config import config_from_dict
+    from colomem.runner.job import run_job
+
+    monkeypatch.setenv("COLOMEM_CACHE", str(tmp_path / "cache"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    held, printed = {}, []
+
+    def factory(cfg, backend, model_path, tok, ranks, grad_accum):
+        eng = build_engines(cfg, backend, model_path, tok, ranks, grad_accum=grad_accum, log_fn=printed.append)
+        held["parts"] = compiled_parts(eng.trainer.model)
+        return eng
+
+    cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
+                            "progress": False, "out": str(tmp_path / "run"), "grpo": {"group_size": 4},
+                            "torch_compile": True})
+    res = run_job(cfg, engines_factory=factory, print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok" and res.summary["steps_done"] == 2
+    assert held["parts"] > 0
+    assert [p for p in printed if "torch.compile" in p] == [
+        f"[colomem] training: torch.compile on {held['parts']} parts of the decoder layers (they compile in the "
+        "first steps)"]
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    assert len(steps) == 2 and all(s["train/rollout_logprob_gap"] < 1e-4 for s in steps)

@@ -173,7 +173,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared)
         lap("trainer")
-        if cfg.torch_compile:
+        if cfg.torch_compile and ranks.rank == 0:          # every rank compiles the same parts
             from colomem.engines.compile import compiled_parts
 
             log_fn(f"[colomem] training: torch.compile on {compiled_parts(trainer.model)} parts of the decoder "
