@@ -26,13 +26,15 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
   shared_mb32, shared_grow  a LoRA job's --shared-base with micro-batches of 32 rows, and grown
   compile, shared_compile  the default (a LoRA job's shared base) with --torch-compile
+  trim, shared_trim  the same with --trim-recompute; tuned, shared_tuned: with both
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):
   trl          TRL's GRPOTrainer, vLLM colocated in its process, trainer resident, vLLM awake (no sleep)
   trl_sleep    the same with vllm_enable_sleep_mode (vLLM level-2 sleep after each generation)
-  trl_nogc, trl_ckpt2, trl_mb32, trl_compile  TRL with the recompute of nogc / ckpt2, mb32's micro-batch, or
-               the same decoder-layer parts compiled as --torch-compile compiles: per job,
+  trl_nogc, trl_ckpt2, trl_mb32, trl_compile, trl_tuned  TRL with the recompute of nogc / ckpt2, mb32's
+               micro-batch, the same decoder-layer parts compiled as --torch-compile compiles, or those
+               compiled and no checkpointing: per job,
                <job>_speedup_vs_trl_by_recompute sets
                each pair side by side, and <job>_speedup_vs_trl_best each side's best step (TRL in its strongest
                measured setting) against the other's

@@ -48,10 +48,17 @@ MODES = {"colomem": ["--switch", "colomem"],
          # the decoder layers' parts compiled, on both sides (the TRL harness compiles its model the same way)
          "compile": ["--switch", "colomem", "--torch-compile"],
          "shared_compile": ["--switch", "colomem", "--shared-base", "--torch-compile"],
-         "trl_compile": ["--torch-compile"]}
+         "trl_compile": ["--torch-compile"],
+         # the planner's checkpointing setting taken (--trim-recompute), alone and with the compiled layers; TRL
+         # with its layers compiled and no checkpointing (its fastest setting where it fits)
+         "trim": ["--switch", "colomem", "--trim-recompute"],
+         "shared_trim": ["--switch", "colomem", "--shared-base", "--trim-recompute"],
+         "tuned": ["--switch", "colomem", "--torch-compile", "--trim-recompute"],
+         "shared_tuned": ["--switch", "colomem", "--shared-base", "--torch-compile", "--trim-recompute"],
+         "trl_tuned": ["--torch-compile", "--gradient-checkpointing", "false"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
 PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32",
-                                                        "trl_compile")}
+                                                        "trl_compile", "trl_tuned")}
 PEER_MODULES = {m: "trl" for m in PEER_SCRIPTS}          # what must be importable, else the mode is skipped
 PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags the runner does not take
 # top-level speedups of the planner's default against each other layout, on the full fine-tune

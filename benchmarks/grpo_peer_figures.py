@@ -13,7 +13,9 @@ from colomem.runner.timeline import median as _median
 RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
                    "ckpt2": (("ckpt2",), "trl_ckpt2"), "mb32": (("mb32", "shared_mb32"), "trl_mb32"),
                    "grow": (("grow", "shared_grow"), None),
-                   "compile": (("compile", "shared_compile"), "trl_compile")}
+                   "compile": (("compile", "shared_compile"), "trl_compile"),
+                   "trim": (("trim", "shared_trim"), None),
+                   "tuned": (("tuned", "shared_tuned"), "trl_tuned")}
 
 
 def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:

@@ -299,7 +299,7 @@ def _recompute_advice(b: Budget, shape: Shape, micro_batch: int, seq_len: int, e
 
     fwd, cast, grads, beside = parts
     now = checkpointed_layers(shape.layers, True, every)
-    for flag, n in fewer_checkpointed(shape.layers, now):
+    for flag, n, _ in fewer_checkpointed(shape.layers, now):
         act = Item("activations", activation_bytes(shape, micro_batch, seq_len, n))
         train, _ = train_phase(b.trainer_state, [act if i.name == "activations" else i for i in fwd], cast, grads,
                                beside, b.gpu_bytes)

@@ -139,6 +139,15 @@ def test_colomem_and_trl_with_the_same_recompute_and_each_in_its_best_setting():
     bench.top_level(compiled)
     assert compiled["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "compile": 9 / 5})
     assert compiled["full_speedup_vs_trl_best"] == pytest.approx(9 / 5)
+    # --trim-recompute alone (no TRL twin) and with the compiled layers (TRL compiled, no checkpointing)
+    assert "--trim-recompute" in bench.MODES["trim"] and bench.PEER_SCRIPTS["trl_tuned"] == "benchmarks/bench_trl.py"
+    assert bench.MODES["trl_tuned"] == ["--torch-compile", "--gradient-checkpointing", "false"]
+    tuned = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0), "full_trim": res(step_s=6.0),
+                      "full_tuned": res(step_s=4.0), "full_trl_tuned": res(step_s=8.0)}}
+    bench.top_level(tuned)
+    assert tuned["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 11 / 7, "tuned": 8 / 4})
+    assert tuned["full_speedup_vs_trl_best"] == pytest.approx(8 / 4)
+    assert tuned["full_best_recompute"] == {"colomem": "tuned", "trl": "tuned"}
 
 
 GROWN_CASES = [  # (job, its runs' step seconds by mode, speedup by setting, best against best, the best settings)

@@ -1,8 +1,10 @@
 """The planner's checkpointing hint (colomem.runner.recompute_plan): the settings it weighs, the one it names
 for the memory left free while training (the fewest checkpointed layers whose measured extra activations
-fit), none when nothing fits or nothing would change, and the probe run on a trainer's own model."""
+fit), none when nothing fits or nothing would change, and the probe run on a trainer's own model; with
+--trim-recompute that setting applied to the trainer's model."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from colomem.runner import placement as pl
@@ -15,10 +17,11 @@ GiB = 1 << 30
 
 
 def test_the_options_are_the_settings_with_fewer_checkpointed_layers_fewest_first():
-    assert fewer_checkpointed(28, 28) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 28", 1),
-                               ("--checkpoint-every 4", 7), ("--checkpoint-every 3", 10), ("--checkpoint-every 2", 14)]
+    assert fewer_checkpointed(28, 28) == [("--gradient-checkpointing false", 0, 0), ("--checkpoint-every 28", 1, 28),
+                                          ("--checkpoint-every 4", 7, 4), ("--checkpoint-every 3", 10, 3),
+                                          ("--checkpoint-every 2", 14, 2)]
     assert fewer_checkpointed(28, 14) == fewer_checkpointed(28, 28)[:4]          # already every other layer
-    assert fewer_checkpointed(4, 2) == [("--gradient-checkpointing false", 0), ("--checkpoint-every 4", 1)]
+    assert fewer_checkpointed(4, 2) == [("--gradient-checkpointing false", 0, 0), ("--checkpoint-every 4", 1, 4)]
     assert fewer_checkpointed(4, 0) == []
 
 
@@ -67,3 +70,51 @@ def test_the_runner_weighs_the_free_training_memory_at_the_measured_width():
     assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == ""
     runner.cfg.gradient_checkpointing, runner.train_width = False, 40
     assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == ""
+
+
+def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
+    """--trim-recompute: the setting the hint would name is applied to the trainer's model from the given step
+    (every layer keeps its activations when they all fit; every other layer when only three of six do), the
+    line and recompute_trimmed say what changed, and nothing changes when nothing fits."""
+    from colomem.engines.recompute import checkpointed_layers, enable_recompute
+
+    fig = pl.MemoryFigures(total=80 * GiB, rollout_used=20 * GiB, trainer_left=GiB, train_peak=30 * GiB,
+                           state={"params": 2 * GiB, "other": 0, "grads": 2 * GiB, "master": 4 * GiB,
+                                  "optim": 8 * GiB}, train_other=GiB)
+    placement = pl.choose("auto", "auto", [fig], margin=2 * GiB)
+
+    def runner():
+        model = small_qwen2(layers=6)
+        enable_recompute(model, 1)
+        return SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4,
+                                                   micro_batch_tokens=None),
+                               train_width=40, trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
+                               recompute_probe=None, recompute_trimmed=None, placement=placement)
+    r = runner()
+    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2)
+    assert line.startswith("--gradient-checkpointing false from step 2 on (--trim-recompute: the backward "
+                           "recomputes 0 of the 6 decoder layers instead of 6")
+    assert checkpointed_layers(r.trainer.model) == 0 and r.recompute_trimmed == (6, 0)
+    # room for three more layers' activations (and a half): every other layer stays checkpointed
+    r = runner()
+    spare = pl.train_spare(placement, [fig], 2 * GiB, 0)
+    per_layer = probe(r.trainer, 40).per_layer_row * 4
+    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(3.5 * per_layer), 2)
+    assert line.startswith("--checkpoint-every 2 from step 2 on") and r.recompute_trimmed == (6, 3)
+    assert [m.gradient_checkpointing for m in r.trainer.model.model.layers] == [True, False] * 3
+    r = runner()                                                  # not one layer's activations fit
+    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(0.5 * per_layer), 2) == ""
+    assert checkpointed_layers(r.trainer.model) == 6 and r.recompute_trimmed is None
+
+
+def test_trim_recompute_needs_checkpointing_a_measured_placement_and_the_memory_to_itself():
+    from colomem.errors import ConfigError
+    from colomem.runner.config import config_from_dict
+
+    base = {"backend": "cpu", "gradient_checkpointing": True, "trim_recompute": True}
+    assert config_from_dict(base).trim_recompute
+    for other, what in (({"gradient_checkpointing": False}, "without --gradient-checkpointing"),
+                        ({"offload": "none", "rollout_sleep": "never"}, "measures in the first step"),
+                        ({"grow_micro_batch": True}, "choose one")):
+        with pytest.raises(ConfigError, match=what):
+            config_from_dict({**base, **other})

@@ -116,18 +116,30 @@ def saved_bytes_per_layer(model: Any, input_ids: Any) -> Optional[float]:
 EVERY_CHOICES = (4, 3, 2)  # --checkpoint-every values weighed, besides none and one layer in all
 
 
-def fewer_checkpointed(layers: int, checkpointed: int) -> list[tuple[str, int]]:
+def fewer_checkpointed(layers: int, checkpointed: int) -> list[tuple[str, int, int]]:
     """The runner's settings that checkpoint fewer of `layers` decoder layers than `checkpointed`, as
-    (flag, layers it checkpoints), fewest first: none, then --checkpoint-every K."""
-    out = [("--gradient-checkpointing false", 0)]
-    out += [(f"--checkpoint-every {k}", -(-layers // k)) for k in (layers, *EVERY_CHOICES) if k >= 2]
+    (flag, layers it checkpoints, every: set_checkpointed's argument), fewest first: none, then
+    --checkpoint-every K."""
+    out = [("--gradient-checkpointing false", 0, 0)]
+    out += [(f"--checkpoint-every {k}", -(-layers // k), k) for k in (layers, *EVERY_CHOICES) if k >= 2]
     seen: set[int] = set()
     best = []
-    for flag, n in out:
+    for flag, n, every in out:
         if n < checkpointed and n not in seen:
             seen.add(n)
-            best.append((flag, n))
+            best.append((flag, n, every))
     return best
+
+
+def set_checkpointed(model: Any, every: int) -> int:
+    """Of the decoder layers checkpointing now, keeps it on every `every`-th one only (0: on none), for the
+    steps from here on; returns how many checkpoint. The gradients stay the same: a layer that is not
+    checkpointed keeps its activations instead of computing them again."""
+    if every == 0:
+        for m in decoder_layers(model):
+            m.gradient_checkpointing = False
+        return checkpointed_layers(model)
+    return checkpoint_only_every(model, every)
 
 
 def _check_every(every: Any) -> None:
@@ -147,4 +159,5 @@ def checkpointed_layers(model: Any) -> int:
 
 
 __all__ = ["EVERY_CHOICES", "checkpoint_only_every", "checkpointed_layers", "decoder_layers", "disable_recompute",
-           "enable_recompute", "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer"]
+           "enable_recompute", "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer",
+           "set_checkpointed"]

@@ -142,6 +142,11 @@ class RunConfig(_Strict):
                                                       "placement's free memory holds, estimated from that step's "
                                                       "training peak (what the training hint names); the update "
                                                       "stays the same up to rounding")
+    trim_recompute: bool = Field(False, description="with --gradient-checkpointing, after the measuring step: "
+                                                    "checkpoint only as many decoder layers as the memory the "
+                                                    "placement leaves free while training requires (what the "
+                                                    "checkpointing hint names): less recompute, the same "
+                                                    "gradients; not with --grow-micro-batch (the same memory)")
     torch_compile: bool = Field(False, description="torch.compile each decoder layer's attention, MLP and norms "
                                                    "for training: fused kernels and far less host work a "
                                                    "micro-batch (small micro-batches wait on the host); the "
@@ -256,11 +261,18 @@ class RunConfig(_Strict):
             candidates(self.offload, self.rollout_sleep)
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        if self.grow_micro_batch and not (self.switch == "colomem"
-                                          and needs_measuring(self.offload, self.rollout_sleep)):
-            raise ValueError("--grow-micro-batch sizes the micro-batch from the memory the placement planner "
-                             "measures in the first step; it needs --switch colomem and --offload auto or "
-                             "--rollout-sleep auto")
+        measured = self.switch == "colomem" and needs_measuring(self.offload, self.rollout_sleep)
+        for on, flag, what in ((self.grow_micro_batch, "--grow-micro-batch", "sizes the micro-batch"),
+                               (self.trim_recompute, "--trim-recompute", "chooses the checkpointed layers")):
+            if on and not measured:
+                raise ValueError(f"{flag} {what} from the memory the placement planner measures in the first "
+                                 "step; it needs --switch colomem and --offload auto or --rollout-sleep auto")
+        if self.trim_recompute and not self.gradient_checkpointing:
+            raise ValueError("--trim-recompute checkpoints fewer decoder layers; without --gradient-checkpointing "
+                             "none is checkpointed")
+        if self.trim_recompute and self.grow_micro_batch:
+            raise ValueError("--trim-recompute and --grow-micro-batch would both take the memory left free while "
+                             "training; choose one")
         return self
 
     # the engines' own configs: built (and so validated) when the run config is, before anything starts

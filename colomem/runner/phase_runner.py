@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
+from colomem.engines.recompute import set_checkpointed
 from colomem.engines.reports import SyncStats
 from colomem.errors import is_oom
 from colomem.units import format_bytes, parse_bytes
@@ -25,7 +26,7 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         needs_measuring, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
-from .recompute_plan import RecomputeProbe, probe, recompute_hint
+from .recompute_plan import RecomputeProbe, probe, recompute_fit, recompute_hint
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
                        release_cache)
@@ -62,6 +63,7 @@ class PhaseRunner:
         self.micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
         self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
         self.recompute_probe: Optional[RecomputeProbe] = None
+        self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed layers was, now) after --trim-recompute
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -291,13 +293,15 @@ class PhaseRunner:
                               if c.micro_batch_tokens is None else
                               micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
                                                       taken=grown))
-            # a grown micro-batch takes the free memory the KV cache and recompute hints would offer
+            # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
+            # recompute takes what the KV cache hint would offer
+            if not self.micro_batch_grown:
+                recompute = self._recompute_hint(figs, margin, grown, rec.step + 2 if c.trim_recompute else None)
             hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
-                    if not self.micro_batch_grown else "")
+                    if not (self.micro_batch_grown or self.recompute_trimmed) else "")
             shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
                                     margin, self._optim_out_allowed)
             hint = "; ".join(h for h in (shrink, hint) if h)
-            recompute = self._recompute_hint(figs, margin, grown) if not self.micro_batch_grown else ""
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if self.reload_why:
             self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
@@ -311,6 +315,7 @@ class PhaseRunner:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
                                "kv_hint": hint, "micro_batch_hint": micro_hint, "recompute_hint": recompute,
                                "micro_batch_grown": list(self.micro_batch_grown) if self.micro_batch_grown else None,
+                               "recompute_trimmed": list(self.recompute_trimmed) if self.recompute_trimmed else None,
                                "recompute_probe": self.recompute_probe.to_dict() if self.recompute_probe else None,
                                "optimizer_reload": getattr(self.trainer, "optimizer_reload", None),
                                "optimizer_reload_why": self.reload_why,
@@ -362,17 +367,31 @@ class PhaseRunner:
         return (f"{flag} {now} -> {new} from step {from_step} on (--grow-micro-batch: the largest that "
                 f"the memory this placement leaves free holds, estimated from this step's training peak)")
 
-    def _recompute_hint(self, figs: list, margin: Optional[int], taken: int) -> str:
+    def _recompute_hint(self, figs: list, margin: Optional[int], taken: int,
+                        trim_from: Optional[int] = None) -> str:
         """With gradient checkpointing on: what the memory free while training would buy in recompute,
-        measured on the trainer's model at the measuring step's width (recompute_plan.py)."""
+        measured on the trainer's model at the measuring step's width (recompute_plan.py). trim_from (with
+        --trim-recompute): that setting is applied to the trainer's model from that step on, and the line says
+        so. Every rank sees every rank's figures and probes the same model, so all of them pick the same."""
         if not self.cfg.gradient_checkpointing or not self.train_width:
             return ""
-        self.recompute_probe = probe(self.trainer, self.train_width)
-        if self.recompute_probe is None:
+        self.recompute_probe = pr = probe(self.trainer, self.train_width)
+        if pr is None:
             return ""
         tokens = self.cfg.micro_batch_tokens
         rows = self.cfg.micro_batch if tokens is None else max(1, tokens // self.train_width)
-        return recompute_hint(train_spare(self.placement, figs, margin, taken), self.recompute_probe, rows)
+        spare = train_spare(self.placement, figs, margin, taken)
+        if trim_from is None:
+            return recompute_hint(spare, pr, rows)
+        fit = recompute_fit(spare, pr, rows)
+        if fit is None:
+            return ""
+        model: Any = getattr(self.trainer, "model", None)          # the model the probe measured
+        now = set_checkpointed(model, fit.every)
+        self.recompute_trimmed = (pr.checkpointed, now)
+        return (f"{fit.flag} from step {trim_from} on (--trim-recompute: the backward recomputes {now} of the "
+                f"{pr.layers} decoder layers instead of {pr.checkpointed}; the others keep their activations, "
+                f"{format_bytes(fit.extra)} of the {format_bytes(spare)} free while training)")
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer

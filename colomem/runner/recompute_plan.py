@@ -61,22 +61,42 @@ def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
     return RecomputeProbe(per, layers, checkpointed, int(width)) if per else None
 
 
-def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
+@dataclass(frozen=True)
+class RecomputeFit:
+    """A setting with fewer checkpointed layers that fits: its flag, the layers it checkpoints, `every`
+    (colomem.engines.recompute.set_checkpointed's argument), the extra activations of a layer that keeps
+    them and of all of them, for a micro-batch."""
+    flag: str
+    checkpointed: int
+    every: int
+    per_layer: int
+    extra: int
+
+
+def recompute_fit(spare: int, pr: RecomputeProbe, micro_batch: int) -> Optional[RecomputeFit]:
     """The setting with the fewest checkpointed layers whose extra activations fit in `spare` bytes (the
-    head room while training, every GPU's smallest); empty when none does or nothing would change."""
+    head room while training, every GPU's smallest); None when none does or nothing would change."""
     per_layer = pr.per_layer_row * micro_batch
     if per_layer <= 0 or spare <= 0:
-        return ""
-    for flag, n in fewer_checkpointed(pr.layers, pr.checkpointed):
+        return None
+    for flag, n, every in fewer_checkpointed(pr.layers, pr.checkpointed):
         extra = (pr.checkpointed - n) * per_layer
         if extra <= spare:
-            return (f"{format_bytes(spare)} stays free while training with this placement: {flag} would fit "
-                    f"({pr.checkpointed - n} more of the {pr.layers} layers keep their activations, measured at "
-                    f"{format_bytes(int(per_layer))} each for a micro-batch of {micro_batch} rows of "
-                    f"{pr.width} tokens: {format_bytes(int(extra))} in all). The backward then recomputes {n} "
-                    f"layers instead of {pr.checkpointed}: less work, the same gradients. The micro-batch and KV "
-                    "cache hints count the same free memory")
-    return ""
+            return RecomputeFit(flag, n, every, int(per_layer), int(extra))
+    return None
 
 
-__all__ = ["RecomputeProbe", "probe", "recompute_hint"]
+def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
+    """recompute_fit's setting as the planner's hint; empty when there is none."""
+    fit = recompute_fit(spare, pr, micro_batch)
+    if fit is None:
+        return ""
+    return (f"{format_bytes(spare)} stays free while training with this placement: {fit.flag} would fit "
+            f"({pr.checkpointed - fit.checkpointed} more of the {pr.layers} layers keep their activations, "
+            f"measured at {format_bytes(fit.per_layer)} each for a micro-batch of {micro_batch} rows of "
+            f"{pr.width} tokens: {format_bytes(fit.extra)} in all). The backward then recomputes "
+            f"{fit.checkpointed} layers instead of {pr.checkpointed}: less work, the same gradients "
+            "(--trim-recompute takes it). The micro-batch and KV cache hints count the same free memory")
+
+
+__all__ = ["RecomputeFit", "RecomputeProbe", "probe", "recompute_fit", "recompute_hint"]
