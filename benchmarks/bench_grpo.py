@@ -192,6 +192,11 @@ def analyse(out_dir: Path) -> dict:
                                     if r.get("event") == "start" and "time" in r and "time" in steps[0]), None),
         "step_s_spread": [min(r["step_s"] for r in warm), max(r["step_s"] for r in warm)],
         "placement": summary.get("placement"),
+        # what the planner changed after its measuring step (a grown micro-batch, fewer checkpointed layers),
+        # and whether the trainer's layers ran compiled
+        "planner_changes": next(({k: r.get(k) for k in ("micro_batch_grown", "recompute_trimmed")}
+                                 for r in reversed(lines) if r.get("event") == "placement"), None),
+        "torch_compile": (summary.get("config") or {}).get("torch_compile"),
         "gpu_used_both_asleep_gib": _gib(max((mem(r, "sleep", "driver_used") or 0) for r in steps)),
         "trainer_reserved_after_offload_gib": _gib(max((mem(r, "offload", "reserved") or 0) for r in steps)),
         "gpu_used_in_rollout_gib": _gib(max((mem(r, "rollout", "driver_used") or 0) for r in steps)),

@@ -242,3 +242,16 @@ def test_rounds_over_two_calls_make_one_interleaved_report(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="holds full_colomem, full_trl already: start at round 2"):
         bench.main(["--out", str(tmp_path / "call3"), *common, "--continue-from", str(first), "--first-round", "1"])
     assert not (tmp_path / "call3").exists()
+
+
+def test_a_runs_figures_say_what_the_planner_changed_and_whether_it_compiled(tmp_path):
+    bench = _load("bench_grpo")
+    step = lambda s: {"step": s, "step_s": 2.0, "switch_s": 0.1, "phase_s": {"rollout": 1.0, "train": 0.9}}  # noqa: E731
+    lines = [{"event": "start", "time": 0.0}, step(0),
+             {"event": "placement", "from_step": 1, "micro_batch_grown": None, "recompute_trimmed": [28, 0]},
+             step(1), step(2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "ok", "config": {"torch_compile": True}}))
+    res = bench.analyse(tmp_path)
+    assert res["planner_changes"] == {"micro_batch_grown": None, "recompute_trimmed": [28, 0]}
+    assert res["torch_compile"] is True and res["step_s"] == 2.0
