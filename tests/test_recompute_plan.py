@@ -89,7 +89,8 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
         return SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4,
                                                    micro_batch_tokens=None),
                                train_width=40, trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
-                               recompute_probe=None, recompute_trimmed=None, placement=placement)
+                               recompute_probe=None, recompute_trimmed=None, placement=placement,
+                               ranks=SimpleNamespace(exchange=lambda x: [x]))
     r = runner()
     line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2)
     assert line.startswith("--gradient-checkpointing false from step 2 on (--trim-recompute: the backward "
@@ -105,6 +106,15 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
     r = runner()                                                  # not one layer's activations fit
     assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(0.5 * per_layer), 2) == ""
     assert checkpointed_layers(r.trainer.model) == 6 and r.recompute_trimmed is None
+    # several ranks: each applies the setting that keeps the most layers checkpointed over all of them, and
+    # none trims when one rank's memory fits none
+    r = runner()
+    r.ranks = SimpleNamespace(exchange=lambda x: [x, (3, 2, 1, "--checkpoint-every 2")])
+    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2).startswith("--checkpoint-every 2 from step 2")
+    assert r.recompute_trimmed == (6, 3)
+    r = runner()
+    r.ranks = SimpleNamespace(exchange=lambda x: [x, None])
+    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2) == "" and checkpointed_layers(r.trainer.model) == 6
 
 
 def test_trim_recompute_needs_checkpointing_a_measured_placement_and_the_memory_to_itself():

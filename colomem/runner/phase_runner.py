@@ -372,26 +372,27 @@ class PhaseRunner:
         """With gradient checkpointing on: what the memory free while training would buy in recompute,
         measured on the trainer's model at the measuring step's width (recompute_plan.py). trim_from (with
         --trim-recompute): that setting is applied to the trainer's model from that step on, and the line says
-        so. Every rank sees every rank's figures and probes the same model, so all of them pick the same."""
+        so; every rank applies the same one, the one that keeps the most layers checkpointed (a rank whose rows
+        were wider needs more for each layer)."""
         if not self.cfg.gradient_checkpointing or not self.train_width:
-            return ""
+            return ""                  # the same on every rank: the config, and each rank trained the step
         self.recompute_probe = pr = probe(self.trainer, self.train_width)
-        if pr is None:
-            return ""
         tokens = self.cfg.micro_batch_tokens
         rows = self.cfg.micro_batch if tokens is None else max(1, tokens // self.train_width)
         spare = train_spare(self.placement, figs, margin, taken)
         if trim_from is None:
-            return recompute_hint(spare, pr, rows)
-        fit = recompute_fit(spare, pr, rows)
-        if fit is None:
+            return recompute_hint(spare, pr, rows) if pr is not None else ""
+        fit = recompute_fit(spare, pr, rows) if pr is not None else None
+        fits = self.ranks.exchange(None if fit is None else (fit.checkpointed, fit.every, fit.extra, fit.flag))
+        if pr is None or any(f is None for f in fits):
             return ""
+        _, every, extra, flag = max(fits)
         model: Any = getattr(self.trainer, "model", None)          # the model the probe measured
-        now = set_checkpointed(model, fit.every)
+        now = set_checkpointed(model, every)
         self.recompute_trimmed = (pr.checkpointed, now)
-        return (f"{fit.flag} from step {trim_from} on (--trim-recompute: the backward recomputes {now} of the "
+        return (f"{flag} from step {trim_from} on (--trim-recompute: the backward recomputes {now} of the "
                 f"{pr.layers} decoder layers instead of {pr.checkpointed}; the others keep their activations, "
-                f"{format_bytes(fit.extra)} of the {format_bytes(spare)} free while training)")
+                f"{format_bytes(extra)} of the {format_bytes(spare)} free while training)")
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer
