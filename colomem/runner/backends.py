@@ -165,7 +165,8 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 grad_accum=grad_accum, grpo=cfg.grpo,
                 lora=cfg.lora, pool=pool, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                 seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing,
-                checkpoint_every=cfg.checkpoint_every, trust_remote_code=cfg.trust_remote_code, process_group=ranks.group, world_size=ranks.world_size,
+                checkpoint_every=cfg.checkpoint_every, trust_remote_code=cfg.trust_remote_code,
+                process_group=ranks.group, world_size=ranks.world_size,
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
                 optimizer_reload=cfg.start_optimizer_reload, optimizer_state_memory=cfg.optimizer_state_memory,
                 torch_compile=cfg.torch_compile)

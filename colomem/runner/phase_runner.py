@@ -63,7 +63,7 @@ class PhaseRunner:
         self.micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
         self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
         self.recompute_probe: Optional[RecomputeProbe] = None
-        self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed layers was, now) after --trim-recompute
+        self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed was, now): --trim-recompute
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
