@@ -89,3 +89,17 @@ def test_default_job_auto_placement_moves_nothing_once_it_fits(tmp_path):
     assert all("trainer_offload/seconds" not in s for s in steps[1:])
     assert all(s["sync/prefix_reset_early"] for s in steps[2:])      # retired after step 1's rollout on
     assert not steps[1]["sync/prefix_reset_early"]                   # step 0's vLLM slept: nothing to drop
+
+
+def test_default_job_with_compiled_layers_and_trimmed_recompute(tmp_path):
+    # --torch-compile and --trim-recompute on the planner's default: the tiny job fits, so after the measuring
+    # step no layer is checkpointed any more; vLLM samples with the weights the compiled trainer trained
+    steps, summary, log = _run(tmp_path, "tuned", "--steps", "5", "--torch-compile", "--gradient-checkpointing",
+                               "true", "--trim-recompute")
+    _check_loop(steps, summary, 5, settled=2)
+    assert "[colomem] training: torch.compile on" in log
+    assert "--gradient-checkpointing false from step 2 on (--trim-recompute" in log
+    events = [json.loads(x) for x in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
+    placement = [e for e in events if e.get("event") == "placement"][-1]
+    layers = placement["recompute_probe"]["layers"]
+    assert placement["recompute_trimmed"] == [layers, 0]
