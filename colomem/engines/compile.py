@@ -47,8 +47,6 @@ def compile_decoder_layers(model: Any, device_type: str) -> int:
     """Compiles every part (direct child module) of each of the model's decoder layers in place; returns how
     many parts. InvalidArgumentError when the model has no decoder layers transformers marks as such, or when
     the device cannot compile (compile_problem)."""
-    import torch
-
     from .recompute import decoder_layers
 
     problem = compile_problem(device_type)
@@ -62,7 +60,7 @@ def compile_decoder_layers(model: Any, device_type: str) -> int:
     parts = 0
     for layer in layers:
         for part in layer.children():
-            if isinstance(part, torch.nn.Module) and any(True for _ in part.parameters()):
+            if next(part.parameters(), None) is not None:     # a part with weights (not a bare activation)
                 part.compile(dynamic=True)
                 parts += 1
     return parts

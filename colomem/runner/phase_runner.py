@@ -288,14 +288,13 @@ class PhaseRunner:
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
             # --grow-micro-batch takes what the hint would name; the hint stays for a trainer it cannot grow
             micro_hint = self._grow_micro_batch(figs, rows, margin, grown, rec.step + 2) if c.grow_micro_batch else ""
+            # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
+            # recompute takes what the KV cache hint would offer
             if not self.micro_batch_grown:
                 micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
                               if c.micro_batch_tokens is None else
                               micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
                                                       taken=grown))
-            # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
-            # recompute takes what the KV cache hint would offer
-            if not self.micro_batch_grown:
                 recompute = self._recompute_hint(figs, margin, grown, rec.step + 2 if c.trim_recompute else None)
             hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
                     if not (self.micro_batch_grown or self.recompute_trimmed) else "")
