@@ -86,3 +86,46 @@ def test_bad_inputs_are_refused():
         Completion([1, 2], [-1.0], "stop")
     with pytest.raises(InvalidArgumentError, match="shape"):
         GRPOBatch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.ones(2, 2), torch.zeros(2))
+
+
+def test_right_padding_is_known_from_build_batch_and_found_by_select():
+    from colomem.grpo.batch import is_right_padded
+
+    b = build_batch([[1, 2], [3]], [[Completion([5, 6, 7])], [Completion([8])]], [1.0, -1.0], pad_id=0)
+    assert b.right_padded is True and b.select([1]).right_padded is True
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    right = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    assert not is_right_padded(left) and is_right_padded(right)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    for mask, want in ((left, False), (right, True)):
+        hand = GRPOBatch(ids, mask, mask.float(), torch.zeros(2))
+        assert hand.right_padded is None and hand.select([0, 1]).right_padded is want
+
+
+def test_a_right_padded_batch_gets_the_logprobs_the_padding_mask_gives():
+    """A causal model's real tokens attend only to real tokens before them: the forward without the mask gives
+    the logprobs of the forward with it on every real position, and a left-padded batch keeps its mask."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colomem.grpo.step import policy_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    b = build_batch([[1, 2, 3], [4]], [[Completion([5, 6, 7, 8])], [Completion([9, 10])]], [1.0, -1.0], pad_id=0)
+    real = b.attention_mask.bool()
+    with torch.no_grad():
+        fast = policy_logprobs(model, b)
+        masked = policy_logprobs(model, replace(b, right_padded=False))
+    torch.testing.assert_close(fast[real], masked[real], rtol=0, atol=1e-5)
+    # the same rows left-padded: the mask is needed, and select() finds that it is
+    left = GRPOBatch(torch.tensor([[1, 2, 3, 5, 6, 7, 8], [0, 0, 0, 0, 4, 9, 10]]),
+                     torch.tensor([[1] * 7, [0] * 4 + [1] * 3]), torch.zeros(2, 7), torch.zeros(2))
+    sub = left.select([0, 1])
+    assert sub.right_padded is False
+    with torch.no_grad():
+        lp = policy_logprobs(model, sub)
+    torch.testing.assert_close(lp[1, 5:], masked[1, 1:3], rtol=0, atol=1e-5)

@@ -80,6 +80,37 @@ def test_compiled_layers_train_like_eager_ones_through_offloads(tiny, lora):
     assert 0 < counters["stats"]["unique_graphs"] <= 4 * kinds and counters["stats"]["unique_graphs"] < parts
 
 
+def test_a_batch_with_padding_runs_the_graphs_of_one_without(tiny):
+    """A right-padded batch's forward leaves the padding mask out, so a step whose completions all end at the
+    same length and one with padding run the same compiled graphs: nothing compiles again mid-run."""
+    from torch._dynamo.utils import counters
+
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.grpo.batch import Completion, build_batch
+
+    def batch(lengths):
+        comps = [[Completion(token_ids=[3 + (i + j) % 9 for j in range(n)], logprobs=[-1.0] * n) for i, n in
+                  enumerate(row)] for row in lengths]
+        return build_batch([[2, 4, 5, 6], [2, 7, 8, 9]], comps, torch.linspace(-1, 1, 8), pad_id=0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    pool = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    trainer = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, gradient_checkpointing=False,
+                           torch_compile=True)
+    try:
+        trainer.train_step(batch([[6] * 4, [6] * 4]))          # no padding anywhere
+        trainer.train_step(batch([[5] * 4, [5] * 4]))          # another width: the shapes are dynamic
+        graphs = counters["stats"]["unique_graphs"]
+        padded = batch([[6, 3, 5, 2], [4, 6, 2, 3]])
+        assert padded.right_padded and bool((padded.attention_mask == 0).any())
+        trainer.train_step(padded)
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    finally:
+        trainer.close()
+        pool.close(force=True)
+
+
 def test_a_model_without_decoder_layers_and_a_missing_compiler_are_refused():
     from colomem.engines.compile import compile_decoder_layers
 

@@ -61,6 +61,12 @@ class GRPOBatch:
     # needs logits only from the position before it on (logits_to_keep), so long prompts cost no lm_head and
     # no log-softmax. select() sets it; None: every position's logits.
     loss_from: Optional[int] = None
+    # Every row is [real tokens | padding] (True: build_batch makes them so; None: not known yet, found by
+    # select()). A causal model then needs no padding mask: a real token attends only to real tokens before
+    # it, and the padding's outputs get no loss. The forward leaves the mask out, so attention takes its
+    # causal kernel, nothing reads the mask back, and a compiled model sees one form of input whether or not
+    # a batch has padding (each form is a graph of its own).
+    right_padded: Optional[bool] = None
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
@@ -102,7 +108,15 @@ class GRPOBatch:
         width = int(sub.attention_mask.sum(dim=1).max().item())
         width = max(width, 1)
         sub = sub._map(lambda t: t[:, :width] if t.dim() == 2 else t)
-        return replace(sub, loss_from=first_loss_position(sub.completion_mask))
+        right = self.right_padded if self.right_padded is not None else is_right_padded(sub.attention_mask)
+        return replace(sub, loss_from=first_loss_position(sub.completion_mask), right_padded=right)
+
+
+def is_right_padded(attention_mask: Tensor) -> bool:
+    """Whether every row of [B, T] attention_mask is ones then zeros (one read from the device)."""
+    lengths = attention_mask.ne(0).sum(dim=1, keepdim=True)
+    cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return bool(attention_mask.ne(0).eq(cols < lengths).all())
 
 
 def first_loss_position(completion_mask: Tensor) -> Optional[int]:
@@ -151,5 +165,5 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Seque
             old[b, lp:lp + lc] = torch.as_tensor(c.logprobs, dtype=torch.float32)
     rew = None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32).flatten()
     batch = GRPOBatch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
-                      advantages=adv, old_logprobs=old, rewards=rew)
+                      advantages=adv, old_logprobs=old, rewards=rew, right_padded=True)
     return batch.to(device) if device is not None else batch

@@ -58,7 +58,9 @@ def _forward_logits(model, batch: GRPOBatch) -> Tensor:
     T = batch.input_ids.shape[1]
     if batch.loss_from is not None and batch.loss_from > 1 and _takes_logits_to_keep(model):
         kw["logits_to_keep"] = T - batch.loss_from + 1
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
+    # right padding needs no mask for a causal model (GRPOBatch.right_padded)
+    mask = None if batch.right_padded else batch.attention_mask
+    out = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False, **kw)
     return out.logits if hasattr(out, "logits") else out[0]
 
 
