@@ -32,9 +32,11 @@ def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
             theirs[setting] = trl
         if steps and trl is not None:
             by[setting] = trl / min(steps)
-    # more than the plain pair (reported already): a setting of TRL's or of colomem's own beside it
-    if by and (set(by) != {"config"} or set(ours) != {"config"}):
-        report[f"{cfg}_speedup_vs_trl_by_recompute"] = by
+    # more than the plain pair (reported already): a setting of TRL's or of colomem's own beside it; the best
+    # against the best also when no setting ran on both sides (colomem tuned against TRL's config, say)
+    if ours and theirs and (set(ours) | set(theirs)) != {"config"}:
+        if by:
+            report[f"{cfg}_speedup_vs_trl_by_recompute"] = by
         report[f"{cfg}_speedup_vs_trl_best"] = min(theirs.values()) / min(ours.values())
         report[f"{cfg}_best_recompute"] = {"colomem": min(ours, key=ours.__getitem__),
                                            "trl": min(theirs, key=theirs.__getitem__)}

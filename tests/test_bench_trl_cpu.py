@@ -180,6 +180,12 @@ def test_a_grown_micro_batch_counts_against_trls_plain_run_alone():
     grown = {"runs": {"full_colomem": res(step_s=7.0), "full_trl": res(step_s=11.0), "full_grow": res(step_s=5.5)}}
     bench.top_level(grown)
     assert grown["full_speedup_vs_trl_best"] == pytest.approx(11 / 5.5)
+    # a colomem setting against TRL's plain run, with no setting run on both sides (nor colomem's own plain one)
+    alone = {"runs": {"full_trl": res(step_s=9.5), "full_tuned": res(step_s=5.0)}}
+    bench.top_level(alone)
+    assert alone["full_speedup_vs_trl_best"] == pytest.approx(9.5 / 5.0)
+    assert alone["full_best_recompute"] == {"colomem": "tuned", "trl": "config"}
+    assert "full_speedup_vs_trl_by_recompute" not in alone
 
 
 def test_the_lora_jobs_figures_against_trl_and_the_shared_base():
