@@ -105,18 +105,27 @@ class GRPOBatch:
         sub = self._map(lambda t: t[rows])
         if len(sub) == 0:
             return sub
-        width = int(sub.attention_mask.sum(dim=1).max().item())
-        width = max(width, 1)
+        lengths = sub.attention_mask.sum(dim=1)
+        right = self.right_padded
+        if right is None:       # found in the same read from the device as the width
+            width, flag = torch.stack([lengths.max(), _right_padded(sub.attention_mask, lengths)]).tolist()
+            right = bool(flag)
+        else:
+            width = int(lengths.max().item())
+        width = max(int(width), 1)
         sub = sub._map(lambda t: t[:, :width] if t.dim() == 2 else t)
-        right = self.right_padded if self.right_padded is not None else is_right_padded(sub.attention_mask)
         return replace(sub, loss_from=first_loss_position(sub.completion_mask), right_padded=right)
+
+
+def _right_padded(attention_mask: Tensor, lengths: Tensor) -> Tensor:
+    """0-dim tensor (on the mask's device): every row of [B, T] attention_mask is `lengths` ones, then zeros."""
+    cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return attention_mask.ne(0).eq(cols < lengths[:, None]).all().to(lengths.dtype)
 
 
 def is_right_padded(attention_mask: Tensor) -> bool:
     """Whether every row of [B, T] attention_mask is ones then zeros (one read from the device)."""
-    lengths = attention_mask.ne(0).sum(dim=1, keepdim=True)
-    cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return bool(attention_mask.ne(0).eq(cols < lengths).all())
+    return bool(_right_padded(attention_mask, attention_mask.ne(0).sum(dim=1)))
 
 
 def first_loss_position(completion_mask: Tensor) -> Optional[int]:
