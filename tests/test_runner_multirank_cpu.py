@@ -21,13 +21,20 @@ WORKER = textwrap.dedent(r'''
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(obj, f)
 
+    def gloo_threads():
+        # the threads gloo runs for a group (named gloo_tcp_loop, pt_gloo_runloop)
+        names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+        return sum("gloo" in n for n in names)
+
     if mode == "barrier":
         r = Ranks.from_env(barrier_timeout_s=60)
         r.barrier("one")
         r.barrier("two")
-        dump({"world": r.world_size, "gen": r.generate_groups(6), "train": r.train_groups(6),
-              "sum": r.sum([rank, 1.0]), "main": r.is_main})
+        res = {"world": r.world_size, "gen": r.generate_groups(6), "train": r.train_groups(6),
+               "sum": r.sum([rank, 1.0]), "main": r.is_main, "gloo_up": gloo_threads()}
         r.close()
+        res["gloo_left"] = gloo_threads()
+        dump(res)
     elif mode == "leave":
         # rank 1 is slow to tear its group down: rank 0, which hosts the store, must not leave before it
         import torch.distributed as dist
@@ -112,7 +119,7 @@ WORKER = textwrap.dedent(r'''
                                 "barrier_timeout_s": 60, "grpo": {"group_size": 4}, "save_every": 2,
                                 "eval_every": 1, "eval_prompts": 5})
         res = run_job(cfg, engines_factory=factory, print_fn=print)
-        dump({"status": res.summary["status"], "weights": seen["weights"],
+        dump({"status": res.summary["status"], "weights": seen["weights"], "gloo_left": gloo_threads(),
               "rewards": [r.metrics["reward_mean"] for r in res.records],
               "train_rows": [r.metrics["train/micro_batches"] for r in res.records],
               "eval": [res.summary["eval_first"], res.summary["eval_last"]]})
@@ -155,6 +162,10 @@ def test_barriers_and_work_split(tmp_path):
         assert rc == 0, out[-3000:]
     r0, r1 = _result(tmp_path, 0), _result(tmp_path, 1)
     assert r0["world"] == r1["world"] == 2 and r0["main"] and not r1["main"]
+    # the group's threads ran while it was up and are gone once close returns (a rank tells rank 0 it has
+    # left only then: threads torn down later, at interpreter exit, could abort once rank 0 is gone)
+    assert r0["gloo_up"] > 0 and r1["gloo_up"] > 0
+    assert r0["gloo_left"] == r1["gloo_left"] == 0
     assert r0["sum"] == r1["sum"] == [1.0, 2.0]
     # tensor parallel 1: each rank generates exactly the groups it trains on; together they cover all
     assert r0["gen"] == r0["train"] == [0, 2, 4] and r1["gen"] == r1["train"] == [1, 3, 5]
@@ -213,6 +224,8 @@ def _run_both(tmp_path, mode):
 def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
     outs, r0, r1 = _run_both(tmp_path, "run")
     assert r0["status"] == r1["status"] == "ok"
+    # the job tore its groups down: none of gloo's threads is left to be torn down at interpreter exit
+    assert r0["gloo_left"] == r1["gloo_left"] == 0
     # gradients are averaged over the ranks: both trainers hold the same weights after every step
     assert r0["weights"] == r1["weights"]
     # the printed reward is the global one, the same on both ranks

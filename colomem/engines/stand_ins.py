@@ -480,6 +480,7 @@ class TorchTrainer:
                 log.warning("TorchTrainer.close: %s", e)
         self._swaps = []
         self._sync_source = None
+        self.process_group = None   # the ranks' group is torn down after this; a reference would keep it alive
         self.model = None
         self.optimizer = None  # type: ignore[assignment]  # closed: nothing may step it again
         self.params = []

@@ -18,6 +18,7 @@ engine cannot span nodes.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ class Ranks:
             if backend == "nccl":
                 import torch
                 torch.cuda.set_device(local)          # before NCCL makes its communicators
+            # torch.distributed.nn's functions take the default group as a default argument, read when
+            # the module is first imported: imported after init (transformers does), they would keep the
+            # group and gloo's threads alive past destroy_process_group, to interpreter exit (see close)
+            import torch.distributed.nn  # noqa: F401
+
             if not dist.is_initialized():
                 dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
                 r.owns_process_group = True
@@ -274,10 +280,15 @@ class Ranks:
                     self.barrier("exit", timeout_s)
                 except Exception:  # noqa: BLE001  (a peer already gone)
                     pass
+                # our own reference would keep the gloo group, and the threads gloo runs for it, alive past
+                # destroy_process_group: they would then be torn down at interpreter exit, after this rank
+                # told rank 0 it had left, and abort there once rank 0 (the store's host) is gone
+                self.group = None
                 try:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001  (best effort at exit)
                     pass
+                gc.collect()                      # a group caught in a reference cycle goes now, not at exit
                 if store is not None:
                     self._leave_in_order(store, min(float(timeout_s), LEAVE_WAIT_S))
 
