@@ -55,6 +55,10 @@ MODES = {"colomem": ["--switch", "colomem"],
          "shared_trim": ["--switch", "colomem", "--shared-base", "--trim-recompute"],
          "tuned": ["--switch", "colomem", "--torch-compile", "--trim-recompute"],
          "shared_tuned": ["--switch", "colomem", "--shared-base", "--torch-compile", "--trim-recompute"],
+         # and the micro-batch grown in the memory the trim leaves
+         "tuned_grow": ["--switch", "colomem", "--torch-compile", "--trim-recompute", "--grow-micro-batch"],
+         "shared_tuned_grow": ["--switch", "colomem", "--shared-base", "--torch-compile", "--trim-recompute",
+                               "--grow-micro-batch"],
          "trl_tuned": ["--torch-compile", "--gradient-checkpointing", "false"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
 PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32",

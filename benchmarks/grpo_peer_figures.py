@@ -15,7 +15,8 @@ RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "
                    "grow": (("grow", "shared_grow"), None),
                    "compile": (("compile", "shared_compile"), "trl_compile"),
                    "trim": (("trim", "shared_trim"), None),
-                   "tuned": (("tuned", "shared_tuned"), "trl_tuned")}
+                   "tuned": (("tuned", "shared_tuned"), "trl_tuned"),
+                   "tuned_grow": (("tuned_grow", "shared_tuned_grow"), None)}
 
 
 def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:

@@ -174,6 +174,10 @@ def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so()
     assert micro_batch_fit(p, [f], 4, 64, margin=2 * GB, taken=20 * GB) == 4
     assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB) == 34816
     assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB, taken=26 * GB) == 8192
+    # each row or token also holding what the measured step did not (layers no longer checkpointed): as much
+    # again, so half as many more
+    assert micro_batch_fit(p, [f], 4, 64, margin=2 * GB, unit_extra=2 * GB) == 8           # 4 + 26 / 4: 10
+    assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB, unit_extra=GB / 1024) == 8192 + 13312
 
     def runner(tokens=None):
         trainer = SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens)

@@ -248,3 +248,44 @@ def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rol
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_env, tmp_path, monkeypatch):
+    """--trim-recompute with --grow-micro-batch: the trim goes first (it takes work out of every step), the
+    micro-batch grows in what is left, each row now holding the activations of the layers no longer
+    checkpointed; both lines are printed and the placement event records both changes."""
+    from colomem.engines.recompute import checkpointed_layers, decoder_layers
+    from colomem.runner import phase_runner
+    from colomem.runner.recompute_plan import RecomputeProbe
+
+    GiB = 1 << 30
+    f = figs(peak=53)           # 26 GiB free while training; 8 GiB of activations at micro-batch 4: 2 GiB a row
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    seen = {}
+
+    def probe(trainer, width):   # the tiny model's layers keep a few KiB: stand in for a large model's
+        seen["model"] = trainer.model
+        layers = len(decoder_layers(trainer.model))
+        return RecomputeProbe(per_layer_row=GiB / layers, layers=layers, checkpointed=layers, width=width)
+    monkeypatch.setattr(phase_runner, "probe", probe)
+
+    def run(name, **kw):
+        said = []
+        res = run_job(job(tmp_path / name, micro_batch=4, placement_margin="2GB", gradient_checkpointing=True,
+                          **kw), print_fn=said.append)
+        assert res.summary["status"] == "ok", res.summary
+        event = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                 if '"placement"' in x and '"event"' in x][-1]
+        return [s for s in said if s.startswith("[colomem] training: --")], event
+
+    # growing alone: 26 GiB at 2 GiB a row buys 13 rows more: 16, a divisor of the 16 rows a step
+    lines, event = run("grow", grow_micro_batch=True)
+    assert event["micro_batch_grown"] == [4, 16] and event["recompute_trimmed"] is None
+    # trimmed first: no layer checkpointed takes 1 GiB a row (4 GiB at 4 rows); the 22 GiB left at 3 GiB a row
+    # buy 7 rows more: 8, the largest divisor of 16 up to 11
+    lines, event = run("both", grow_micro_batch=True, trim_recompute=True)
+    assert event["recompute_trimmed"][1] == 0 and event["micro_batch_grown"] == [4, 8], event
+    assert checkpointed_layers(seen["model"]) == 0
+    assert len(lines) == 2 and lines[0].startswith("[colomem] training: --gradient-checkpointing false from step 2")
+    assert lines[1].startswith("[colomem] training: --micro-batch 4 -> 8 from step 2 on")

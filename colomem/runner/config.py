@@ -141,12 +141,13 @@ class RunConfig(_Strict):
                                                       "micro-batch (or --micro-batch-tokens budget) that the "
                                                       "placement's free memory holds, estimated from that step's "
                                                       "training peak (what the training hint names); the update "
-                                                      "stays the same up to rounding")
+                                                      "stays the same up to rounding; with --trim-recompute, in "
+                                                      "the memory the trimmed layers leave")
     trim_recompute: bool = Field(False, description="with --gradient-checkpointing, after the measuring step: "
                                                     "checkpoint only as many decoder layers as the memory the "
                                                     "placement leaves free while training requires (what the "
                                                     "checkpointing hint names): less recompute, the same "
-                                                    "gradients; not with --grow-micro-batch (the same memory)")
+                                                    "gradients; before --grow-micro-batch takes what is left")
     torch_compile: bool = Field(False, description="torch.compile each decoder layer's attention, MLP and norms "
                                                    "for training: fused kernels and far less host work a "
                                                    "micro-batch (small micro-batches wait on the host); the "
@@ -270,9 +271,6 @@ class RunConfig(_Strict):
         if self.trim_recompute and not self.gradient_checkpointing:
             raise ValueError("--trim-recompute checkpoints fewer decoder layers; without --gradient-checkpointing "
                              "none is checkpointed")
-        if self.trim_recompute and self.grow_micro_batch:
-            raise ValueError("--trim-recompute and --grow-micro-batch would both take the memory left free while "
-                             "training; choose one")
         return self
 
     # the engines' own configs: built (and so validated) when the run config is, before anything starts

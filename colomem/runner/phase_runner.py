@@ -64,6 +64,7 @@ class PhaseRunner:
         self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
         self.recompute_probe: Optional[RecomputeProbe] = None
         self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed was, now): --trim-recompute
+        self.recompute_extra = 0             # bytes the trimmed layers' activations take at the measured micro-batch
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -286,16 +287,28 @@ class PhaseRunner:
             grown = grow_sync_bucket(c, self.rollout, self.placement, figs, int(rec.metrics.get("sync/nbytes") or 0),
                                      margin, self.print)
             rows = c.rows_per_rank(self.ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
+            # --trim-recompute first: recompute is work each step does twice, while a larger micro-batch only
+            # saves the host work a micro-batch costs; --grow-micro-batch then takes what is left, each row
+            # now also holding the activations of the layers no longer checkpointed
+            taken, unit_extra = grown, 0.0
+            if c.trim_recompute:
+                recompute = self._recompute_hint(figs, margin, grown, rec.step + 2)
+                taken += self.recompute_extra
+                unit_extra = self.recompute_extra / (c.micro_batch if c.micro_batch_tokens is None
+                                                     else c.micro_batch_tokens)
             # --grow-micro-batch takes what the hint would name; the hint stays for a trainer it cannot grow
-            micro_hint = self._grow_micro_batch(figs, rows, margin, grown, rec.step + 2) if c.grow_micro_batch else ""
+            if c.grow_micro_batch:
+                micro_hint = self._grow_micro_batch(figs, rows, margin, taken, rec.step + 2, unit_extra)
             # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
             # recompute takes what the KV cache hint would offer
             if not self.micro_batch_grown:
-                micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=grown)
+                micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=taken,
+                                               unit_extra=unit_extra)
                               if c.micro_batch_tokens is None else
                               micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
-                                                      taken=grown))
-                recompute = self._recompute_hint(figs, margin, grown, rec.step + 2 if c.trim_recompute else None)
+                                                      taken=taken, unit_extra=unit_extra))
+                if not c.trim_recompute:
+                    recompute = self._recompute_hint(figs, margin, grown)
             hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
                     if not (self.micro_batch_grown or self.recompute_trimmed) else "")
             shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
@@ -306,10 +319,10 @@ class PhaseRunner:
             self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
         if hint:
             self.print(f"[colomem] KV cache: {hint}")
-        if micro_hint:
-            self.print(f"[colomem] training: {micro_hint}")
-        if recompute:
-            self.print(f"[colomem] training: {recompute}")
+        # in the order they were taken: a trim comes before the micro-batch that grew in what it left
+        for line in ((recompute, micro_hint) if self.recompute_trimmed else (micro_hint, recompute)):
+            if line:
+                self.print(f"[colomem] training: {line}")
         if self.writer is not None:
             self.writer.write({"event": "placement", "from_step": rec.step + 1, **self.placement.to_dict(),
                                "kv_hint": hint, "micro_batch_hint": micro_hint, "recompute_hint": recompute,
@@ -346,18 +359,19 @@ class PhaseRunner:
             self._measured_at_step = True
 
     def _grow_micro_batch(self, figs: list, rows: int, margin: Optional[int], taken: int,
-                          from_step: int) -> str:
+                          from_step: int, unit_extra: float = 0.0) -> str:
         """--grow-micro-batch: the trainer's micro-batch (or token budget) raised to the largest the placement's
-        free memory holds (placement.micro_batch_fit); what changed, or "" when nothing did. Every rank sees every
-        rank's figures, so all of them pick the same."""
+        free memory holds (placement.micro_batch_fit); what changed, or "" when nothing did. unit_extra: bytes a
+        row (or token) holds beyond what the measuring step's peak shows (the layers --trim-recompute stopped
+        checkpointing). Every rank sees every rank's figures, so all of them pick the same."""
         c = self.cfg
         tokens = c.micro_batch_tokens
         if tokens is None:
             name, now = "micro_batch", int(getattr(self.trainer, "micro_batch", c.micro_batch))
-            new = micro_batch_fit(self.placement, figs, now, rows, margin, taken=taken)
+            new = micro_batch_fit(self.placement, figs, now, rows, margin, taken=taken, unit_extra=unit_extra)
         else:
             name, now = "micro_batch_tokens", int(getattr(self.trainer, "micro_batch_tokens", None) or tokens)
-            new = micro_batch_tokens_fit(self.placement, figs, now, margin, taken=taken)
+            new = micro_batch_tokens_fit(self.placement, figs, now, margin, taken=taken, unit_extra=unit_extra)
         if new <= now or not hasattr(self.trainer, name):
             return ""
         setattr(self.trainer, name, new)
@@ -389,6 +403,9 @@ class PhaseRunner:
         model: Any = getattr(self.trainer, "model", None)          # the model the probe measured
         now = set_checkpointed(model, every)
         self.recompute_trimmed = (pr.checkpointed, now)
+        # the same on every rank (a later --grow-micro-batch must pick the same): the most any rank's own
+        # setting takes, at least what the chosen one, which checkpoints as many layers or more, takes there
+        self.recompute_extra = max(f[2] for f in fits if f is not None)
         return (f"{flag} from step {trim_from} on (--trim-recompute: the backward recomputes {now} of the "
                 f"{pr.layers} decoder layers instead of {pr.checkpointed}; the others keep their activations, "
                 f"{format_bytes(extra)} of the {format_bytes(spare)} free while training)")

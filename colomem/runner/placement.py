@@ -326,14 +326,15 @@ def _activation_share(figures: Sequence[MemoryFigures], per: int) -> float:
 
 
 def micro_batch_fit(p: Placement, figures: Sequence[MemoryFigures], micro_batch: int, rows: int,
-                    margin: Optional[int] = None, taken: int = 0) -> int:
+                    margin: Optional[int] = None, taken: int = 0, unit_extra: float = 0.0) -> int:
     """The largest micro-batch (rows) that divides `rows` (one optimizer step's rows on a rank) and fits in the
-    memory placement p leaves free while training, estimated from the measured step (_activation_share);
-    micro_batch itself when none larger would."""
+    memory placement p leaves free while training, estimated from the measured step (_activation_share, plus
+    unit_extra bytes a row the measured step did not hold: layers no longer checkpointed); micro_batch itself
+    when none larger would."""
     if not figures or micro_batch <= 0 or rows <= micro_batch:
         return micro_batch
     spare = train_spare(p, figures, margin, taken)
-    per_row = _activation_share(figures, micro_batch)
+    per_row = _activation_share(figures, micro_batch) + unit_extra
     if per_row <= 0 or spare < per_row:
         return micro_batch
     most = min(rows, micro_batch + int(spare // per_row))
@@ -341,12 +342,13 @@ def micro_batch_fit(p: Placement, figures: Sequence[MemoryFigures], micro_batch:
 
 
 def micro_batch_tokens_fit(p: Placement, figures: Sequence[MemoryFigures], tokens: int,
-                           margin: Optional[int] = None, taken: int = 0) -> int:
+                           margin: Optional[int] = None, taken: int = 0, unit_extra: float = 0.0) -> int:
     """micro_batch_fit for micro-batches by a token budget: the largest budget (a multiple of 256) the free
-    memory holds, the activations linear in the budget; `tokens` itself when none larger would."""
+    memory holds, the activations linear in the budget (unit_extra: bytes a token beyond the measured share);
+    `tokens` itself when none larger would."""
     if not figures or tokens <= 0:
         return tokens
-    per_token = _activation_share(figures, tokens)
+    per_token = _activation_share(figures, tokens) + unit_extra
     if per_token <= 0:
         return tokens
     best = (tokens + int(train_spare(p, figures, margin, taken) // per_token)) // 256 * 256
@@ -354,10 +356,10 @@ def micro_batch_tokens_fit(p: Placement, figures: Sequence[MemoryFigures], token
 
 
 def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch: int, rows: int,
-                     margin: Optional[int] = None, taken: int = 0) -> str:
+                     margin: Optional[int] = None, taken: int = 0, unit_extra: float = 0.0) -> str:
     """What the memory left free with placement p would buy training: a larger --micro-batch (micro_batch_fit).
     Empty when the micro-batch would not grow."""
-    best = micro_batch_fit(p, figures, micro_batch, rows, margin, taken)
+    best = micro_batch_fit(p, figures, micro_batch, rows, margin, taken, unit_extra)
     if best <= micro_batch:
         return ""
     return (f"{format_bytes(train_spare(p, figures, margin, taken))} stays free with this placement: --micro-batch "
@@ -368,9 +370,9 @@ def micro_batch_hint(p: Placement, figures: Sequence[MemoryFigures], micro_batch
 
 
 def micro_batch_tokens_hint(p: Placement, figures: Sequence[MemoryFigures], tokens: int, margin: Optional[int] = None,
-                            taken: int = 0) -> str:
+                            taken: int = 0, unit_extra: float = 0.0) -> str:
     """micro_batch_hint for micro-batches by a token budget (micro_batch_tokens_fit)."""
-    best = micro_batch_tokens_fit(p, figures, tokens, margin, taken)
+    best = micro_batch_tokens_fit(p, figures, tokens, margin, taken, unit_extra)
     if best <= tokens:
         return ""
     return (f"{format_bytes(train_spare(p, figures, margin, taken))} stays free with this placement: "
