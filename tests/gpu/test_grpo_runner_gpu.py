@@ -91,15 +91,20 @@ def test_default_job_auto_placement_moves_nothing_once_it_fits(tmp_path):
     assert not steps[1]["sync/prefix_reset_early"]                   # step 0's vLLM slept: nothing to drop
 
 
-def test_default_job_with_compiled_layers_and_trimmed_recompute(tmp_path):
-    # --torch-compile and --trim-recompute on the planner's default: the tiny job fits, so after the measuring
-    # step no layer is checkpointed any more; vLLM samples with the weights the compiled trainer trained
+def test_default_job_with_compiled_layers_trimmed_recompute_and_a_grown_micro_batch(tmp_path):
+    # --torch-compile, --trim-recompute and --grow-micro-batch on the planner's default: the tiny job fits, so
+    # after the measuring step no layer is checkpointed any more and the micro-batch grows in what is left;
+    # vLLM samples with the weights the compiled trainer trained
     steps, summary, log = _run(tmp_path, "tuned", "--steps", "5", "--torch-compile", "--gradient-checkpointing",
-                               "true", "--trim-recompute")
+                               "true", "--trim-recompute", "--grow-micro-batch")
     _check_loop(steps, summary, 5, settled=2)
     assert "[colomem] training: torch.compile on" in log
-    assert "--gradient-checkpointing false from step 2 on (--trim-recompute" in log
+    trim = log.index("--gradient-checkpointing false from step 2 on (--trim-recompute")
     events = [json.loads(x) for x in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
     placement = [e for e in events if e.get("event") == "placement"][-1]
     layers = placement["recompute_probe"]["layers"]
     assert placement["recompute_trimmed"] == [layers, 0]
+    was, now = placement["micro_batch_grown"]
+    assert now > was and log.index(f"--micro-batch {was} -> {now} from step 2 on") > trim
+    # fewer, larger micro-batches from the step after the measuring one
+    assert steps[1]["train/micro_batches"] < steps[0]["train/micro_batches"]
