@@ -719,6 +719,34 @@ def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
     assert stack == [root]
 
 
+def test_train_step_trains_in_training_mode_so_checkpointed_layers_recompute():
+    """from_pretrained leaves a model in eval mode, where transformers checkpoints no layer: train_step trains
+    in training mode, so each checkpointed decoder layer runs its forward again in the backward."""
+    from colomem.engines.recompute import decoder_layers, enable_recompute
+    from colomem.grpo.batch import GRPOBatch
+    from colomem.grpo.config import GRPOConfig
+
+    model = tiny_qwen2().eval()                               # as from_pretrained returns it
+    enable_recompute(model, 1)
+    layers = decoder_layers(model)
+    calls = [0]
+    handles = [m.self_attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in layers]
+    eng = StackPushingEngine(model, [])
+    t = bare_trainer(eng.module, None)
+    t.__dict__.update(engine=eng, grpo=GRPOConfig(kl_coef=0.0, log_entropy=False), micro_batch=2, steps=0,
+                      _ref_fn=None, _fwd_stack=None)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    comp = torch.ones(2, 8)
+    comp[:, :3] = 0
+    batch = GRPOBatch(ids, torch.ones(2, 8, dtype=torch.long), comp, torch.tensor([1.0, -1.0]),
+                      old_logprobs=torch.full((2, 8), -4.0) * comp)
+    t.train_step(batch)
+    for h in handles:
+        h.remove()
+    assert model.training and all(m.training for m in layers)
+    assert calls[0] == 2 * len(layers)            # one micro-batch: each attention's forward, then its recompute
+
+
 def test_the_peak_at_the_optimizer_steps_start_is_read_before_an_at_step_reload_and_its_figures_reported(pool):
     """The step-start hook, registered first, reads the peak before the at-step reload brings the state back
     (what could come back before the step must fit beside that peak); the reload's copies are timed."""

@@ -216,6 +216,10 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         t0 = time.perf_counter()
         ref_fn = self._ref_fn if getattr(self.grpo, "kl_coef", 0.0) > 0 else None
         engine = self.engine
+        # training mode, as Hugging Face's and TRL's trainers train: from_pretrained leaves the model in eval
+        # mode, where transformers checkpoints no layer (gradient checkpointing would be off) and the model's
+        # own dropout would not apply
+        engine.train()
         stack = self._fwd_stack
         depth = len(stack) if stack is not None else 0
 
