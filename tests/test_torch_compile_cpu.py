@@ -111,6 +111,31 @@ def test_a_batch_with_padding_runs_the_graphs_of_one_without(tiny):
         pool.close(force=True)
 
 
+def test_the_planners_probe_runs_the_graphs_training_compiled(tiny):
+    """The checkpointing probe after a compiled step (two rows at the step's width, in training mode with
+    gradients) runs the graphs training compiled: the measuring step does not compile again for it."""
+    from torch._dynamo.utils import counters
+
+    from colomem.engines.stand_ins import TorchTrainer
+    from colomem.runner.recompute_plan import probe
+
+    torch._dynamo.reset()
+    counters.clear()
+    pool = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    trainer = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, gradient_checkpointing=True,
+                           torch_compile=True)
+    try:
+        b = batch_for(0)
+        trainer.train_step(b)
+        graphs = counters["stats"]["unique_graphs"]
+        pr = probe(trainer, b.input_ids.shape[1])
+        assert pr is not None and pr.per_layer_row > 0
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    finally:
+        trainer.close()
+        pool.close(force=True)
+
+
 def test_a_model_without_decoder_layers_and_a_missing_compiler_are_refused():
     from colomem.engines.compile import compile_decoder_layers
 

@@ -3,7 +3,7 @@
 Gradient checkpointing trades work for memory: every checkpointed decoder layer runs its forward again in
 the backward. When the placement leaves memory free while training, fewer checkpointed layers would fit and
 each step would do less work, with the same gradients. How much more a layer that is not checkpointed keeps
-is measured on the trainer's own model after the measuring step (colomem.engines.recompute's probe: one row
+is measured on the trainer's own model after the measuring step (colomem.engines.recompute's probe: two rows
 of the step's width, two forwards, no backward), and scaled to a micro-batch: the layers' kept activations
 are linear in the rows. The hint names the setting with the fewest checkpointed layers that fits; the user
 chooses (it shares the free memory with the micro-batch and KV cache hints).
@@ -15,6 +15,9 @@ from typing import Any, Optional
 
 from colomem.engines.recompute import fewer_checkpointed
 from colomem.units import format_bytes
+
+
+PROBE_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class RecomputeProbe:
 def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
     """The probe of `trainer`'s model for rows of `width` tokens: None when it cannot run here (ZeRO-3 gathers
     its parameters only inside its own forward, no per-layer switch, no checkpointing, the GPU short of the
-    memory for one row)."""
+    memory for two rows)."""
     import torch
 
     from colomem.engines.recompute import checkpointed_layers, decoder_layers, saved_bytes_per_layer
@@ -46,10 +49,12 @@ def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
     if checkpointed <= 0:
         return None
     device = getattr(trainer, "device", torch.device("cpu"))
-    ids = torch.zeros(1, int(width), dtype=torch.long, device=device)
+    # two rows, each layer's figure then halved: torch.compile specializes a batch of one row, so compiled
+    # layers would compile once more for a single row
+    ids = torch.zeros(PROBE_ROWS, int(width), dtype=torch.long, device=device)
     try:
         per = saved_bytes_per_layer(model, ids)
-    except Exception as e:  # noqa: BLE001  (a hint is not worth a failed run: no memory for one row, no hint)
+    except Exception as e:  # noqa: BLE001  (a hint is not worth a failed run: no memory for two rows, no hint)
         if is_oom(e):
             return None
         raise
@@ -58,7 +63,7 @@ def probe(trainer: Any, width: int) -> Optional[RecomputeProbe]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     layers = len(decoder_layers(model))
-    return RecomputeProbe(per, layers, checkpointed, int(width)) if per else None
+    return RecomputeProbe(per / PROBE_ROWS, layers, checkpointed, int(width)) if per else None
 
 
 @dataclass(frozen=True)
