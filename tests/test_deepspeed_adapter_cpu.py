@@ -700,21 +700,27 @@ def test_close_unhooks_zero3_and_warns_when_the_state_is_still_held(monkeypatch)
         t.close()
 
 
-def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
+def _stack_engine_trainer(model, stack, micro_batch):
+    """A bare trainer around a StackPushingEngine over `model`, and a batch of two rows to train on."""
     from colomem.grpo.batch import GRPOBatch
     from colomem.grpo.config import GRPOConfig
 
-    root = object()
-    stack = [root]
-    eng = StackPushingEngine(tiny_qwen2(), stack)
+    eng = StackPushingEngine(model, [] if stack is None else stack)
     t = bare_trainer(eng.module, None)
-    t.__dict__.update(engine=eng, grpo=GRPOConfig(kl_coef=0.0, log_entropy=False), micro_batch=1, steps=0,
-                      _ref_fn=None, _fwd_stack=stack)
+    t.__dict__.update(engine=eng, grpo=GRPOConfig(kl_coef=0.0, log_entropy=False), micro_batch=micro_batch,
+                      steps=0, _ref_fn=None, _fwd_stack=stack)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     comp = torch.ones(2, 8)
     comp[:, :3] = 0
     batch = GRPOBatch(ids, torch.ones(2, 8, dtype=torch.long), comp, torch.tensor([1.0, -1.0]),
                       old_logprobs=torch.full((2, 8), -4.0) * comp)
+    return t, batch
+
+
+def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
+    root = object()
+    stack = [root]
+    t, batch = _stack_engine_trainer(tiny_qwen2(), stack, 1)
     t.train_step(batch)
     assert stack == [root]
 
@@ -723,23 +729,13 @@ def test_train_step_trains_in_training_mode_so_checkpointed_layers_recompute():
     """from_pretrained leaves a model in eval mode, where transformers checkpoints no layer: train_step trains
     in training mode, so each checkpointed decoder layer runs its forward again in the backward."""
     from colomem.engines.recompute import decoder_layers, enable_recompute
-    from colomem.grpo.batch import GRPOBatch
-    from colomem.grpo.config import GRPOConfig
 
     model = tiny_qwen2().eval()                               # as from_pretrained returns it
     enable_recompute(model, 1)
     layers = decoder_layers(model)
     calls = [0]
     handles = [m.self_attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in layers]
-    eng = StackPushingEngine(model, [])
-    t = bare_trainer(eng.module, None)
-    t.__dict__.update(engine=eng, grpo=GRPOConfig(kl_coef=0.0, log_entropy=False), micro_batch=2, steps=0,
-                      _ref_fn=None, _fwd_stack=None)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    comp = torch.ones(2, 8)
-    comp[:, :3] = 0
-    batch = GRPOBatch(ids, torch.ones(2, 8, dtype=torch.long), comp, torch.tensor([1.0, -1.0]),
-                      old_logprobs=torch.full((2, 8), -4.0) * comp)
+    t, batch = _stack_engine_trainer(model, None, 2)
     t.train_step(batch)
     for h in handles:
         h.remove()

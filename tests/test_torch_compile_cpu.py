@@ -1,6 +1,7 @@
 """torch_compile on the CPU trainer: each decoder layer's parts run compiled (every layer through the same
 graphs), the steps train like eager ones to float32 rounding, with gradient checkpointing and LoRA and
 through offloads that empty the parameters' storages between steps; what cannot compile is refused early."""
+import contextlib
 import json
 import subprocess
 import sys
@@ -22,6 +23,26 @@ def tiny(tmp_path_factory):
 
     return model_dir("tiny", make_task("successor").alphabet, dtype="float32",
                      cache_dir=tmp_path_factory.mktemp("compile-cache") / "models", log=lambda *_: None)
+
+
+@contextlib.contextmanager
+def compiled_trainer(model_path, *, gradient_checkpointing: bool):
+    """A TorchTrainer with compiled layers (micro-batches of 4 rows) on a pool of its own, Dynamo's caches and
+    counters reset first; closed after."""
+    from torch._dynamo.utils import counters
+
+    from colomem.engines.stand_ins import TorchTrainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    pool = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
+    trainer = TorchTrainer(model_path, lr=1e-2, micro_batch=4, pool=pool,
+                           gradient_checkpointing=gradient_checkpointing, torch_compile=True)
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+        pool.close(force=True)
 
 
 def batch_for(step: int, rows: int = 8):
@@ -85,7 +106,6 @@ def test_a_batch_with_padding_runs_the_graphs_of_one_without(tiny):
     same length and one with padding run the same compiled graphs: nothing compiles again mid-run."""
     from torch._dynamo.utils import counters
 
-    from colomem.engines.stand_ins import TorchTrainer
     from colomem.grpo.batch import Completion, build_batch
 
     def batch(lengths):
@@ -93,12 +113,7 @@ def test_a_batch_with_padding_runs_the_graphs_of_one_without(tiny):
                   enumerate(row)] for row in lengths]
         return build_batch([[2, 4, 5, 6], [2, 7, 8, 9]], comps, torch.linspace(-1, 1, 8), pad_id=0)
 
-    torch._dynamo.reset()
-    counters.clear()
-    pool = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
-    trainer = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, gradient_checkpointing=False,
-                           torch_compile=True)
-    try:
+    with compiled_trainer(tiny, gradient_checkpointing=False) as trainer:
         trainer.train_step(batch([[6] * 4, [6] * 4]))          # no padding anywhere
         trainer.train_step(batch([[5] * 4, [5] * 4]))          # another width: the shapes are dynamic
         graphs = counters["stats"]["unique_graphs"]
@@ -106,9 +121,6 @@ def test_a_batch_with_padding_runs_the_graphs_of_one_without(tiny):
         assert padded.right_padded and bool((padded.attention_mask == 0).any())
         trainer.train_step(padded)
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
-    finally:
-        trainer.close()
-        pool.close(force=True)
 
 
 def test_the_planners_probe_runs_the_graphs_training_compiled(tiny):
@@ -116,24 +128,15 @@ def test_the_planners_probe_runs_the_graphs_training_compiled(tiny):
     gradients) runs the graphs training compiled: the measuring step does not compile again for it."""
     from torch._dynamo.utils import counters
 
-    from colomem.engines.stand_ins import TorchTrainer
     from colomem.runner.recompute_plan import probe
 
-    torch._dynamo.reset()
-    counters.clear()
-    pool = colomem.PinnedPool("16MiB", pin=False, segment_bytes="16MiB")
-    trainer = TorchTrainer(tiny, lr=1e-2, micro_batch=4, pool=pool, gradient_checkpointing=True,
-                           torch_compile=True)
-    try:
+    with compiled_trainer(tiny, gradient_checkpointing=True) as trainer:
         b = batch_for(0)
         trainer.train_step(b)
         graphs = counters["stats"]["unique_graphs"]
         pr = probe(trainer, b.input_ids.shape[1])
         assert pr is not None and pr.per_layer_row > 0
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
-    finally:
-        trainer.close()
-        pool.close(force=True)
 
 
 def test_a_model_without_decoder_layers_and_a_missing_compiler_are_refused():
