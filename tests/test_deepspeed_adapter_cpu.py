@@ -728,7 +728,7 @@ def test_train_step_leaves_deepspeeds_module_stack_as_it_found_it():
 def test_train_step_trains_in_training_mode_so_checkpointed_layers_recompute():
     """from_pretrained leaves a model in eval mode, where transformers checkpoints no layer: train_step trains
     in training mode, so each checkpointed decoder layer runs its forward again in the backward."""
-    from colomem.engines.recompute import decoder_layers, enable_recompute
+    from colomem.engines.recompute import checkpointed_layers, decoder_layers, enable_recompute, recomputed_layers
 
     model = tiny_qwen2().eval()                               # as from_pretrained returns it
     enable_recompute(model, 1)
@@ -736,10 +736,12 @@ def test_train_step_trains_in_training_mode_so_checkpointed_layers_recompute():
     calls = [0]
     handles = [m.self_attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in layers]
     t, batch = _stack_engine_trainer(model, None, 2)
-    t.train_step(batch)
+    assert recomputed_layers(model) == 0 and checkpointed_layers(model) == len(layers)   # flags alone do nothing
+    out = t.train_step(batch)
     for h in handles:
         h.remove()
     assert model.training and all(m.training for m in layers)
+    assert out["recomputed_layers"] == len(layers)            # the step's metrics say what it recomputed
     assert calls[0] == 2 * len(layers)            # one micro-batch: each attention's forward, then its recompute
 
 

@@ -275,17 +275,21 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
         res = run_job(job(tmp_path / name, micro_batch=4, placement_margin="2GB", gradient_checkpointing=True,
                           **kw), print_fn=said.append)
         assert res.summary["status"] == "ok", res.summary
-        event = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-                 if '"placement"' in x and '"event"' in x][-1]
-        return [s for s in said if s.startswith("[colomem] training: --")], event
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        event = [x for x in lines if x.get("event") == "placement"][-1]
+        recomputed = [x["train/recomputed_layers"] for x in lines if "reward_mean" in x]
+        return [s for s in said if s.startswith("[colomem] training: --")], event, recomputed
 
     # growing alone: 26 GiB at 2 GiB a row buys 13 rows more: 16, a divisor of the 16 rows a step
-    lines, event = run("grow", grow_micro_batch=True)
+    lines, event, recomputed = run("grow", grow_micro_batch=True)
     assert event["micro_batch_grown"] == [4, 16] and event["recompute_trimmed"] is None
+    layers = recomputed[0]
+    assert layers > 0 and recomputed == [layers] * 3    # every step recomputed every layer
     # trimmed first: no layer checkpointed takes 1 GiB a row (4 GiB at 4 rows); the 22 GiB left at 3 GiB a row
     # buy 7 rows more: 8, the largest divisor of 16 up to 11
-    lines, event = run("both", grow_micro_batch=True, trim_recompute=True)
+    lines, event, recomputed = run("both", grow_micro_batch=True, trim_recompute=True)
     assert event["recompute_trimmed"][1] == 0 and event["micro_batch_grown"] == [4, 8], event
+    assert layers == len(decoder_layers(seen["model"])) and recomputed == [layers, 0, 0]   # then none
     assert checkpointed_layers(seen["model"]) == 0
     assert len(lines) == 2 and lines[0].startswith("[colomem] training: --gradient-checkpointing false from step 2")
     assert lines[1].startswith("[colomem] training: --micro-batch 4 -> 8 from step 2 on")

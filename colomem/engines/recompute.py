@@ -153,11 +153,20 @@ def disable_recompute(model: Any) -> None:
 
 
 def checkpointed_layers(model: Any) -> int:
-    """Decoder layers whose forward runs again in the backward (-1: the model has no per-layer switch)."""
+    """Decoder layers with checkpointing switched on (-1: the model has no per-layer switch). They run their
+    forward again in the backward only in training mode (recomputed_layers)."""
     layers = decoder_layers(model)
     return sum(bool(m.gradient_checkpointing) for m in layers) if layers else -1
 
 
+def recomputed_layers(model: Any) -> int:
+    """Decoder layers a training forward of `model` in its present mode recomputes in the backward: checkpointing
+    on and the layer in training mode, the two things transformers checks (-1: no per-layer switch). A model
+    left in eval mode, as from_pretrained returns it, recomputes none whatever its flags say."""
+    layers = decoder_layers(model)
+    return sum(bool(m.gradient_checkpointing) and m.training for m in layers) if layers else -1
+
+
 __all__ = ["EVERY_CHOICES", "checkpoint_only_every", "checkpointed_layers", "decoder_layers", "disable_recompute",
-           "enable_recompute", "fewer_checkpointed", "keep_checkpointing_every", "saved_bytes_per_layer",
-           "set_checkpointed"]
+           "enable_recompute", "fewer_checkpointed", "keep_checkpointing_every", "recomputed_layers",
+           "saved_bytes_per_layer", "set_checkpointed"]

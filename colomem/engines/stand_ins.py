@@ -28,6 +28,7 @@ from colomem.engines.hf_rollout import HFRollout
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
 from colomem.engines.pending_write import PendingWrite, WriteGuard, host_copy
 from colomem.engines.protocols import check_hold
+from colomem.engines.recompute import recomputed_layers
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, PhaseOrderError
 from colomem.swap import PendingReloads
@@ -196,6 +197,7 @@ class TorchTrainer:
                                  ref_logprobs_fn=self._ref_fn, device=self.device, world_size=self.world_size,
                                  process_group=self.process_group)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["recomputed_layers"] = recomputed_layers(self.model)
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics
 

@@ -104,6 +104,8 @@ def test_default_job_with_compiled_layers_trimmed_recompute_and_a_grown_micro_ba
     placement = [e for e in events if e.get("event") == "placement"][-1]
     layers = placement["recompute_probe"]["layers"]
     assert placement["recompute_trimmed"] == [layers, 0]
+    # the measuring step recomputed every layer (the trainer trains in training mode), the others none
+    assert [s["train/recomputed_layers"] for s in steps] == [layers] + [0] * 4
     was, now = placement["micro_batch_grown"]
     assert now > was and log.index(f"--micro-batch {was} -> {now} from step 2 on") > trim
     # fewer, larger micro-batches from the step after the measuring one

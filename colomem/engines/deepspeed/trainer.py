@@ -25,6 +25,7 @@ from colomem._torch import mem_get_info
 from colomem.engines.background import BackgroundSlot
 from colomem.engines.pending_write import PendingWrite, WriteGuard
 from colomem.engines.protocols import check_hold
+from colomem.engines.recompute import recomputed_layers
 from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
@@ -220,6 +221,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         # mode, where transformers checkpoints no layer (gradient checkpointing would be off) and the model's
         # own dropout would not apply
         engine.train()
+        recomputed = recomputed_layers(self.model)
         stack = self._fwd_stack
         depth = len(stack) if stack is not None else 0
 
@@ -237,6 +239,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         finally:
             trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
         out["lr"] = float(engine.get_lr()[0])
+        out["recomputed_layers"] = recomputed
         # the optimizer step's kernels are still queued on return: wait for them here, or the next phase (the
         # weight sync, when nothing is offloaded) would start behind them and be timed with them
         if self.device.type == "cuda" and torch.cuda.is_available():
