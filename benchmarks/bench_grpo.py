@@ -198,6 +198,8 @@ def analyse(out_dir: Path) -> dict:
         "planner_changes": next(({k: r.get(k) for k in ("micro_batch_grown", "recompute_trimmed")}
                                  for r in reversed(lines) if r.get("event") == "placement"), None),
         "torch_compile": (summary.get("config") or {}).get("torch_compile"),
+        # the decoder layers each step's backward recomputed (colomem's runner says; a peer's run may not)
+        "recomputed_layers": [r.get("train/recomputed_layers") for r in steps],
         "gpu_used_both_asleep_gib": _gib(max((mem(r, "sleep", "driver_used") or 0) for r in steps)),
         "trainer_reserved_after_offload_gib": _gib(max((mem(r, "offload", "reserved") or 0) for r in steps)),
         "gpu_used_in_rollout_gib": _gib(max((mem(r, "rollout", "driver_used") or 0) for r in steps)),

@@ -253,7 +253,8 @@ def test_rounds_over_two_calls_make_one_interleaved_report(tmp_path, monkeypatch
 def test_a_runs_figures_say_what_the_planner_changed_and_whether_it_compiled(tmp_path):
     bench = _load("bench_grpo")
     def step(s):
-        return {"step": s, "step_s": 2.0, "switch_s": 0.1, "phase_s": {"rollout": 1.0, "train": 0.9}}
+        return {"step": s, "step_s": 2.0, "switch_s": 0.1, "phase_s": {"rollout": 1.0, "train": 0.9},
+                "train/recomputed_layers": 28 if s == 0 else 0}
 
     lines = [{"event": "start", "time": 0.0}, step(0),
              {"event": "placement", "from_step": 1, "micro_batch_grown": None, "recompute_trimmed": [28, 0]},
@@ -263,3 +264,4 @@ def test_a_runs_figures_say_what_the_planner_changed_and_whether_it_compiled(tmp
     res = bench.analyse(tmp_path)
     assert res["planner_changes"] == {"micro_batch_grown": None, "recompute_trimmed": [28, 0]}
     assert res["torch_compile"] is True and res["step_s"] == 2.0
+    assert res["recomputed_layers"] == [28, 0, 0]          # what each step's backward recomputed
