@@ -166,7 +166,6 @@ class TorchTrainer:
 
         self._check("train_step()")
         t0 = time.perf_counter()
-        self.model.train()
 
         def optimizer_step() -> dict[str, float]:
             out: dict[str, float] = {}

@@ -326,7 +326,10 @@ def train_on_batch(model, batch: GRPOBatch, cfg: GRPOConfig, *, micro_batch: int
     optimizer_step(): the trainer's own (average the gradients over the ranks, clip, step, zero them); its
     metrics join the update's. accumulation(): a context each update's micro-batches run in, left before its
     optimizer_step (DeepSpeed: engine.coalesce_grad_reduction, one gradient reduction per update). Returns the
-    updates' combined metrics and `optimizer_steps`."""
+    updates' combined metrics and `optimizer_steps`. The model trains in training mode, as Hugging Face's and
+    TRL's trainers train it: from_pretrained leaves it in eval mode, where transformers checkpoints no layer
+    (gradient checkpointing would do nothing) and the model's own dropout would not apply."""
+    model.train()
     if cfg.num_iterations * cfg.mini_batches > 1 and batch.first_logprobs is None:
         batch = with_first_logprobs(model, batch, cfg, micro_batch=micro_batch, ref_logprobs_fn=ref_logprobs_fn,
                                     device=device, micro_batch_tokens=micro_batch_tokens, world_size=world_size,

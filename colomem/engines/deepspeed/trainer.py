@@ -217,11 +217,6 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         t0 = time.perf_counter()
         ref_fn = self._ref_fn if getattr(self.grpo, "kl_coef", 0.0) > 0 else None
         engine = self.engine
-        # training mode, as Hugging Face's and TRL's trainers train: from_pretrained leaves the model in eval
-        # mode, where transformers checkpoints no layer (gradient checkpointing would be off) and the model's
-        # own dropout would not apply
-        engine.train()
-        recomputed = recomputed_layers(self.model)
         stack = self._fwd_stack
         depth = len(stack) if stack is not None else 0
 
@@ -239,7 +234,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         finally:
             trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
         out["lr"] = float(engine.get_lr()[0])
-        out["recomputed_layers"] = recomputed
+        out["recomputed_layers"] = recomputed_layers(self.model)      # train_on_batch left it in training mode
         # the optimizer step's kernels are still queued on return: wait for them here, or the next phase (the
         # weight sync, when nothing is offloaded) would start behind them and be timed with them
         if self.device.type == "cuda" and torch.cuda.is_available():
