@@ -787,3 +787,17 @@ def test_an_offload_names_what_it_left_only_beyond_what_it_meant_to_keep():
     assert ds_state.worth_naming(2700 * mib + 17 * mib, sizes, kept, 0)        # 17 MiB nobody meant to keep
     assert ds_state.worth_naming(2700 * mib, sizes, (), 0)                     # everything was to go
     assert not ds_state.worth_naming(8 * mib, sizes, (), 0)
+
+
+def test_the_scan_of_what_an_offload_left_names_real_tensors_past_a_compiled_models_fake_ones():
+    """A compiled model leaves Dynamo's fake tensors alive, their sizes symbols: the scan names the real
+    tensors, largest first, and does not ask the symbolic shape engine to order the fake ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(torch.empty(4 + i, 8)) for i in range(3)]     # symbolic storage sizes
+    assert not isinstance(fakes[0].untyped_storage().nbytes(), int)
+    big, small = torch.empty(3 << 18, dtype=torch.bfloat16), torch.empty(1 << 18)   # 1.5 and 1 MiB
+    names = ds_state.left_behind(CPU, top=50).split("; ")
+    assert names.index(f"[{3 << 18}] bfloat16 1.5 MiB") < names.index(f"[{1 << 18}] float32 1.0 MiB")
+    del fakes, big, small

@@ -353,13 +353,17 @@ def left_behind(device: torch.device, top: int = 6) -> str:
     found, seen = [], set()
     for obj in gc.get_objects():
         try:
-            if not (isinstance(obj, Tensor) and obj.device == device):
+            # type(), not isinstance: isinstance reads __class__, which warns on deprecated module objects
+            if not (issubclass(type(obj), Tensor) and obj.device == device):
                 continue
             st = obj.untyped_storage()
-            if st._cdata in seen or st.nbytes() == 0:
+            nbytes = st.nbytes()
+            # a compiled model leaves fake tensors alive whose sizes are symbols: comparing those asks the
+            # symbolic shape engine, which fails outside its trace; they hold no memory anyway
+            if type(nbytes) is not int or nbytes == 0 or st._cdata in seen:
                 continue
             seen.add(st._cdata)
-            found.append((st.nbytes(), f"{list(obj.shape)} {dtype_name(obj.dtype)}"))
+            found.append((nbytes, f"{list(obj.shape)} {dtype_name(obj.dtype)}"))
         except Exception:  # noqa: BLE001 - a diagnosis must not fail the offload
             continue
     found.sort(reverse=True)
