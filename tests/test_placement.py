@@ -191,8 +191,14 @@ def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so()
     assert PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 0, 2).startswith("--micro-batch-tokens 8192 -> 34816")
     assert r.trainer.micro_batch_tokens == 34816 and r.trainer.micro_batch == 4
     r = runner()
-    assert PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 20 * GB, 2) == ""         # nothing larger fits
+    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 20 * GB, 2)               # nothing larger fits
     assert r.trainer.micro_batch == 4 and r.micro_batch_grown is None
+    assert line.startswith("--micro-batch stays 4 (--grow-micro-batch: the 5.59 GiB left free") \
+        and "divides the step's 64 rows" in line                                       # said, not silent
+    r = runner(tokens=8192)
+    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 26 * GB, 2)
+    assert line.startswith("--micro-batch-tokens stays 8192") and "rows" not in line
+    assert r.trainer.micro_batch_tokens == 8192 and r.micro_batch_grown is None
 
 
 def test_grow_micro_batch_needs_the_measured_placement():

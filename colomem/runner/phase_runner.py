@@ -302,7 +302,7 @@ class PhaseRunner:
             # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
             # recompute takes what the KV cache hint would offer
             if not self.micro_batch_grown:
-                micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=taken,
+                micro_hint = micro_hint or (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=taken,
                                                unit_extra=unit_extra)
                               if c.micro_batch_tokens is None else
                               micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
@@ -372,11 +372,16 @@ class PhaseRunner:
         else:
             name, now = "micro_batch_tokens", int(getattr(self.trainer, "micro_batch_tokens", None) or tokens)
             new = micro_batch_tokens_fit(self.placement, figs, now, margin, taken=taken, unit_extra=unit_extra)
-        if new <= now or not hasattr(self.trainer, name):
+        if not hasattr(self.trainer, name):
             return ""
+        flag = "--" + name.replace("_", "-")
+        if new <= now:     # said, so that a user who asked for it knows it was weighed and why nothing changed
+            spare = format_bytes(train_spare(self.placement, figs, margin, taken))
+            return (f"{flag} stays {now} (--grow-micro-batch: the {spare} left free while training, estimated "
+                    "from this step's training peak, holds no larger one"
+                    + ("" if tokens is not None else f" that divides the step's {rows} rows") + ")")
         setattr(self.trainer, name, new)
         self.micro_batch_grown = (now, new)
-        flag = "--" + name.replace("_", "-")
         return (f"{flag} {now} -> {new} from step {from_step} on (--grow-micro-batch: the largest that "
                 f"the memory this placement leaves free holds, estimated from this step's training peak)")
 
