@@ -293,3 +293,33 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     assert checkpointed_layers(seen["model"]) == 0
     assert len(lines) == 2 and lines[0].startswith("[colomem] training: --gradient-checkpointing false from step 2")
     assert lines[1].startswith("[colomem] training: --micro-batch 4 -> 8 from step 2 on")
+
+
+def test_the_plan_counts_activations_at_the_widest_row_the_job_can_train_on(job_env, tmp_path, monkeypatch):
+    """A step whose rows were narrower than the job's widest (here: prompts up to 11 tokens, where the measured
+    step's were 4) plans for the widest: its activations count twice, so the micro-batch grows half as far, and
+    the runner says so."""
+    from colomem.grpo.tasks import SuccessorTask
+    from colomem.runner import phase_runner
+
+    f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+
+    def run(name):
+        said = []
+        res = run_job(job(tmp_path / name, micro_batch=4, placement_margin="2GB", grow_micro_batch=True),
+                      print_fn=said.append)
+        assert res.summary["status"] == "ok", res.summary
+        event = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                 if '"placement"' in x and '"event"' in x][-1]
+        return said, event
+
+    said, event = run("measured")                     # the successor task's rows: 4 prompt + 3 answer tokens
+    assert (event["measured_width"], event["planned_width"]) == (7, 7) and event["micro_batch_grown"] == [4, 16]
+    assert not any("planned for rows" in s for s in said)
+    monkeypatch.setattr(SuccessorTask, "longest_prompt_tokens", property(lambda self: 11))
+    said, event = run("wide")
+    assert (event["measured_width"], event["planned_width"]) == (7, 14)
+    assert event["micro_batch_grown"] == [4, 8]       # 18 GB free at 4 GB a row
+    assert any(s.startswith("[colomem] placement: planned for rows of up to 14 tokens") for s in said), said

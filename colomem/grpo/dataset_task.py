@@ -123,6 +123,7 @@ class DatasetTask:
         self._texts: Optional[list[str]] = None
         self._order: dict[int, list[int]] = {}
         self.dropped = 0
+        self.longest_prompt_tokens: Optional[int] = None     # known once bind() has tokenized the prompts
 
     # -- what the job needs before the model exists ----------------------------------------------------------
     @property
@@ -158,7 +159,7 @@ class DatasetTask:
         text = read_template(chat_template)
         if text is not None:
             tokenizer.chat_template = text
-        texts, keep = [], []
+        texts, keep, longest = [], [], 0
         for i, r in enumerate(self._rows):
             v = r[self.prompt_key]
             if isinstance(v, list):
@@ -173,6 +174,7 @@ class DatasetTask:
                 continue
             texts.append(text)
             keep.append(r)
+            longest = max(longest, n)
         self.dropped = len(self._rows) - len(keep)
         if not keep:
             raise ConfigError(f"every prompt of {self.path!r} is longer than {max_prompt_tokens} tokens (the "
@@ -181,6 +183,7 @@ class DatasetTask:
             log(f"[colomem] {self.label}: {self.dropped} of {len(self._rows)} prompts are longer than "
                 f"{max_prompt_tokens} tokens and were left out")
         self._rows, self._texts, self._order = keep, texts, {}
+        self.longest_prompt_tokens = longest
 
     # -- the Task interface ------------------------------------------------------------------------------
     def _epoch_order(self, epoch: int, seed: int) -> list[int]:

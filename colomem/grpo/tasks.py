@@ -51,6 +51,12 @@ class Task:
         """A good default: the longest answer plus one token for EOS."""
         raise NotImplementedError
 
+    @property
+    def longest_prompt_tokens(self) -> int:
+        """A bound on a prompt's tokens: its characters, each a token at most (the built-in tasks write ASCII
+        symbols, which no tokenizer splits)."""
+        return self.max_prompt_chars
+
     def sample(self, rng: random.Random) -> Sample:
         raise NotImplementedError
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 from colomem.engines.protocols import Rollout, Trainer
 from colomem.errors import StaleWeightsError, is_oom
 
+from .batch_width import widest_row
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
 from .heap_profile import HeapProfile
@@ -89,6 +90,7 @@ class ColocatedRunner(PhaseRunner):
         self.heap: Optional[HeapProfile] = None     # COLOMEM_HEAP_PROFILE_EVERY: where the Python heap grows
         self.evaluator: Optional[Evaluator] = None       # held-out evaluation (set by run_job when asked for)
         self.max_new_tokens = cfg.grpo.max_new_tokens or task.max_new_tokens
+        self.widest_row = widest_row(cfg.max_model_len, task, self.max_new_tokens)   # what the planner plans for
         self.checkpointer: Optional[Checkpointer] = None
         # colomem's offload keeps the trainer state readable in the pool: a checkpoint due after step k is
         # written right after step k+1's offload (no reload, no GPU memory); other switches save resident

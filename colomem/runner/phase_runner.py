@@ -19,6 +19,7 @@ from colomem.engines.reports import SyncStats
 from colomem.errors import is_oom
 from colomem.units import format_bytes, parse_bytes
 
+from .batch_width import widened
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
@@ -61,7 +62,8 @@ class PhaseRunner:
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
         self.micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
-        self.train_width = 0                # tokens per row of the last batch trained on (the probe's width)
+        self.train_width = 0                # tokens per row of the last batch trained on
+        self.widest_row = 0                 # tokens in the widest row the job can train on (0: not known)
         self.recompute_probe: Optional[RecomputeProbe] = None
         self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed was, now): --trim-recompute
         self.recompute_extra = 0             # bytes the trimmed layers' activations take at the measured micro-batch
@@ -272,6 +274,7 @@ class PhaseRunner:
                                  step_start_peak=int(rec.metrics.get("train/reserved_at_step_start_max") or 0))
         if mine is not None:
             mine.kv_cache, mine.kv_need = self._kv_figures()
+            mine = widened(mine, self.train_width, self.planned_width)
         every = self.ranks.exchange(mine.to_dict() if mine is not None else None)
         hint = micro_hint = recompute = ""
         if any(f is None for f in every):
@@ -314,6 +317,10 @@ class PhaseRunner:
             shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
                                     margin, self._optim_out_allowed)
             hint = "; ".join(h for h in (shrink, hint) if h)
+        if self.planned_width > self.train_width > 0 and self.placement_figures:
+            self.print(f"[colomem] placement: planned for rows of up to {self.planned_width} tokens (the longest "
+                       f"prompt plus the completion's most), not the measured step's {self.train_width}: its "
+                       "training activations are counted at that width")
         self.print(f"[colomem] placement from step {rec.step + 2} on: {self.placement.label} ({self.placement.why})")
         if self.reload_why:
             self.print(f"[colomem] optimizer state: comes back inside the optimizer step ({self.reload_why})")
@@ -332,7 +339,17 @@ class PhaseRunner:
                                "optimizer_reload": getattr(self.trainer, "optimizer_reload", None),
                                "optimizer_reload_why": self.reload_why,
                                "bucket_bytes": getattr(self.rollout, "bucket_bytes", None),
+                               "measured_width": self.train_width, "planned_width": self.planned_width,
                                "figures": self.placement_figures})
+
+    @property
+    def planned_width(self) -> int:
+        """The row width the plan counts activations at (batch_width.py): the widest row the job can train on,
+        or the measured step's rows when wider (or unknown); micro-batches cut by a token budget hold as many
+        tokens whatever the width, so they plan at the measured one."""
+        if self.cfg.micro_batch_tokens is not None:
+            return self.train_width
+        return max(self.train_width, self.widest_row)
 
     def _kv_figures(self) -> tuple[int, int]:
         """(the rollout engine's KV cache, the most the step's rollout holds) on this GPU; zeros when unknown."""
@@ -394,7 +411,7 @@ class PhaseRunner:
         were wider needs more for each layer)."""
         if not self.cfg.gradient_checkpointing or not self.train_width:
             return ""                  # the same on every rank: the config, and each rank trained the step
-        self.recompute_probe = pr = probe(self.trainer, self.train_width)
+        self.recompute_probe = pr = probe(self.trainer, self.planned_width)
         tokens = self.cfg.micro_batch_tokens
         rows = self.cfg.micro_batch if tokens is None else max(1, tokens // self.train_width)
         spare = train_spare(self.placement, figs, margin, taken)
