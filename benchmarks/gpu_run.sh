@@ -48,6 +48,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 { lscpu | grep -iE "^(model name|numa|cpu\(s\)|thread|socket)"; nvidia-smi topo -m; } > "$OUT/host_topology.txt" 2>&1
 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -c "import colomem; print(colomem.build_info())" || exit 1
+# how fast this machine is (host, kernel launches, GPU, link): machines of one kind have differed twofold, and
+# only figures of one machine compare
+timeout 120 python3 benchmarks/host_speed.py --out "$OUT" --label start 2> "$OUT/host_speed.log" \
+  || echo "[gpu_run] host_speed failed: see host_speed.log"
 # CALL_S: the device call's own limit. A stage is cut before it (its bound shrinks to what the call has
 # left, minus time to pack), so a stage that runs long loses itself, never the call's earlier results.
 CALL_S=${CALL_S:-600}
@@ -186,4 +190,8 @@ stage() {  # the stages run in the order given on the command line
 }
 IFS=, read -ra wanted <<< "${1:-core}"
 for s in "${wanted[@]}"; do stage "$s"; done
+# the clocks after the stages: a GPU held back by heat or power shows it here
+nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+  --format=csv > "$OUT/gpu_clocks_end.txt" 2>&1
 stamp "all done"
+pack
