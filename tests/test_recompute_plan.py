@@ -48,7 +48,7 @@ def test_the_probe_runs_on_the_trainers_model_and_not_on_zero3():
     assert probe(SimpleNamespace(model=model, device=torch.device("cpu"), zero_stage=3), 40) is None
 
 
-def test_the_runner_weighs_the_free_training_memory_at_the_measured_width():
+def test_the_runner_weighs_the_free_training_memory_at_the_planned_width():
     model = small_qwen2(layers=6)
     from colomem.engines.recompute import enable_recompute
 
@@ -58,11 +58,17 @@ def test_the_runner_weighs_the_free_training_memory_at_the_measured_width():
                            state={"params": 2 * GiB, "other": 0, "grads": 2 * GiB, "master": 4 * GiB,
                                   "optim": 8 * GiB}, train_other=GiB)
     runner = SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4, micro_batch_tokens=None),
-                             train_width=40,
+                             train_width=40, planned_width=40,
                              trainer=SimpleNamespace(model=model, device=torch.device("cpu")), recompute_probe=None,
                              placement=pl.choose("auto", "auto", [fig], margin=2 * GiB))
     hint = PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0)
     assert "--gradient-checkpointing false would fit" in hint and runner.recompute_probe.checkpointed == 6
+    assert runner.recompute_probe.width == 40
+    # a job whose rows can be wider than the measured step's: the probe measures at the widest
+    runner.planned_width = 80
+    PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0)
+    assert runner.recompute_probe.width == 80
+    runner.planned_width = 40
     # a token budget of 160 holds 4 rows of 40: the same hint
     runner.cfg.micro_batch, runner.cfg.micro_batch_tokens = 64, 160
     assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == hint
@@ -88,7 +94,8 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
         enable_recompute(model, 1)
         return SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4,
                                                    micro_batch_tokens=None),
-                               train_width=40, trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
+                               train_width=40, planned_width=40,
+                               trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
                                recompute_probe=None, recompute_trimmed=None, placement=placement,
                                ranks=SimpleNamespace(exchange=lambda x: [x]))
     r = runner()
