@@ -1,6 +1,7 @@
 """Closing a DeepSpeedTrainer: what is still copying ends, the hooks come off, the offload sets give their pool
-blocks back, the engine goes (ZeRO-3's process-wide replacements with it), and the memory goes back to the
-driver. Every part is attempted even when one before it failed; failures are warnings."""
+blocks back, the engine goes (ZeRO-3's process-wide replacements with it, and with the last trainer the
+default process group its set-up started), and the memory goes back to the driver. Every part is attempted
+even when one before it failed; failures are warnings."""
 from __future__ import annotations
 
 import gc
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from .model import destroy_engine
+from .process_group import DEFAULT_GROUP
 from .state import FUNCTIONAL_LINEAR, release_cached_memory
 
 
@@ -52,6 +54,9 @@ def close_trainer(t: Any) -> None:
     if getattr(t, "_holds_linear", False):
         t._holds_linear = False
         FUNCTIONAL_LINEAR.release()
+    if getattr(t, "_holds_group", False):    # after the engine: its optimizer's groups are gone with it
+        t._holds_group = False
+        DEFAULT_GROUP.release()
     if t._owns_pool and t._pool is not None and not t._pool.closed:
         t._pool.close(force=True)
     t._pool = None

@@ -32,6 +32,7 @@ from colomem.swap import PendingReloads
 
 from .config import (TESTED_DEEPSPEED, DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed,
                      init_distributed)
+from .process_group import DEFAULT_GROUP
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, trim_module_stack, worth_naming, zero3_global_holders)
 from .model import build_model, check_model_dir
@@ -126,6 +127,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self.shared: Any = None                 # SharedBaseReport: the base parameters are the engine's tensors
         self._shared_storages: frozenset = frozenset()
 
+        self._holds_group = False
+        group_before = DEFAULT_GROUP.started()
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.cuda.set_device(self.local_rank)
         self.device = torch.device("cuda", self.local_rank)
@@ -135,8 +138,11 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self.ds_config = config.build_ds_config(self.world_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
         # ZeRO-3's set-up replaces torch.nn.functional.linear process-wide: the last trainer to close puts it back
-        (self.engine, _, _, _), self._holds_linear = FUNCTIONAL_LINEAR.setup(
-            lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config))
+        # the default process group the set-up starts (one GPU, no torchrun) goes with the last trainer
+        ((self.engine, _, _, _), self._holds_linear), self._holds_group = DEFAULT_GROUP.setup(
+            lambda: FUNCTIONAL_LINEAR.setup(
+                lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)),
+            before=group_before)
         self.model = self.engine.module
         if shared_base is not None:            # DeepSpeed's set-up (dtype, device, broadcast) kept the views
             from colomem.engines.shared_base import base_storages, check_still_shared
