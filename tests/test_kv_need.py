@@ -108,3 +108,74 @@ def test_a_smaller_cache_that_lets_the_whole_trainer_stay_names_the_optimizer_ou
     assert "optimizer state out behind the rollout" in hint and "(now 0.25)" in hint, hint
     # not allowed (--optimizer-reload overlap): a smaller cache would change nothing
     assert kv_shrink_hint(p, [f], "auto", "auto", 0.25, optim_out=False) == ""
+
+
+def _qwen2_1p5b_config(path):
+    from colomem.bench.shapes import SHAPES
+
+    s = SHAPES["1.5b"]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+        "vocab_size": s.vocab}))
+    return str(path)
+
+
+def test_kv_cache_bytes_auto_holds_a_ranks_rollout_at_max_model_len_on_each_gpu(tmp_path):
+    """--kv-cache-bytes auto: the bound with a quarter more, in whole MiB; tensor parallelism leaves each GPU
+    its rank's share while the KV heads divide over the GPUs, a copy of one head each when they are fewer."""
+    from colomem.runner.kv_need import auto_kv_cache_bytes, resolve_kv_cache
+
+    per_token = 28 * 2 * 2 * 128 * 2                          # Qwen2-1.5B: 2 KV heads
+    assert auto_kv_cache_bytes(256, 512, per_token, 2) == int(3.5 * 1.25 * GiB)
+    assert auto_kv_cache_bytes(256, 512, per_token, 2, tensor_parallel_size=2) == int(3.5 * 1.25 * GiB)
+    assert auto_kv_cache_bytes(256, 512, per_token, 2, tensor_parallel_size=4) == int(3.5 * 2.5 * GiB)
+    assert auto_kv_cache_bytes(1, 1, 1000, 1) == 1 << 20      # at least one MiB
+    model = _qwen2_1p5b_config(tmp_path / "m")
+    base = {"backend": "cpu", "prompts_per_step": 32, "grpo": {"group_size": 8}, "max_model_len": 512}
+    size, line = resolve_kv_cache(config_from_dict({**base, "kv_cache_bytes": "auto"}), model, 1)
+    assert size == int(3.5 * 1.25 * GiB) and line.startswith("[colomem] KV cache: 4.38 GiB on each GPU")
+    assert resolve_kv_cache(config_from_dict({**base, "kv_cache_bytes": "auto"}), model, 2)[0] == size // 2
+    assert resolve_kv_cache(config_from_dict({**base, "kv_cache_bytes": "4GiB"}), model, 1) == (None, "")
+    assert resolve_kv_cache(config_from_dict(base), model, 1) == (None, "")
+
+
+def test_kv_cache_bytes_reaches_vllm_and_bad_values_are_refused_early(tmp_path):
+    import pytest
+
+    from colomem.errors import ConfigError, InvalidArgumentError
+    from colomem.runner.kv_need import resolve_kv_cache
+
+    base = {"backend": "cpu"}
+    vcfg = config_from_dict({**base, "kv_cache_bytes": "4GiB"}).vllm_config()
+    assert vcfg.kv_cache_bytes == 4 * GiB
+    assert vcfg.llm_arguments("m")["kv_cache_memory_bytes"] == 4 * GiB
+    assert "kv_cache_memory_bytes" not in config_from_dict(base).vllm_config().llm_arguments("m")
+    auto = config_from_dict({**base, "kv_cache_bytes": "auto"})
+    assert auto.vllm_config(kv_cache_bytes=GiB).llm_arguments("m")["kv_cache_memory_bytes"] == GiB
+    with pytest.raises(ConfigError, match="resolved from the model's config"):
+        auto.vllm_config()
+    for bad in ("0", "-1GiB", "lots"):
+        with pytest.raises((ConfigError, InvalidArgumentError), match="kv_cache_bytes"):
+            config_from_dict({**base, "kv_cache_bytes": bad})
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="give a size instead"):
+        resolve_kv_cache(auto, str(tmp_path / "bad"), 1)
+
+
+def test_a_run_that_sized_its_kv_cache_gets_no_utilization_hint(job_env, tmp_path, monkeypatch):
+    from colomem.runner import phase_runner
+
+    f = bigkv()
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: bigkv(kv_cache=0,
+                                                                                                   kv_need=0))
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(phase_runner.PhaseRunner, "_kv_figures", lambda self: (f.kv_cache, f.kv_need))
+    said = []
+    cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
+                            "progress": False, "plots": False, "report_to": ["none"], "out": str(tmp_path / "kv"),
+                            "grpo": {"group_size": 4}, "kv_cache_bytes": "112GiB"})
+    assert run_job(cfg, print_fn=said.append).summary["status"] == "ok"
+    assert not any(s.startswith("[colomem] KV cache:") for s in said), said

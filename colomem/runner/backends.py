@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from colomem.engines.protocols import Rollout, Trainer
 from colomem.errors import InvalidArgumentError, NotAvailableError
 
+from .kv_need import resolve_kv_cache
 from .shared_base_job import SharedBase, engine_parameters, shared_base_problem
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,11 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
             lap("pool")
             from colomem.engines.vllm import VLLMRollout
 
-            vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group)
+            kv_bytes, said = resolve_kv_cache(cfg, model_path, ranks.world_size)
+            if said:
+                log_fn(said)
+            vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group,
+                                   kv_cache_bytes=kv_bytes)
             vllm_rollout = VLLMRollout(model_path, config=vcfg)
             rollout = vllm_rollout
             base = None

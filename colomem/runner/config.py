@@ -74,6 +74,11 @@ class RunConfig(_Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # rollout
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
+    kv_cache_bytes: Optional[str] = Field(None, description="vLLM's KV cache on each GPU, instead of "
+                                          "--gpu-memory-utilization's share: a size (4GiB), or auto: what a "
+                                          "rank's rollout can hold at most (its sequences at once, each at "
+                                          "--max-model-len, and a quarter more); the memory it does not take is the "
+                                          "trainer's, so less moves")
     max_model_len: int = Field(256, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
     enforce_eager: bool = True
@@ -191,11 +196,12 @@ class RunConfig(_Strict):
 
     _explicit: set[str] = PrivateAttr(default_factory=set)   # fields set on the command line
 
-    @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes", "placement_margin")
+    @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes", "placement_margin", "kv_cache_bytes")
     @classmethod
     def _size(cls, v, info):
-        if v is not None and not (info.field_name == "bucket_bytes" and v == "auto"):
-            parse_bytes(v)
+        if v is not None and not (info.field_name in ("bucket_bytes", "kv_cache_bytes") and v == "auto"):
+            if parse_bytes(v) <= 0:
+                raise ValueError(f"{info.field_name} must be positive, got {v!r}")
         return v
 
     @field_validator("model")
@@ -220,7 +226,10 @@ class RunConfig(_Strict):
             raise ValueError(problem)
         # what only the engines know (their combinations of options) is checked here too, so a bad value is
         # found before vLLM starts (20-60 s), not after
-        for side, build in (("rollout", self.vllm_config), ("trainer", self.deepspeed_config)):
+        # (--kv-cache-bytes auto is sized from the model's config when the engine starts: any size checks the rest)
+        auto_kv = (1 << 30) if self.kv_cache_bytes == "auto" else None
+        for side, build in (("rollout", lambda: self.vllm_config(kv_cache_bytes=auto_kv)),
+                            ("trainer", self.deepspeed_config)):
             try:
                 build()
             except InvalidArgumentError as e:
@@ -300,13 +309,22 @@ class RunConfig(_Strict):
             return engine_seed(self.seed, rollout_group)
         return self.seed
 
-    def vllm_config(self, device: int = 0, rollout_group: int = 0) -> "VLLMConfig":
+    def vllm_config(self, device: int = 0, rollout_group: int = 0,
+                    kv_cache_bytes: Optional[int] = None) -> "VLLMConfig":
         """The rollout engine's options (colomem.engines.vllm.VLLMConfig) this run asks for, on the rank of
-        rollout group `rollout_group` (the in-rank engine's seed is its group's: colomem.runner.inrank)."""
+        rollout group `rollout_group` (the in-rank engine's seed is its group's: colomem.runner.inrank).
+        kv_cache_bytes: what --kv-cache-bytes auto resolved to (kv_need.auto_kv_cache_bytes); a size given
+        as such is read here."""
         from colomem.engines.vllm.config import VLLMConfig
 
         in_rank = self.effective_engine == "in-rank"
-        return VLLMConfig(gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
+        if kv_cache_bytes is None and self.kv_cache_bytes not in (None, "auto"):
+            kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        if kv_cache_bytes is None and self.kv_cache_bytes == "auto":
+            raise ConfigError("--kv-cache-bytes auto is resolved from the model's config: pass the size "
+                              "(colomem.runner.kv_need.auto_kv_cache_bytes)")
+        return VLLMConfig(gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
+                          max_model_len=self.max_model_len,
                           tensor_parallel_size=self.tensor_parallel_size,
                           seed=self.rollout_engine_seed(rollout_group), seeded_noise=self.seeded_noise,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,

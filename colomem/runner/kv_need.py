@@ -4,13 +4,15 @@ vLLM takes its KV cache from --gpu-memory-utilization, whatever the rollout need
 1.5B model gets over 100 GiB, while 256 sequences of at most 512 tokens hold 3.5 GiB of it. Such a cache may
 be what forces the trainer to move every step. After the first step the planner knows what moves; this
 module bounds what the rollout holds (every sequence of the step at once, each at max_model_len, in whole
-blocks) and says which placement a cache of that size would allow.
+blocks), says which placement a cache of that size would allow, and sizes the cache so when asked
+(--kv-cache-bytes auto).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from colomem.errors import ConfigError
 from colomem.units import format_bytes
 
 from .placement import MemoryFigures, Placement, candidates, choose
@@ -19,14 +21,14 @@ BLOCK_TOKENS = 16          # vLLM's default KV block: a sequence holds whole blo
 HEADROOM = 1.25            # a cache this much above the bound (vLLM's own rounding, a longer prompt)
 
 
-def kv_bytes_per_token(model_path: str, trust_remote_code: bool = False, dtype_bytes: int = 2) -> Optional[int]:
-    """K and V bytes one token takes in every layer of the model (all tensor-parallel shards together);
-    None when the model's config cannot be read or lacks the fields."""
+def kv_layout(model_path: str, trust_remote_code: bool = False, dtype_bytes: int = 2) -> Optional[tuple[int, int]]:
+    """(K and V bytes one token takes in every layer of the model, all tensor-parallel shards together; its
+    KV heads); None when the model's config cannot be read or lacks the fields."""
     try:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001  (a hint only: no figure, no hint)
+    except Exception:  # noqa: BLE001  (no figure: the callers say what that leaves out)
         return None
     cfg = getattr(cfg, "text_config", None) or cfg
     layers = getattr(cfg, "num_hidden_layers", None)
@@ -35,7 +37,14 @@ def kv_bytes_per_token(model_path: str, trust_remote_code: bool = False, dtype_b
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
     if not (layers and kv_heads and head_dim):
         return None
-    return int(layers) * 2 * int(kv_heads) * int(head_dim) * dtype_bytes
+    return int(layers) * 2 * int(kv_heads) * int(head_dim) * dtype_bytes, int(kv_heads)
+
+
+def kv_bytes_per_token(model_path: str, trust_remote_code: bool = False, dtype_bytes: int = 2) -> Optional[int]:
+    """K and V bytes one token takes in every layer of the model (all tensor-parallel shards together);
+    None when the model's config cannot be read or lacks the fields."""
+    layout = kv_layout(model_path, trust_remote_code, dtype_bytes)
+    return layout[0] if layout else None
 
 
 def rollout_kv_bound(sequences: int, max_model_len: int, per_token: int) -> int:
@@ -78,4 +87,34 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
             f"still hold it, and then: {q.label} (now {p.label})")
 
 
-__all__ = ["kv_bytes_per_token", "kv_shrink_hint", "rollout_kv_bound"]
+def auto_kv_cache_bytes(sequences: int, max_model_len: int, per_token: int, kv_heads: int,
+                        tensor_parallel_size: int = 1) -> int:
+    """--kv-cache-bytes auto: the KV cache one GPU's engine needs to hold `sequences` at once (the most a rank
+    generates in one call), each at max_model_len, with HEADROOM, in whole MiB. Tensor parallelism puts
+    ceil(kv_heads / TP) heads of the engine's sequences (as many ranks' as its GPUs) on each GPU: the rank's
+    own share when the heads divide, more when there are fewer heads than GPUs (each holds a copy of one)."""
+    tp = max(1, int(tensor_parallel_size))
+    per_gpu_token = per_token * -(-kv_heads // tp) / kv_heads * tp
+    need = rollout_kv_bound(sequences, max_model_len, 1) * per_gpu_token * HEADROOM
+    return int(-(-need // (1 << 20))) << 20
+
+
+def resolve_kv_cache(cfg, model_path: str, world_size: int) -> tuple[Optional[int], str]:
+    """(bytes, the line that says so) for the run's --kv-cache-bytes: (None, "") unless it is auto, which
+    is sized from the model's config for a rank's rollout (cfg.rows_per_rank); ConfigError when that config
+    lacks the fields."""
+    if cfg.kv_cache_bytes != "auto":
+        return None, ""
+    layout = kv_layout(model_path, cfg.trust_remote_code)
+    if layout is None:
+        raise ConfigError(f"--kv-cache-bytes auto needs the model's layers, KV heads and head size from its config "
+                          f"({model_path}/config.json); give a size instead (--kv-cache-bytes 4GiB)")
+    rows = cfg.rows_per_rank(world_size)
+    size = auto_kv_cache_bytes(rows, cfg.max_model_len, layout[0], layout[1], cfg.tensor_parallel_size)
+    return size, (f"[colomem] KV cache: {format_bytes(size)} on each GPU (--kv-cache-bytes auto: {rows} sequences "
+                  f"at once, each at --max-model-len {cfg.max_model_len}, and a quarter more), not "
+                  f"--gpu-memory-utilization's share")
+
+
+__all__ = ["auto_kv_cache_bytes", "kv_bytes_per_token", "kv_layout", "kv_shrink_hint", "resolve_kv_cache",
+           "rollout_kv_bound"]

@@ -305,17 +305,20 @@ class PhaseRunner:
             # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
             # recompute takes what the KV cache hint would offer
             if not self.micro_batch_grown:
-                micro_hint = micro_hint or (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=taken,
-                                               unit_extra=unit_extra)
+                micro_hint = micro_hint or (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin,
+                                                             taken=taken, unit_extra=unit_extra)
                               if c.micro_batch_tokens is None else
                               micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
                                                       taken=taken, unit_extra=unit_extra))
                 if not c.trim_recompute:
                     recompute = self._recompute_hint(figs, margin, grown)
+            # the KV cache hints name a --gpu-memory-utilization: they say nothing to a run that sized the
+            # cache itself (--kv-cache-bytes)
+            sized = c.kv_cache_bytes is not None
             hint = (kv_hint(self.placement, figs, c.gpu_memory_utilization, margin, taken=grown)
-                    if not (self.micro_batch_grown or self.recompute_trimmed) else "")
-            shrink = kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep, c.gpu_memory_utilization,
-                                    margin, self._optim_out_allowed)
+                    if not (self.micro_batch_grown or self.recompute_trimmed or sized) else "")
+            shrink = "" if sized else kv_shrink_hint(self.placement, figs, c.offload, c.rollout_sleep,
+                                                     c.gpu_memory_utilization, margin, self._optim_out_allowed)
             hint = "; ".join(h for h in (shrink, hint) if h)
         if self.planned_width > self.train_width > 0 and self.placement_figures:
             self.print(f"[colomem] placement: planned for rows of up to {self.planned_width} tokens (the longest "

@@ -110,3 +110,20 @@ def test_default_job_with_compiled_layers_trimmed_recompute_and_a_grown_micro_ba
     assert now > was and log.index(f"--micro-batch {was} -> {now} from step 2 on") > trim
     # fewer, larger micro-batches from the step after the measuring one
     assert steps[1]["train/micro_batches"] < steps[0]["train/micro_batches"]
+
+
+def test_default_job_with_its_kv_cache_sized_to_the_rollout(tmp_path):
+    # --kv-cache-bytes auto beside a utilization that alone would give vLLM most of the GPU: vLLM keeps only
+    # what the step's rollout can hold (every sequence at --max-model-len, a quarter more), so the trainer's
+    # memory is left and nothing moves after the measuring step
+    steps, summary, log = _run(tmp_path, "kvauto", "--steps", "4", "--kv-cache-bytes", "auto",
+                               "--gpu-memory-utilization", "0.9")
+    _check_loop(steps, summary, 4, settled=2)
+    line = next(x for x in log.splitlines() if "(--kv-cache-bytes auto:" in x)
+    events = [json.loads(x) for x in (tmp_path / "kvauto" / "metrics.jsonl").read_text().splitlines()]
+    placement = [e for e in events if e.get("event") == "placement"][-1]
+    fig = placement["figures"][0]
+    # vLLM's cache: the size asked for, in whole blocks of every layer (a few KiB less at most)
+    assert 0 < fig["kv_need"] <= fig["kv_cache"] <= fig["kv_need"] * 1.25 + MiB, (fig, line)
+    assert summary["placement"]["label"] == "nothing moves"
+    assert not placement["kv_hint"]                          # no utilization advice to a run that sized it

@@ -71,6 +71,7 @@ class VLLMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     gpu_memory_utilization: float = 0.5
+    kv_cache_bytes: Optional[int] = None  # the KV cache on each GPU, instead of the utilization's share
     max_model_len: int = 2048
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -111,6 +112,13 @@ class VLLMConfig(BaseModel):
     def _utilization(cls, v: float) -> float:
         if not 0.0 < v <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("kv_cache_bytes")
+    @classmethod
+    def _kv_cache_bytes(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {v}")
         return v
 
     @field_validator("max_model_len")
@@ -177,6 +185,8 @@ class VLLMConfig(BaseModel):
             kw["distributed_executor_backend"] = "external_launcher"
         if self.max_num_seqs is not None:
             kw["max_num_seqs"] = self.max_num_seqs
+        if self.kv_cache_bytes is not None:      # vLLM then sizes its cache so, not by the utilization
+            kw["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         if self.effective_lora_mode == "adapter":
             kw.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora))
         kw.update(self.llm_kwargs or {})
