@@ -28,6 +28,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   compile, shared_compile  the default (a LoRA job's shared base) with --torch-compile
   trim, shared_trim  the same with --trim-recompute; tuned, shared_tuned: with both
   tuned_grow, shared_tuned_grow  tuned with --grow-micro-batch (the micro-batch grows in what the trim leaves)
+  kvauto, tuned_kv  the default, and tuned_grow, with --kv-cache-bytes auto (vLLM keeps the KV cache the
+               rollout can hold, the trainer the rest)
 All sync the trained weights through the same bridge. More modes run a peer on the same job instead of the
 runner (benchmarks/bench_trl.py, the same config and --extra flags; skipped with the reason when TRL is not
 importable):

@@ -59,7 +59,11 @@ MODES = {"colomem": ["--switch", "colomem"],
          "tuned_grow": ["--switch", "colomem", "--torch-compile", "--trim-recompute", "--grow-micro-batch"],
          "shared_tuned_grow": ["--switch", "colomem", "--shared-base", "--torch-compile", "--trim-recompute",
                                "--grow-micro-batch"],
-         "trl_tuned": ["--torch-compile", "--gradient-checkpointing", "false"]}
+         "trl_tuned": ["--torch-compile", "--gradient-checkpointing", "false"],
+         # vLLM's KV cache sized to what the rollout can hold (--kv-cache-bytes auto), alone and tuned
+         "kvauto": ["--switch", "colomem", "--kv-cache-bytes", "auto"],
+         "tuned_kv": ["--switch", "colomem", "--torch-compile", "--trim-recompute", "--grow-micro-batch",
+                      "--kv-cache-bytes", "auto"]}
 # modes a peer's script runs instead of the runner (with the same --config, --steps and --extra flags)
 PEER_SCRIPTS = {m: "benchmarks/bench_trl.py" for m in ("trl", "trl_sleep", "trl_nogc", "trl_ckpt2", "trl_mb32",
                                                         "trl_compile", "trl_tuned")}

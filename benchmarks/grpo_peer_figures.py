@@ -16,7 +16,8 @@ RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "
                    "compile": (("compile", "shared_compile"), "trl_compile"),
                    "trim": (("trim", "shared_trim"), None),
                    "tuned": (("tuned", "shared_tuned"), "trl_tuned"),
-                   "tuned_grow": (("tuned_grow", "shared_tuned_grow"), None)}
+                   "tuned_grow": (("tuned_grow", "shared_tuned_grow"), None),
+                   "kvauto": (("kvauto",), None), "tuned_kv": (("tuned_kv",), None)}
 
 
 def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
