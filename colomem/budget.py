@@ -372,9 +372,15 @@ def format_budget(b: Budget) -> str:
             f"{'on' if inp['grad_ckpt'] else 'off'}")
     parts = [head, "", table("rollout phase (per GPU)", b.rollout), "", table("train phase (per GPU)", b.train), "",
              f"answer: {'fits' if b.fits else 'does NOT fit'}; suggested --gpu-memory-utilization "
-             f"{b.suggested_gpu_memory_utilization}"]
+             f"{b.suggested_gpu_memory_utilization}, or the KV cache itself: --kv-cache-bytes "
+             f"{_kv_row(b) / GiB:.2f}GiB"]
     parts += [f"  - {a}" for a in b.advice]
     return "\n".join(parts)
+
+
+def _kv_row(b: "Budget") -> float:
+    """The KV cache the rollout table counts (bytes)."""
+    return next((i.bytes for i in b.rollout if i.name == "KV cache"), 0.0)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
