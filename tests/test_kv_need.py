@@ -71,7 +71,8 @@ def test_no_hint_when_nothing_moves_already_the_figures_are_missing_or_nothing_w
     assert kv_shrink_hint(forced, [f], "all", "always", 0.85) == ""
 
 
-def test_the_runner_prints_and_records_the_smaller_cache(job_env, tmp_path, monkeypatch):
+def _bigkv_run(monkeypatch, out, **options):
+    """The CPU loop planning from the bigkv figures (its rollout's KV figures included): (lines said, f)."""
     from colomem.runner import phase_runner
 
     f = bigkv()
@@ -80,12 +81,16 @@ def test_the_runner_prints_and_records_the_smaller_cache(job_env, tmp_path, monk
     monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
     monkeypatch.setattr(phase_runner.PhaseRunner, "_kv_figures", lambda self: (f.kv_cache, f.kv_need))
     said = []
-    out = tmp_path / "kv"
     cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
                             "progress": False, "plots": False, "report_to": ["none"], "out": str(out),
-                            "grpo": {"group_size": 4}, "gpu_memory_utilization": 0.85})
-    res = run_job(cfg, print_fn=said.append)
-    assert res.summary["status"] == "ok"
+                            "grpo": {"group_size": 4}, **options})
+    assert run_job(cfg, print_fn=said.append).summary["status"] == "ok"
+    return said, f
+
+
+def test_the_runner_prints_and_records_the_smaller_cache(job_env, tmp_path, monkeypatch):
+    out = tmp_path / "kv"
+    said, f = _bigkv_run(monkeypatch, out, gpu_memory_utilization=0.85)
     line = [s for s in said if s.startswith("[colomem] KV cache: the rollout holds at most")]
     assert len(line) == 1 and "nothing moves" in line[0], said
     event = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in x
@@ -166,16 +171,5 @@ def test_kv_cache_bytes_reaches_vllm_and_bad_values_are_refused_early(tmp_path):
 
 
 def test_a_run_that_sized_its_kv_cache_gets_no_utilization_hint(job_env, tmp_path, monkeypatch):
-    from colomem.runner import phase_runner
-
-    f = bigkv()
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: bigkv(kv_cache=0,
-                                                                                                   kv_need=0))
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
-    monkeypatch.setattr(phase_runner.PhaseRunner, "_kv_figures", lambda self: (f.kv_cache, f.kv_need))
-    said = []
-    cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
-                            "progress": False, "plots": False, "report_to": ["none"], "out": str(tmp_path / "kv"),
-                            "grpo": {"group_size": 4}, "kv_cache_bytes": "112GiB"})
-    assert run_job(cfg, print_fn=said.append).summary["status"] == "ok"
+    said, _ = _bigkv_run(monkeypatch, tmp_path / "kv", kv_cache_bytes="112GiB")
     assert not any(s.startswith("[colomem] KV cache:") for s in said), said
