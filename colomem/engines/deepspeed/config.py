@@ -105,14 +105,28 @@ def distributed_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, st
     return out
 
 
+_ADDED_ENV: set[str] = set()      # the variables init_distributed put in os.environ
+
+
 def init_distributed() -> tuple[int, int, int]:
     """(rank, world_size, local_rank); reuses a process group someone else started (e.g. vLLM)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ.update(distributed_env())
+    added = distributed_env()
+    os.environ.update(added)
+    _ADDED_ENV.update(added)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def forget_distributed_env() -> None:
+    """Takes back what init_distributed put in the environment, once the group it served is destroyed: the
+    next group then starts on a fresh free port, where the old one's store may still hold its port for as
+    long as anything references that group."""
+    for k in _ADDED_ENV:
+        os.environ.pop(k, None)
+    _ADDED_ENV.clear()
 
 
 # -------------------------------------------------------------------------------------- config building
@@ -370,4 +384,5 @@ def validate_trainer_args(*, lora: Any = None, **options: Any) -> DeepSpeedConfi
 
 __all__ = ["ALLOW_UNTESTED_ENV", "DeepSpeedConfig", "OFFLOAD_METHODS", "SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED",
            "ZERO_STAGES", "build_ds_config", "build_lora_config", "check_deepspeed_version", "check_lora_spec", "check_offload_args",
-           "distributed_env", "import_deepspeed", "init_distributed", "validate_trainer_args"]
+           "distributed_env", "forget_distributed_env", "import_deepspeed", "init_distributed",
+           "validate_trainer_args"]

@@ -13,21 +13,24 @@ from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from .config import forget_distributed_env
+
 T = TypeVar("T")
 
 
 def _destroy_deepspeeds() -> None:
     """Through DeepSpeed when it is loaded: it also drops the groups it cached (data-parallel and others),
-    which a later trainer would otherwise find stale."""
+    which a later trainer would otherwise find stale. Then the environment init_distributed set goes, so a
+    later trainer's group starts on a fresh port."""
     try:
         import deepspeed.comm as ds_comm
     except ImportError:
-        dist.destroy_process_group()
-        return
-    if getattr(ds_comm, "cdb", None) is not None:
+        ds_comm = None
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
         ds_comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+    forget_distributed_env()
 
 
 class DefaultGroupGuard:
