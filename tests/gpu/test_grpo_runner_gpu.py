@@ -123,7 +123,8 @@ def test_default_job_with_its_kv_cache_sized_to_the_rollout(tmp_path):
     events = [json.loads(x) for x in (tmp_path / "kvauto" / "metrics.jsonl").read_text().splitlines()]
     placement = [e for e in events if e.get("event") == "placement"][-1]
     fig = placement["figures"][0]
-    # vLLM's cache: the size asked for, in whole blocks of every layer (a few KiB less at most)
-    assert 0 < fig["kv_need"] <= fig["kv_cache"] <= fig["kv_need"] * 1.25 + MiB, (fig, line)
+    # vLLM's cache: the size asked for (its allocations rounded up to whole pages, a layer's each), not the
+    # tens of GiB the utilization would have given it
+    assert 0 < fig["kv_need"] <= fig["kv_cache"] <= fig["kv_need"] * 1.25 + 64 * MiB, (fig, line)
     assert summary["placement"]["label"] == "nothing moves"
     assert not placement["kv_hint"]                          # no utilization advice to a run that sized it
