@@ -164,6 +164,7 @@ def test_kv_cache_bytes_reaches_vllm_and_bad_values_are_refused_early(tmp_path):
     for bad in ("0", "-1GiB", "lots"):
         with pytest.raises((ConfigError, InvalidArgumentError), match="kv_cache_bytes"):
             config_from_dict({**base, "kv_cache_bytes": bad})
+    assert config_from_dict({**base, "placement_margin": "0"}).placement_margin == "0"   # no margin: a choice
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="give a size instead"):

@@ -200,7 +200,8 @@ class RunConfig(_Strict):
     @classmethod
     def _size(cls, v, info):
         if v is not None and not (info.field_name in ("bucket_bytes", "kv_cache_bytes") and v == "auto"):
-            if parse_bytes(v) <= 0:
+            # a margin of 0 is a choice; a KV cache of 0 holds no sequence
+            if parse_bytes(v) <= 0 and info.field_name == "kv_cache_bytes":
                 raise ValueError(f"{info.field_name} must be positive, got {v!r}")
         return v
 

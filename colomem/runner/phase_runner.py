@@ -305,11 +305,12 @@ class PhaseRunner:
             # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
             # recompute takes what the KV cache hint would offer
             if not self.micro_batch_grown:
-                micro_hint = micro_hint or (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin,
-                                                             taken=taken, unit_extra=unit_extra)
-                              if c.micro_batch_tokens is None else
-                              micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
-                                                      taken=taken, unit_extra=unit_extra))
+                if not micro_hint:          # --grow-micro-batch's "stays" line says more than the hint
+                    micro_hint = (micro_batch_hint(self.placement, figs, c.micro_batch, rows, margin, taken=taken,
+                                                   unit_extra=unit_extra)
+                                  if c.micro_batch_tokens is None else
+                                  micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
+                                                          taken=taken, unit_extra=unit_extra))
                 if not c.trim_recompute:
                     recompute = self._recompute_hint(figs, margin, grown)
             # the KV cache hints name a --gpu-memory-utilization: they say nothing to a run that sized the
