@@ -37,6 +37,8 @@ def python_loop_s(n: int = 3_000_000) -> float:
 def _gpu_figures(reps: int) -> dict:
     import torch
 
+    from colomem.bench.transfer import cuda_time_ms, raw_peaks   # the transfer benchmark's own timing and ceilings
+
     dev = torch.device("cuda")
     x = torch.zeros(1, device=dev)
     torch.cuda.synchronize()
@@ -50,29 +52,14 @@ def _gpu_figures(reps: int) -> dict:
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     a @ b                                                              # cuBLAS picks its kernel
-    flops = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def matmuls():
         for _ in range(10):
             a @ b
-        end.record()
-        end.synchronize()
-        flops.append(10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12)
-    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(GiB, dtype=torch.uint8, device=dev)
-
-    def rate(dst, src) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        return GiB / (start.elapsed_time(end) / 1e3) / 1e9
-    h2d = [rate(gpu, host) for _ in range(reps)]
-    d2h = [rate(host, gpu) for _ in range(reps)]
+    flops = [10 * 2 * 8192 ** 3 / (cuda_time_ms(matmuls) / 1e3) / 1e12 for _ in range(reps)]
+    link = raw_peaks(GiB, reps)
     return {"launch_us": statistics.median(launches), "matmul_tflops": statistics.median(flops),
-            "h2d_gbs": statistics.median(h2d), "d2h_gbs": statistics.median(d2h),
+            "h2d_gbs": link["h2d"]["gbps"], "d2h_gbs": link["d2h"]["gbps"],
             "gpu_name": torch.cuda.get_device_name(dev)}
 
 
