@@ -143,7 +143,7 @@ stage() {  # the stages run in the order given on the command line
     sharedbase) for f in shared_base lora_inplace shared_base_runner; do
         run "${f}_tests" "${SHAREDBASE_TIMEOUT_S:-240}" python3 -m pytest -q -rs -s -m vllm "tests/gpu/test_${f}_gpu.py"
       done ;;
-    runner) run runner_tests 400 python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
+    runner) run runner_tests "${RUNNER_TIMEOUT_S:-560}" python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;
     diag) for cfg in ${DIAG_CONFIGS:-1GiB:2}; do  # bucket:buffers
         run "diag_bridge_${cfg/:/x}" 90 python3 benchmarks/diag_bridge.py --out "$OUT/diag/${cfg/:/x}" \
           --bucket "${cfg%%:*}" --buffers "${cfg##*:}"; done ;;
