@@ -8,7 +8,10 @@
 Each run is `runners/grpo_colocated.py --config configs/grpo_1p5b_<full|lora>.yaml` with a mode's flags in a
 fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   colomem      the default: the placement planner (--offload auto): the first step moves everything and
-               measures, later steps move only what does not fit (nothing, when both sides fit)
+               measures, later steps move only what does not fit (nothing, when both sides fit), and with
+               gradient checkpointing recompute only the layers the free memory requires (--trim-recompute auto)
+  recompute, shared_recompute  the default (a LoRA job's shared base) with --trim-recompute false: every
+               checkpointed layer recomputed, as the config says and TRL's run of it does (like for like)
   colomem_all  --offload all --rollout-sleep always: trainer state through the pinned pool every step, vLLM
                level-2 sleep, weights refilled by the bridge (colomem's switch with nothing left in place)
   resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)
@@ -26,7 +29,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   shared_nogc  a LoRA job's --shared-base without gradient checkpointing
   shared_mb32, shared_grow  a LoRA job's --shared-base with micro-batches of 32 rows, and grown
   compile, shared_compile  the default (a LoRA job's shared base) with --torch-compile
-  trim, shared_trim  the same with --trim-recompute; tuned, shared_tuned: with both
+  trim, shared_trim  the same with --trim-recompute (the default's own choice where it measures); tuned,
+               shared_tuned: with both
   tuned_grow, shared_tuned_grow  tuned with --grow-micro-batch (the micro-batch grows in what the trim leaves)
   kvauto, tuned_kv  the default, and tuned_grow, with --kv-cache-bytes auto (vLLM keeps the KV cache the
                rollout can hold, the trainer the rest)

@@ -7,6 +7,9 @@ CONFIGS = {"full": "configs/grpo_1p5b_full.yaml", "lora": "configs/grpo_1p5b_lor
            "lora7b": "configs/grpo_7b_lora.yaml", "full7b": "configs/grpo_7b_full.yaml",
            "bigkv": "configs/grpo_1p5b_bigkv.yaml"}
 MODES = {"colomem": ["--switch", "colomem"],
+         # every checkpointed layer recomputed, as the config asks (the default trims where memory is free)
+         "recompute": ["--switch", "colomem", "--trim-recompute", "false"],
+         "shared_recompute": ["--switch", "colomem", "--shared-base", "--trim-recompute", "false"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],

@@ -10,7 +10,9 @@ from colomem.runner.timeline import median as _median
 # colomem's mode and TRL's with the same recompute (or the same micro-batch): their steps' ratio is reported
 # per setting, and the best of each side against the other (each in its strongest measured setting; colomem's
 # grown micro-batch is one of its settings)
-RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"), "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
+RECOMPUTE_PAIRS = {"config": (("colomem", "shared"), "trl"),
+                   "recompute": (("recompute", "shared_recompute"), "trl"),
+                   "nogc": (("nogc", "shared_nogc"), "trl_nogc"),
                    "ckpt2": (("ckpt2",), "trl_ckpt2"), "mb32": (("mb32", "shared_mb32"), "trl_mb32"),
                    "grow": (("grow", "shared_grow"), None),
                    "compile": (("compile", "shared_compile"), "trl_compile"),
@@ -30,8 +32,8 @@ def recompute_top_level(report: dict, cfg: str, over_rounds) -> None:
         trl = over_rounds(cfg, peer, "step_s") if peer is not None else None
         if steps:
             ours[setting] = min(steps)
-        if trl is not None:
-            theirs[setting] = trl
+        if trl is not None and (steps or peer not in (RECOMPUTE_PAIRS[k][1] for k in theirs)):
+            theirs[setting] = trl      # a peer run that two settings pair with counts once, unless both ran
         if steps and trl is not None:
             by[setting] = trl / min(steps)
     # more than the plain pair (reported already): a setting of TRL's or of colomem's own beside it; the best

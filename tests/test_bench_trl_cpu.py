@@ -265,3 +265,23 @@ def test_a_runs_figures_say_what_the_planner_changed_and_whether_it_compiled(tmp
     assert res["planner_changes"] == {"micro_batch_grown": None, "recompute_trimmed": [28, 0]}
     assert res["torch_compile"] is True and res["step_s"] == 2.0
     assert res["recomputed_layers"] == [28, 0, 0]          # what each step's backward recomputed
+
+
+def test_the_default_that_trims_and_every_layer_recomputed_both_against_trls_config():
+    """The default trims the checkpointed layers where memory is free; `recompute` keeps every one, as the
+    config says and TRL's run of it does: both are set against that one TRL run, which counts once in the
+    best against the best."""
+    bench = _load("bench_grpo")
+    res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
+    assert bench.MODES["recompute"][-2:] == ["--trim-recompute", "false"]
+    assert "--shared-base" in bench.MODES["shared_recompute"] and "recompute" not in bench.PEER_SCRIPTS
+    report = {"runs": {"full_colomem": res(step_s=5.0), "full_recompute": res(step_s=7.0),
+                       "full_trl": res(step_s=9.0)}}
+    bench.top_level(report)
+    assert report["speedup_vs_trl"] == pytest.approx(9 / 5)
+    assert report["full_speedup_vs_trl_by_recompute"] == pytest.approx({"config": 9 / 5, "recompute": 9 / 7})
+    assert report["full_speedup_vs_trl_best"] == pytest.approx(9 / 5)
+    assert report["full_best_recompute"] == {"colomem": "config", "trl": "config"}
+    only_plain = {"runs": {"full_colomem": res(step_s=5.0), "full_trl": res(step_s=9.0)}}
+    bench.top_level(only_plain)
+    assert "full_speedup_vs_trl_best" not in only_plain          # the plain pair alone: speedup_vs_trl says it

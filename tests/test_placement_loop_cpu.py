@@ -251,9 +251,10 @@ def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rol
 
 
 def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_env, tmp_path, monkeypatch):
-    """--trim-recompute with --grow-micro-batch: the trim goes first (it takes work out of every step), the
-    micro-batch grows in what is left, each row now holding the activations of the layers no longer
-    checkpointed; both lines are printed and the placement event records both changes."""
+    """--trim-recompute (its default, auto, where the placement is measured) with --grow-micro-batch: the trim
+    goes first (it takes work out of every step), the micro-batch grows in what is left, each row now holding
+    the activations of the layers no longer checkpointed; both lines are printed and the placement event
+    records both changes. --trim-recompute false keeps every layer checkpointed."""
     from colomem.engines.recompute import checkpointed_layers, decoder_layers
     from colomem.runner import phase_runner
     from colomem.runner.recompute_plan import RecomputeProbe
@@ -281,13 +282,13 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
         return [s for s in said if s.startswith("[colomem] training: --")], event, recomputed
 
     # growing alone: 26 GiB at 2 GiB a row buys 13 rows more: 16, a divisor of the 16 rows a step
-    lines, event, recomputed = run("grow", grow_micro_batch=True)
+    lines, event, recomputed = run("grow", grow_micro_batch=True, trim_recompute=False)
     assert event["micro_batch_grown"] == [4, 16] and event["recompute_trimmed"] is None
     layers = recomputed[0]
     assert layers > 0 and recomputed == [layers] * 3    # every step recomputed every layer
     # trimmed first: no layer checkpointed takes 1 GiB a row (4 GiB at 4 rows); the 22 GiB left at 3 GiB a row
     # buy 7 rows more: 8, the largest divisor of 16 up to 11
-    lines, event, recomputed = run("both", grow_micro_batch=True, trim_recompute=True)
+    lines, event, recomputed = run("both", grow_micro_batch=True)
     assert event["recompute_trimmed"][1] == 0 and event["micro_batch_grown"] == [4, 8], event
     assert layers == len(decoder_layers(seen["model"])) and recomputed == [layers, 0, 0]   # then none
     assert checkpointed_layers(seen["model"]) == 0

@@ -135,3 +135,25 @@ def test_trim_recompute_needs_checkpointing_and_a_measured_placement():
                         ({"offload": "none", "rollout_sleep": "never"}, "measures in the first step")):
         with pytest.raises(ConfigError, match=what):
             config_from_dict({**base, **other})
+
+
+def test_trim_recompute_auto_trims_wherever_the_placement_is_measured_and_checkpointing_is_on():
+    """The default, auto: the planner trims where it measures the memory (the same gradients, less work),
+    never asks for it where it cannot (a fixed placement, the timesplit baseline, no checkpointing), and
+    false keeps every checkpointed layer; the flag takes true, false or auto, nothing else."""
+    from colomem.errors import ConfigError
+    from colomem.runner.config import config_from_dict, load_run_config
+
+    on = {"backend": "cpu", "gradient_checkpointing": True}
+    assert config_from_dict({}).trim_recompute == "auto"
+    assert config_from_dict(on).trims_recompute
+    assert config_from_dict({**on, "offload": "none"}).trims_recompute           # the rollout's sleep measured
+    for off in ({"gradient_checkpointing": False}, {"offload": "none", "rollout_sleep": "never"},
+                {"offload": "all", "rollout_sleep": "always"}, {"switch": "timesplit"}, {"trim_recompute": False}):
+        assert not config_from_dict({**on, **off}).trims_recompute, off
+    cli = ["--backend", "cpu", "--gradient-checkpointing", "true"]
+    assert load_run_config(cli + ["--trim-recompute"]).trim_recompute is True
+    assert load_run_config(cli + ["--no-trim-recompute"]).trim_recompute is False
+    assert load_run_config(cli + ["--trim-recompute", "auto"]).trim_recompute == "auto"
+    with pytest.raises(ConfigError, match="should be true, false or auto"):
+        load_run_config(cli + ["--trim-recompute", "maybe"])

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -148,11 +148,13 @@ class RunConfig(_Strict):
                                                       "training peak (what the training hint names); the update "
                                                       "stays the same up to rounding; with --trim-recompute, in "
                                                       "the memory the trimmed layers leave")
-    trim_recompute: bool = Field(False, description="with --gradient-checkpointing, after the measuring step: "
-                                                    "checkpoint only as many decoder layers as the memory the "
-                                                    "placement leaves free while training requires (what the "
-                                                    "checkpointing hint names): less recompute, the same "
-                                                    "gradients; before --grow-micro-batch takes what is left")
+    trim_recompute: Union[bool, Literal["auto"]] = Field(
+        "auto", description="with --gradient-checkpointing, after the measuring step: checkpoint only as many "
+                            "decoder layers as the memory the placement leaves free while training requires (what "
+                            "the checkpointing hint names): less recompute, the same gradients; before "
+                            "--grow-micro-batch takes what is left. auto: wherever the placement is measured "
+                            "(--switch colomem with --offload auto or --rollout-sleep auto) and checkpointing is "
+                            "on; false: every checkpointed layer stays so, as configured")
     torch_compile: bool = Field(False, description="torch.compile each decoder layer's attention, MLP and norms "
                                                    "for training: fused kernels and far less host work a "
                                                    "micro-batch (small micro-batches wait on the host); the "
@@ -204,6 +206,14 @@ class RunConfig(_Strict):
             if parse_bytes(v) <= 0 and info.field_name == "kv_cache_bytes":
                 raise ValueError(f"{info.field_name} must be positive, got {v!r}")
         return v
+
+    @field_validator("trim_recompute", mode="before")
+    @classmethod
+    def _bool_or_auto(cls, v):
+        # one message for the field, not one for each member of the union
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError("should be true, false or auto")
 
     @field_validator("model")
     @classmethod
@@ -274,11 +284,11 @@ class RunConfig(_Strict):
             raise ValueError(str(e)) from None
         measured = self.switch == "colomem" and needs_measuring(self.offload, self.rollout_sleep)
         for on, flag, what in ((self.grow_micro_batch, "--grow-micro-batch", "sizes the micro-batch"),
-                               (self.trim_recompute, "--trim-recompute", "chooses the checkpointed layers")):
+                               (self.trim_recompute is True, "--trim-recompute", "chooses the checkpointed layers")):
             if on and not measured:
                 raise ValueError(f"{flag} {what} from the memory the placement planner measures in the first "
                                  "step; it needs --switch colomem and --offload auto or --rollout-sleep auto")
-        if self.trim_recompute and not self.gradient_checkpointing:
+        if self.trim_recompute is True and not self.gradient_checkpointing:
             raise ValueError("--trim-recompute checkpoints fewer decoder layers; without --gradient-checkpointing "
                              "none is checkpointed")
         return self
@@ -344,6 +354,17 @@ class RunConfig(_Strict):
     def start_optimizer_reload(self) -> str:
         """The trainers' optimizer_reload at start (auto starts overlapped; the planner may choose step)."""
         return "step" if self.optimizer_reload == "step" else "overlap"
+
+    @property
+    def trims_recompute(self) -> bool:
+        """Whether the planner trims the checkpointed layers after the measuring step: --trim-recompute, or its
+        auto wherever the placement is measured and checkpointing is on (the same gradients, less work)."""
+        if self.trim_recompute == "auto":
+            from .placement import needs_measuring
+
+            return (self.gradient_checkpointing and self.switch == "colomem"
+                    and needs_measuring(self.offload, self.rollout_sleep))
+        return bool(self.trim_recompute)
 
     @property
     def effective_engine(self) -> str:

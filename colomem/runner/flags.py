@@ -49,6 +49,23 @@ def _unwrap(ann):
     return ann, False
 
 
+def _bool_or_choice(ann) -> tuple:
+    """The named choices of a field that is a bool or one of them (e.g. --trim-recompute true|false|auto);
+    () for any other field."""
+    if typing.get_origin(ann) not in _UNION_TYPES or bool not in typing.get_args(ann):
+        return ()
+    return tuple(c for a in typing.get_args(ann) if typing.get_origin(a) is Literal for c in typing.get_args(a))
+
+
+def _parse_bool(raw: str) -> Any:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    return raw
+
+
 def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
     """CLI strings -> Python values; pydantic does the type coercion and the checks."""
     ann, optional = _unwrap(_annotation(path))
@@ -65,12 +82,11 @@ def _parse_flag_value(path: tuple[str, ...], raw: str) -> Any:
             if str(choice) == raw.strip():
                 return choice
         return raw
-    if ann is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
+    choices = _bool_or_choice(ann)
+    if choices and raw.strip() in map(str, choices):
+        return raw.strip()
+    if ann is bool or choices:
+        return _parse_bool(raw)
     return raw
 
 
@@ -99,9 +115,10 @@ def build_arg_parser(description: str = "colocated GRPO") -> argparse.ArgumentPa
         field = model.model_fields[path[-1]]
         help_ = _help_text(field, path)
         dest = "f__" + "__".join(path)
-        if ann is bool:
+        either = _bool_or_choice(ann)
+        if ann is bool or either:
             p.add_argument(flag, dest=dest, nargs="?", const="true", default=argparse.SUPPRESS, help=help_,
-                           metavar="true|false")
+                           metavar="|".join(("true", "false", *map(str, either))))
             p.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="false",
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:

@@ -294,7 +294,7 @@ class PhaseRunner:
             # saves the host work a micro-batch costs; --grow-micro-batch then takes what is left, each row
             # now also holding the activations of the layers no longer checkpointed
             taken, unit_extra = grown, 0.0
-            if c.trim_recompute:
+            if c.trims_recompute:
                 recompute = self._recompute_hint(figs, margin, grown, rec.step + 2)
                 taken += self.recompute_extra
                 unit_extra = self.recompute_extra / (c.micro_batch if c.micro_batch_tokens is None
@@ -311,7 +311,7 @@ class PhaseRunner:
                                   if c.micro_batch_tokens is None else
                                   micro_batch_tokens_hint(self.placement, figs, c.micro_batch_tokens, margin,
                                                           taken=taken, unit_extra=unit_extra))
-                if not c.trim_recompute:
+                if not c.trims_recompute:
                     recompute = self._recompute_hint(figs, margin, grown)
             # the KV cache hints name a --gpu-memory-utilization: they say nothing to a run that sized the
             # cache itself (--kv-cache-bytes)
