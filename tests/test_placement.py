@@ -2,6 +2,7 @@
 offloads that move only what the plan says; a CPU job run with nothing moving trains exactly as one that
 moves everything."""
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -199,6 +200,9 @@ def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so()
     line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 26 * GB, 2)
     assert line.startswith("--micro-batch-tokens stays 8192") and "rows" not in line
     assert r.trainer.micro_batch_tokens == 8192 and r.micro_batch_grown is None
+    # more taken than was free (a grown sync bucket and the trim): no negative size in the line
+    line = PhaseRunner._grow_micro_batch(runner(), [f], 64, 2 * GB, 40 * GB, 2)
+    assert "nothing is left free while training" in line and not re.search(r"-\d", line)
 
 
 def test_grow_micro_batch_needs_the_measured_placement():

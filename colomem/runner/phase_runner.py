@@ -397,9 +397,12 @@ class PhaseRunner:
             return ""
         flag = "--" + name.replace("_", "-")
         if new <= now:     # said, so that a user who asked for it knows it was weighed and why nothing changed
-            spare = format_bytes(train_spare(self.placement, figs, margin, taken))
-            return (f"{flag} stays {now} (--grow-micro-batch: the {spare} left free while training, estimated "
-                    "from this step's training peak, holds no larger one"
+            spare = train_spare(self.placement, figs, margin, taken)
+            if spare <= 0:
+                return (f"{flag} stays {now} (--grow-micro-batch: nothing is left free while training beyond the "
+                        "placement's margin, estimated from this step's training peak)")
+            return (f"{flag} stays {now} (--grow-micro-batch: the {format_bytes(spare)} left free while training, "
+                    "estimated from this step's training peak, holds no larger one"
                     + ("" if tokens is not None else f" that divides the step's {rows} rows") + ")")
         setattr(self.trainer, name, new)
         self.micro_batch_grown = (now, new)

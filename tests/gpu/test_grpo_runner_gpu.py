@@ -92,11 +92,11 @@ def test_default_job_auto_placement_moves_nothing_once_it_fits(tmp_path):
 
 
 def test_default_job_with_compiled_layers_trimmed_recompute_and_a_grown_micro_batch(tmp_path):
-    # --torch-compile, --trim-recompute and --grow-micro-batch on the planner's default: the tiny job fits, so
-    # after the measuring step no layer is checkpointed any more and the micro-batch grows in what is left;
-    # vLLM samples with the weights the compiled trainer trained
+    # --torch-compile and --grow-micro-batch with checkpointing on the planner's default, whose
+    # --trim-recompute auto trims: the tiny job fits, so after the measuring step no layer is checkpointed any
+    # more and the micro-batch grows in what is left; vLLM samples with the weights the compiled trainer trained
     steps, summary, log = _run(tmp_path, "tuned", "--steps", "5", "--torch-compile", "--gradient-checkpointing",
-                               "true", "--trim-recompute", "--grow-micro-batch")
+                               "true", "--grow-micro-batch")
     _check_loop(steps, summary, 5, settled=2)
     assert "[colomem] training: torch.compile on" in log
     trim = log.index("--gradient-checkpointing false from step 2 on (--trim-recompute")
