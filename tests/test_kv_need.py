@@ -52,6 +52,7 @@ def test_a_cache_far_larger_than_the_rollout_gets_the_utilization_that_lets_noth
     assert p.trainer_moves and p.rollout_sleeps                   # as measured: the moments move every step
     hint = kv_shrink_hint(p, [f], "auto", "auto", 0.85)
     assert "nothing moves" in hint and "3.50 GiB" in hint and "(now 0.85)" in hint, hint
+    assert hint.endswith("--kv-cache-bytes auto sizes the cache to what the rollout holds"), hint
     # the utilization given holds the rollout with the headroom: 0.85 - (112.5 - 1.25 x 3.5) / 139.8
     assert "--gpu-memory-utilization 0.08 " in hint, hint
 

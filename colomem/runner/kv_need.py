@@ -84,7 +84,8 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
     return (f"the rollout holds at most {format_bytes(worst.kv_need)} of KV cache (its sequences at once, each "
             f"at --max-model-len), and vLLM keeps {format_bytes(worst.kv_cache)} for it: "
             f"--gpu-memory-utilization {max(0.01, utilization - spare / total):.2f} (now {utilization:.2f}) would "
-            f"still hold it, and then: {q.label} (now {p.label})")
+            f"still hold it, and then: {q.label} (now {p.label}); --kv-cache-bytes auto sizes the cache to what "
+            "the rollout holds")
 
 
 def auto_kv_cache_bytes(sequences: int, max_model_len: int, per_token: int, kv_heads: int,
