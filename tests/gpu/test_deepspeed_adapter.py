@@ -61,6 +61,12 @@ def ready():
     settle()
     yield
     torch.use_deterministic_algorithms(False)        # do not leak the mode into other test modules
+    # the group is this fixture's own (the trainers leave a group they did not start alone): destroyed here,
+    # through DeepSpeed so its cached groups go too, else torch warns at exit that nothing destroyed it
+    from colomem.engines.deepspeed.config import forget_distributed_env
+
+    deepspeed.comm.destroy_process_group()
+    forget_distributed_env()
 
 
 def settle():
