@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import gc
 import warnings
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from .config import forget_distributed_env
-
-T = TypeVar("T")
+from .setup_hold import SetupHold
 
 
 def _destroy_deepspeeds() -> None:
@@ -33,56 +32,36 @@ def _destroy_deepspeeds() -> None:
     forget_distributed_env()
 
 
-class DefaultGroupGuard:
+class DefaultGroupGuard(SetupHold):
     """Counts the live trainers that use a default group a trainer's set-up started; the last release()
-    destroys it. A trainer builds its engine through setup() and calls release() when it closes if setup()
-    said it holds the group."""
+    destroys it (failures are warnings: that runs while closing). The state before a set-up is whether a
+    group existed; pass it as setup()'s `before` when the set-up began before build() (a ZeRO-3 model built
+    inside DeepSpeed's partitioning context starts the group already)."""
 
     def __init__(self, destroy: Optional[Callable[[], None]] = None) -> None:
+        super().__init__()
         self._destroy = destroy or _destroy_deepspeeds
-        self._holders = 0
 
     @staticmethod
     def started() -> bool:
         return dist.is_available() and dist.is_initialized()
 
-    def setup(self, build: Callable[[], T], before: Optional[bool] = None) -> tuple[T, bool]:
-        """(build(), whether the caller holds the default group now and must release() it). before: whether a
-        group existed before the caller's set-up began, when that was earlier than build() (a ZeRO-3 model
-        built inside DeepSpeed's partitioning context starts the group already)."""
-        before = self.started() if before is None else before
-        try:
-            out = build()
-        except BaseException:
-            if self._after_setup(before):
-                self.release()
-            raise
-        return out, self._after_setup(before)
+    def _snapshot(self) -> bool:
+        return self.started()
 
-    def _after_setup(self, before: bool) -> bool:
+    def _took(self, before: bool) -> bool:
         if not self.started():
             return False
-        if self._holders == 0 and before:
-            return False            # someone else's group
-        self._holders += 1          # the set-up started it, or a live trainer's set-up did
-        return True
+        return self._holders > 0 or not before     # a live trainer's set-up started it, or this one did
 
-    def release(self) -> None:
-        """One holder fewer; the last destroys the group (failures are warnings: this runs while closing)."""
-        if self._holders == 0:
-            return
-        self._holders -= 1
-        if self._holders or not self.started():
+    def _give_back(self) -> None:
+        if not self.started():
             return
         try:
             self._destroy()
         except Exception as e:  # noqa: BLE001 - closing goes on
-            warnings.warn(f"destroying the trainer's process group failed: {e!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"destroying the trainer's process group failed: {e!r}", RuntimeWarning, stacklevel=3)
         gc.collect()                # what still references the group lets it go now, not at interpreter exit
-
-    @property
-    def holders(self) -> int:
-        return self._holders
 
 
 DEFAULT_GROUP = DefaultGroupGuard()

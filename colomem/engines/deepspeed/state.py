@@ -19,16 +19,17 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator, Optional, Sequence, TypeVar
+from typing import Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from colomem.bridge.buckets import dtype_name
 
+from .setup_hold import SetupHold
+
 CATEGORIES = ("params", "master", "optim", "grads", "other")
 LATE_CATEGORIES = ("master", "optim")   # read by the optimizer step only, not by forward or backward
-T = TypeVar("T")
 
 
 def storage_key(t: Tensor) -> int:
@@ -269,61 +270,42 @@ def release_zero3_references(module, stack: Optional[list] = None, caches: Optio
     return n
 
 
-class FunctionalLinearGuard:
+class FunctionalLinearGuard(SetupHold):
     """Puts torch.nn.functional.linear back once no live trainer needs DeepSpeed's replacement.
 
     Setting up a ZeRO-3 engine replaces torch.nn.functional.linear, process-wide, with DeepSpeed's
     memory-efficient autograd function, and nothing puts it back: every later F.linear in the process (a ZeRO-2
     trainer's, a reference model's, the user's own code) then runs DeepSpeed's backward, whose rounding
-    differs from torch's, so the same job gives different bits depending on what ran before it. A trainer
-    sets its engine up through `setup()` and calls `release()` when it closes when that said it holds the
-    replacement; the last release puts back what was there before the first replacement, unless someone
-    else has replaced the function since."""
+    differs from torch's, so the same job gives different bits depending on what ran before it. The last
+    release puts back what was there before the first replacement, unless someone else has replaced the
+    function since."""
 
     def __init__(self, namespace=torch.nn.functional) -> None:
+        super().__init__()
         self._ns = namespace
         self._original = None
         self._patched = None
-        self._holders = 0
-        self._before = None
 
-    def setup(self, build: Callable[[], T]) -> tuple[T, bool]:
-        """(build(), whether the caller holds the replacement now and must release() it)."""
-        self._before = self._ns.linear
-        try:
-            out = build()
-        except BaseException:
-            if self._after_setup():
-                self.release()
-            raise
-        return out, self._after_setup()
+    def _snapshot(self):
+        return self._ns.linear
 
-    def _after_setup(self) -> bool:
-        """True (and counted: call release() later) when the function a trainer's set-up left differs from
-        torch's own, whether this set-up or a live trainer's replaced it."""
-        now, before, self._before = self._ns.linear, self._before, None
+    def _took(self, before) -> bool:
+        """When the function a trainer's set-up left differs from torch's own, whether this set-up or a live
+        trainer's replaced it."""
+        now = self._ns.linear
         if self._holders == 0:
-            if now is before or before is None:
+            if now is before:
                 return False
             self._original = before
         elif now is self._original:
             return False
         self._patched = now
-        self._holders += 1
         return True
 
-    def release(self) -> None:
-        if self._holders == 0:
-            return
-        self._holders -= 1
-        if self._holders == 0:
-            if self._ns.linear is self._patched and self._original is not None:
-                self._ns.linear = self._original
-            self._original = self._patched = None
-
-    @property
-    def holders(self) -> int:
-        return self._holders
+    def _give_back(self) -> None:
+        if self._ns.linear is self._patched and self._original is not None:
+            self._ns.linear = self._original
+        self._original = self._patched = None
 
 
 FUNCTIONAL_LINEAR = FunctionalLinearGuard()
