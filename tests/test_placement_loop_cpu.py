@@ -324,3 +324,29 @@ def test_the_plan_counts_activations_at_the_widest_row_the_job_can_train_on(job_
     assert (event["measured_width"], event["planned_width"]) == (7, 14)
     assert event["micro_batch_grown"] == [4, 8]       # 18 GB free at 4 GB a row
     assert any(s.startswith("[colomem] placement: planned for rows of up to 14 tokens") for s in said), said
+
+
+def test_the_default_trim_of_the_recompute_trains_bit_for_bit_as_recomputing_every_layer(job_env, tmp_path,
+                                                                                       monkeypatch):
+    """--trim-recompute's default (auto) with checkpointing on and GPU-like figures that leave room: from
+    step 2 no layer is recomputed, and the weights and rewards are those of the run that recomputes every
+    layer (--trim-recompute false): the trim takes memory, not bits."""
+    from colomem.runner import phase_runner
+
+    f = figs(peak=53)
+    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    runs = {}
+    for name, kw in (("trim", {}), ("every", {"trim_recompute": False})):
+        res = run_job(job(tmp_path / name, micro_batch=4, placement_margin="2GB", gradient_checkpointing=True, **kw),
+                      print_fn=lambda *_: None)
+        assert res.summary["status"] == "ok", res.summary
+        runs[name] = [x for x in lines(tmp_path / name) if "reward_mean" in x]
+    layers = runs["every"][0]["train/recomputed_layers"]
+    assert layers > 0 and [x["train/recomputed_layers"] for x in runs["every"]] == [layers] * 3
+    assert [x["train/recomputed_layers"] for x in runs["trim"]] == [layers, 0, 0]
+    assert [x["reward_mean"] for x in runs["trim"]] == [x["reward_mean"] for x in runs["every"]]
+    a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+            for k in ("trim", "every"))
+    assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
