@@ -12,6 +12,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
                gradient checkpointing recompute only the layers the free memory requires (--trim-recompute auto)
   recompute, shared_recompute  the default (a LoRA job's shared base) with --trim-recompute false: every
                checkpointed layer recomputed, as the config says and TRL's run of it does (like for like)
+  recompute_grow  recompute with --grow-micro-batch: the free memory spent on a larger micro-batch instead of
+               fewer recomputed layers
   colomem_all  --offload all --rollout-sleep always: trainer state through the pinned pool every step, vLLM
                level-2 sleep, weights refilled by the bridge (colomem's switch with nothing left in place)
   resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)

@@ -10,6 +10,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          # every checkpointed layer recomputed, as the config asks (the default trims where memory is free)
          "recompute": ["--switch", "colomem", "--trim-recompute", "false"],
          "shared_recompute": ["--switch", "colomem", "--shared-base", "--trim-recompute", "false"],
+         # every layer recomputed and the micro-batch grown in the memory that leaves (the default trims first,
+         # then grows in what the trim left): which of the two the free memory buys more with
+         "recompute_grow": ["--switch", "colomem", "--trim-recompute", "false", "--grow-micro-batch"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],

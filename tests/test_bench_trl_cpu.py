@@ -275,6 +275,7 @@ def test_the_default_that_trims_and_every_layer_recomputed_both_against_trls_con
     res = lambda **kw: {"result": {"status": "ok", **kw}}  # noqa: E731
     assert bench.MODES["recompute"][-2:] == ["--trim-recompute", "false"]
     assert "--shared-base" in bench.MODES["shared_recompute"] and "recompute" not in bench.PEER_SCRIPTS
+    assert bench.MODES["recompute_grow"][-3:] == ["--trim-recompute", "false", "--grow-micro-batch"]
     report = {"runs": {"full_colomem": res(step_s=5.0), "full_recompute": res(step_s=7.0),
                        "full_trl": res(step_s=9.0)}}
     bench.top_level(report)
