@@ -293,6 +293,8 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     assert layers == len(decoder_layers(seen["model"])) and recomputed == [layers, 0, 0]   # then none
     assert checkpointed_layers(seen["model"]) == 0
     assert len(lines) == 2 and lines[0].startswith("[colomem] training: --gradient-checkpointing false from step 2")
+    # the default's line says it was the default and how to keep every layer checkpointed
+    assert "(--trim-recompute auto: " in lines[0] and "--trim-recompute false recomputes every one)" in lines[0]
     assert lines[1].startswith("[colomem] training: --micro-batch 4 -> 8 from step 2 on")
 
 

@@ -435,9 +435,11 @@ class PhaseRunner:
         # the same on every rank (a later --grow-micro-batch must pick the same): the most any rank's own
         # setting takes, at least what the chosen one, which checkpoints as many layers or more, takes there
         self.recompute_extra = max(f[2] for f in fits if f is not None)
-        return (f"{flag} from step {trim_from} on (--trim-recompute: the backward recomputes {now} of the "
-                f"{pr.layers} decoder layers instead of {pr.checkpointed}; the others keep their activations, "
-                f"{format_bytes(extra)} of the {format_bytes(spare)} free while training)")
+        auto = getattr(self.cfg, "trim_recompute", True) == "auto"      # the default: say how to keep them all
+        return (f"{flag} from step {trim_from} on (--trim-recompute{' auto' if auto else ''}: the backward "
+                f"recomputes {now} of the {pr.layers} decoder layers instead of {pr.checkpointed}; the others keep "
+                f"their activations, {format_bytes(extra)} of the {format_bytes(spare)} free while training"
+                + ("; --trim-recompute false recomputes every one" if auto else "") + ")")
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer
