@@ -308,7 +308,8 @@ def _recompute_advice(b: Budget, shape: Shape, micro_batch: int, seq_len: int, e
                             f"{shape.layers} (now {now}), an estimated training peak of "
                             f"{Budget.total(train) / GiB:.1f} GiB "
                             f"(vLLM asleep); less work in the backward, the same gradients. The runner measures "
-                            "it after its first step ([colomem] training:)")
+                            "it after its first step and takes it where it measures the placement "
+                            "(--trim-recompute auto; [colomem] training:)")
             return
 
 
