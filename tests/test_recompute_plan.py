@@ -93,7 +93,7 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
         model = small_qwen2(layers=6)
         enable_recompute(model, 1)
         return SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4,
-                                                   micro_batch_tokens=None),
+                                                   micro_batch_tokens=None, trim_recompute=True),
                                train_width=40, planned_width=40,
                                trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
                                recompute_probe=None, recompute_trimmed=None, placement=placement,

@@ -276,13 +276,13 @@ class RunConfig(_Strict):
         if self.switch == "timesplit" and (self.offload != "auto" or self.rollout_sleep != "auto"):
             raise ValueError("--offload and --rollout-sleep place the colomem switch's memory; the timesplit "
                              "baseline always offloads the trainer with DeepSpeed and puts vLLM to sleep")
-        from .placement import candidates, needs_measuring
+        from .placement import candidates
 
         try:
             candidates(self.offload, self.rollout_sleep)
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        measured = self.switch == "colomem" and needs_measuring(self.offload, self.rollout_sleep)
+        measured = self.placement_measured
         for on, flag, what in ((self.grow_micro_batch, "--grow-micro-batch", "sizes the micro-batch"),
                                (self.trim_recompute is True, "--trim-recompute", "chooses the checkpointed layers")):
             if on and not measured:
@@ -356,14 +356,19 @@ class RunConfig(_Strict):
         return "step" if self.optimizer_reload == "step" else "overlap"
 
     @property
+    def placement_measured(self) -> bool:
+        """Whether the planner measures the first step to place memory (the colomem switch with more than one
+        placement to choose from): what --grow-micro-batch and --trim-recompute size themselves by."""
+        from .placement import needs_measuring
+
+        return self.switch == "colomem" and needs_measuring(self.offload, self.rollout_sleep)
+
+    @property
     def trims_recompute(self) -> bool:
         """Whether the planner trims the checkpointed layers after the measuring step: --trim-recompute, or its
         auto wherever the placement is measured and checkpointing is on (the same gradients, less work)."""
         if self.trim_recompute == "auto":
-            from .placement import needs_measuring
-
-            return (self.gradient_checkpointing and self.switch == "colomem"
-                    and needs_measuring(self.offload, self.rollout_sleep))
+            return self.gradient_checkpointing and self.placement_measured
         return bool(self.trim_recompute)
 
     @property

@@ -25,7 +25,7 @@ from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
-                        needs_measuring, reload_at_step, state_to_plan, train_spare)
+                        reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
 from .recompute_plan import RecomputeProbe, probe, recompute_fit, recompute_hint
 from .status import StatusFile
@@ -56,7 +56,7 @@ class PhaseRunner:
         self.rollout_awake = False
         # what moves between phases (colomem.runner.placement); measured on the first step when it may vary
         self.placement: Placement = first_placement(cfg)
-        self._plan_after_step = cfg.switch == "colomem" and needs_measuring(cfg.offload, cfg.rollout_sleep)
+        self._plan_after_step = cfg.placement_measured
         self.placement_figures: list[dict] = []
         self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
@@ -435,7 +435,7 @@ class PhaseRunner:
         # the same on every rank (a later --grow-micro-batch must pick the same): the most any rank's own
         # setting takes, at least what the chosen one, which checkpoints as many layers or more, takes there
         self.recompute_extra = max(f[2] for f in fits if f is not None)
-        auto = getattr(self.cfg, "trim_recompute", True) == "auto"      # the default: say how to keep them all
+        auto = self.cfg.trim_recompute == "auto"      # the default: say how to keep them all
         return (f"{flag} from step {trim_from} on (--trim-recompute{' auto' if auto else ''}: the backward "
                 f"recomputes {now} of the {pr.layers} decoder layers instead of {pr.checkpointed}; the others keep "
                 f"their activations, {format_bytes(extra)} of the {format_bytes(spare)} free while training"
