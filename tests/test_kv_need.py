@@ -147,6 +147,31 @@ def test_kv_cache_bytes_auto_holds_a_ranks_rollout_at_max_model_len_on_each_gpu(
     assert resolve_kv_cache(config_from_dict(base), model, 1) == (None, "")
 
 
+def test_the_planners_kv_need_is_one_gpus_share_as_the_auto_cache_is(tmp_path):
+    """What the planner weighs a cache against is the rollout's need on this GPU, split by tensor parallelism
+    as --kv-cache-bytes auto splits it: the auto cache is that need with a quarter more, whatever the TP."""
+    from types import SimpleNamespace
+
+    from colomem.runner.kv_need import auto_kv_cache_bytes, kv_layout, rollout_kv_need
+    from colomem.runner.phase_runner import PhaseRunner
+
+    model = _qwen2_1p5b_config(tmp_path / "m")
+    per_token, kv_heads = kv_layout(model)
+    base = {"backend": "cpu", "prompts_per_step": 32, "grpo": {"group_size": 8}, "max_model_len": 512}
+    for tp, share in ((1, 1), (2, 1), (4, 2)):      # 2 KV heads: on 4 GPUs each holds a copy of one
+        cfg = config_from_dict({**base, "backend": "gpu", "tensor_parallel_size": tp})
+        me = SimpleNamespace(cfg=cfg, ranks=SimpleNamespace(world_size=tp),
+                             rollout=SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=model))
+        rows = 256 // tp                   # a rank's; the engine generates as many ranks' as it has GPUs
+        cache, need = PhaseRunner._kv_figures(me)
+        assert cache == 9 * GiB and need == int(3.5 / tp * share * GiB) == rollout_kv_need(rows, 512, per_token,
+                                                                                           kv_heads, tp)
+        assert auto_kv_cache_bytes(rows, 512, per_token, kv_heads, tp) == int(need * 1.25)
+    gone = SimpleNamespace(cfg=config_from_dict(base), ranks=SimpleNamespace(world_size=1),
+                           rollout=SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=str(tmp_path / "none")))
+    assert PhaseRunner._kv_figures(gone) == (9 * GiB, 0)      # no config to read: no need weighed
+
+
 def test_kv_cache_bytes_reaches_vllm_and_bad_values_are_refused_early(tmp_path):
     import pytest
 

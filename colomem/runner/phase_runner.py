@@ -22,7 +22,7 @@ from colomem.units import format_bytes, parse_bytes
 from .batch_width import widened
 from .loop_memory import first_placement, grow_sync_bucket, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
-from .kv_need import kv_bytes_per_token, kv_shrink_hint, rollout_kv_bound
+from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         reload_at_step, state_to_plan, train_spare)
@@ -361,11 +361,12 @@ class PhaseRunner:
         path = getattr(self.rollout, "model_path", None)
         if not cache or not path:
             return 0, 0
-        per_token = kv_bytes_per_token(path, self.cfg.trust_remote_code)
-        if not per_token:
+        layout = kv_layout(path, self.cfg.trust_remote_code)
+        if layout is None:
             return int(cache), 0
-        rows = self.cfg.rows_per_rank(self.ranks.world_size)
-        return int(cache), rollout_kv_bound(rows, self.cfg.max_model_len, per_token)
+        c = self.cfg
+        return int(cache), rollout_kv_need(c.rows_per_rank(self.ranks.world_size), c.max_model_len, layout[0],
+                                           layout[1], c.tensor_parallel_size)
 
     def _measure_at_step(self) -> None:
         """optimizer_reload auto, the measuring step of a run whose optimizer state exists already (a resume):
