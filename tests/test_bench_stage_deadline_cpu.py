@@ -84,3 +84,24 @@ def test_figures_only_reports_each_checkpoint_the_run_waited_for_against_its_wri
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "grpo_bench.json").read_text())["runs"]["full_saved"]["result"]
     assert res["checkpoints"] == [{"step": 2, "seconds": 0.6, "write_seconds": 7.5}]
+
+
+def test_a_calls_first_run_gets_the_time_it_fills_vllms_compile_cache_in(tmp_path, monkeypatch):
+    """The first run of a call compiles vLLM's model on a fresh machine (the runs after it load the cache): its
+    bound has --first-run-extra-s more, the others their own bound, the peer's too."""
+    bench = load_benchmark("bench_grpo")
+    monkeypatch.delenv("STAGE_DEADLINE_EPOCH", raising=False)
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)     # no imports to warm here
+    bounds = {}
+
+    def fake_run(name, args, out_dir, timeout_s, *rest, **kw):
+        bounds[name] = timeout_s
+        return {"rc": 0, "wall_s": 1.0, "result": {"status": "ok"}}
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    monkeypatch.setattr(bench, "run_peer", lambda mode, name, args, out_dir, timeout_s: fake_run(name, args, out_dir,
+                                                                                                 timeout_s))
+    monkeypatch.setattr(bench, "analyse", lambda d: {"status": "ok"})
+    assert bench.main(["--out", str(tmp_path), "--configs", "full", "--modes", "colomem,trl", "--rounds", "2",
+                       "--run-timeout-s", "200", "--peer-timeout-s", "210", "--first-run-extra-s", "60"]) == 0
+    assert bounds == {"full_prepare": 200, "full_colomem": 260, "full_trl": 210, "full_colomem_r2": 200,
+                      "full_trl_r2": 210}, bounds
