@@ -48,9 +48,8 @@ def kv_bytes_per_token(model_path: str, trust_remote_code: bool = False, dtype_b
 
 
 def rollout_kv_bound(sequences: int, max_model_len: int, per_token: int) -> int:
-    """The most KV cache one GPU's rollout can hold: all its sequences at once, each max_model_len tokens in
-    whole blocks (tensor parallelism splits the sequences' bytes over the engine's GPUs and the engine's
-    sequences are those of as many ranks, so the per-GPU figure is the rank's own)."""
+    """The most KV cache a rank's rollout can hold: all its sequences at once, each max_model_len tokens in
+    whole blocks, at per_token bytes a token (one GPU's share under tensor parallelism: rollout_kv_need)."""
     blocks = -(-int(max_model_len) // BLOCK_TOKENS)
     return int(sequences) * blocks * BLOCK_TOKENS * int(per_token)
 
