@@ -1,5 +1,5 @@
 """The second process of the two-process bridge tests: a bridge consumer or producer on the same GPU
-(tests/gpu/test_bridge_ipc.py) or on the same machine with a host bridge (tests/test_bridge_cpu.py).
+(tests/gpu/test_bridge_ipc.py) or on the same machine with a host bridge (tests/test_bridge_socket_cpu.py).
 
 Prints one JSON object per line (events) on stdout; the test reads them. Also holds the named tensors both
 sides regenerate from a seed, so the consumer checks bytes without receiving them any other way, and the
