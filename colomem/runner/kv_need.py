@@ -87,28 +87,22 @@ def kv_shrink_hint(p: Placement, figures: Sequence[MemoryFigures], offload: str,
             "the rollout holds")
 
 
-def _gpu_token_bytes(per_token: int, kv_heads: int, tensor_parallel_size: int) -> float:
-    """KV bytes one GPU holds for each of a rank's tokens. Tensor parallelism puts ceil(kv_heads / TP) heads of
-    the engine's sequences (as many ranks' as its GPUs) on each GPU: the rank's own share when the heads
-    divide, more when there are fewer heads than GPUs (each holds a copy of one)."""
-    tp = max(1, int(tensor_parallel_size))
-    return per_token * -(-kv_heads // tp) / kv_heads * tp
-
-
 def rollout_kv_need(sequences: int, max_model_len: int, per_token: int, kv_heads: int,
                     tensor_parallel_size: int = 1) -> int:
     """The most KV cache one GPU holds for a rank's rollout of `sequences` (rollout_kv_bound, split over the
-    engine's GPUs by its heads)."""
-    return int(rollout_kv_bound(sequences, max_model_len, 1)
-               * _gpu_token_bytes(per_token, kv_heads, tensor_parallel_size))
+    engine's GPUs by its heads). Tensor parallelism puts ceil(kv_heads / TP) heads of the engine's sequences
+    (as many ranks' as its GPUs) on each GPU: the rank's own share when the heads divide, more when there are
+    fewer heads than GPUs (each holds a copy of one)."""
+    tp = max(1, int(tensor_parallel_size))
+    per_gpu_token = per_token * -(-kv_heads // tp) / kv_heads * tp
+    return int(rollout_kv_bound(sequences, max_model_len, 1) * per_gpu_token)
 
 
 def auto_kv_cache_bytes(sequences: int, max_model_len: int, per_token: int, kv_heads: int,
                         tensor_parallel_size: int = 1) -> int:
     """--kv-cache-bytes auto: the KV cache one GPU's engine needs to hold `sequences` at once (the most a rank
-    generates in one call), each at max_model_len, with HEADROOM, in whole MiB (rollout_kv_need)."""
-    need = rollout_kv_bound(sequences, max_model_len, 1) \
-        * _gpu_token_bytes(per_token, kv_heads, tensor_parallel_size) * HEADROOM
+    generates in one call), each at max_model_len (rollout_kv_need), with HEADROOM, in whole MiB."""
+    need = rollout_kv_need(sequences, max_model_len, per_token, kv_heads, tensor_parallel_size) * HEADROOM
     return int(-(-need // (1 << 20))) << 20
 
 
