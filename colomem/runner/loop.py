@@ -174,7 +174,7 @@ class ColocatedRunner(PhaseRunner):
             with self.phase(rec, "train"):
                 train = self.trainer.train_step(batch)
                 settle(self.device)      # the optimizer step's kernels are training, not the next sync
-            rec.memory["train"]["peak_reserved"] = peak_reserved(self.device)
+            rec.memory["train"]["peak_reserved"] = peak_reserved(self.device, self.engine_reserved())
             # train waited for state still reloading, or brought the optimizer state back inside the
             # optimizer step: switch costs, not training
             for key, phase in (("reload_wait_s", "reload_wait"), ("optimizer_reload_s", "reload_step")):

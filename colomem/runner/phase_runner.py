@@ -78,9 +78,17 @@ class PhaseRunner:
             except Exception:  # noqa: BLE001  (memory reporting must not break a step)
                 extra = 0
         try:
-            return memory_snapshot(self.device, self.pool, extra)
+            return memory_snapshot(self.device, self.pool, extra, self.engine_reserved())
         except Exception as e:  # noqa: BLE001
             return {"error": f"{type(e).__name__}: {e}"}
+
+    def engine_reserved(self) -> int:
+        """Bytes of this process's torch allocator that an in-process rollout engine holds (0 for an engine in
+        a process of its own): not the trainer's, so the memory figures the planner reads leave them out."""
+        try:
+            return int(getattr(self.rollout, "reserved_in_caller", 0) or 0)
+        except Exception:  # noqa: BLE001  (memory reporting must not break a step)
+            return 0
 
     @contextlib.contextmanager
     def phase(self, rec: StepRecord, name: str):

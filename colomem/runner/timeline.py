@@ -1,9 +1,12 @@
 """What a run records: per-step phase times, a memory snapshot after every phase, JSONL metrics, alarms (what
 the run keeps of its steps in memory for the summary, tables and plots: colomem.runner.history).
 
-Memory columns (bytes): `allocated` / `reserved` are this process's torch caching allocator (the trainer;
-vLLM's model runs in its own engine process), `driver_used` is total - free from cudaMemGetInfo (every process
-on the GPU), `pinned_host` is the colomem pool's reserved host memory. On CPU only `pinned_host` is known.
+Memory columns (bytes): `allocated` / `reserved` are the trainer's part of this process's torch caching
+allocator: with vLLM in its own engine process that is the whole allocator; with vLLM in this process (the
+in-rank engine, a shared LoRA base) its memory pool lives in the same allocator and stays counted there while
+it sleeps (torch is not told its memory went back to the driver), so it is taken out (`engine_reserved` says
+how much). `driver_used` is total - free from cudaMemGetInfo (every process on the GPU), `pinned_host` is the
+colomem pool's reserved host memory. On CPU only `pinned_host` is known.
 """
 from __future__ import annotations
 
@@ -41,14 +44,20 @@ def settle(device: Optional[int]) -> None:
         cuda.synchronize(device)
 
 
-def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0) -> dict[str, Optional[int]]:
+def memory_snapshot(device: Optional[int], pool=None, extra_pinned: int = 0,
+                    engine_reserved: int = 0) -> dict[str, Optional[int]]:
+    """The memory columns now. engine_reserved: bytes of this process's allocator that an in-process rollout
+    engine's own pool holds (the module's docstring says why they are not the trainer's)."""
     snap: dict[str, Optional[int]] = {k: None for k in MEMORY_KEYS}
     cuda = _cuda(device)
     mem = driver_memory(device)
     if cuda is not None and mem is not None:
         free, total = mem
-        snap.update(allocated=int(cuda.memory_allocated(device)), reserved=int(cuda.memory_reserved(device)),
-                    driver_used=total - free)
+        engine = max(0, int(engine_reserved))
+        snap.update(allocated=max(0, int(cuda.memory_allocated(device)) - engine),
+                    reserved=max(0, int(cuda.memory_reserved(device)) - engine), driver_used=total - free)
+        if engine:
+            snap["engine_reserved"] = engine
     pinned = int(extra_pinned)
     if pool is not None and not getattr(pool, "closed", True):
         pinned += int(pool.stats()["reserved_bytes"])
@@ -84,10 +93,13 @@ def release_cache(device: Optional[int]) -> None:
         cuda.empty_cache()
 
 
-def peak_reserved(device: Optional[int]) -> Optional[int]:
-    """The allocator's peak reserved bytes since reset_peak; None without a GPU."""
+def peak_reserved(device: Optional[int], engine_reserved: int = 0) -> Optional[int]:
+    """The allocator's peak reserved bytes since reset_peak, less an in-process rollout engine's
+    (memory_snapshot); None without a GPU."""
     cuda = _cuda(device)
-    return int(cuda.max_memory_reserved(device)) if cuda is not None else None
+    if cuda is None:
+        return None
+    return max(0, int(cuda.max_memory_reserved(device)) - max(0, int(engine_reserved)))
 
 
 def gpu_total(device: Optional[int]) -> Optional[int]:

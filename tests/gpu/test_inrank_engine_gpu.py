@@ -80,6 +80,13 @@ def test_default_job_in_rank_has_the_cross_process_reward_curve(tmp_path):
     assert abs(s_in["reward_last5_mean"] - s_cross["reward_last5_mean"]) <= 0.05, (a, b)
     # the in-rank sync is in process: no bridge buckets
     assert all(s["sync/nbuckets"] == 0 for s in inrank) and all(s["sync/nbuckets"] > 0 for s in cross)
+    # vLLM's pool in the rank's own allocator is the engine's memory, not the trainer's: the trainer's figures
+    # the planner reads (after the first step's offload, nothing of the trainer left) are the cross-process
+    # run's, give or take what vLLM allocates outside its sleepable pool (sampler tensors, CUDA graphs)
+    off_in, off_cross = inrank[0]["memory"]["offload"], cross[0]["memory"]["offload"]
+    assert off_in["engine_reserved"] > 0 and "engine_reserved" not in off_cross, (off_in, off_cross)
+    assert off_in["reserved"] <= off_cross["reserved"] + (1 << 30), (off_in, off_cross)
+    assert off_in["reserved"] <= off_in["driver_used"], off_in
 
 
 # ------------------------------------------------------------------------------------------ two GPUs

@@ -320,6 +320,16 @@ class VLLMRollout:
         n = self._tag_wake.tag_bytes.get("kv_cache")
         return int(n) if n else None
 
+    @property
+    def reserved_in_caller(self) -> int:
+        """Bytes of the caller's torch allocator that this engine's memory holds: with the engine in the
+        caller's process (in-rank), vLLM's sleepable allocations are segments of a private pool of that
+        allocator, counted in its reserved bytes awake or asleep (vLLM's sleep hands the memory to the driver
+        without telling torch). 0 for an engine in a process of its own."""
+        if not self.engine_in_process:
+            return 0
+        return int(sum(int(n) for n in self._tag_wake.tag_bytes.values()))
+
     def wake_need(self, tags: Iterable[str]) -> Optional[int]:
         """GPU bytes waking `tags` maps (vLLM's allocations by tag, read when the engine started) plus the
         margin the wake asks for; None when the layout could not be read."""
