@@ -8,7 +8,7 @@ from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.heap_profile import ENV, every_from_env
 
-from test_runner_cpu import cache_env, model_cache, small_cfg  # noqa: F401  (fixtures)
+from runner_cpu_helpers import cache_env, model_cache, small_cfg  # noqa: F401  (fixtures)
 
 pytest.importorskip("transformers")
 KEPT: list = []
