@@ -268,7 +268,8 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     def probe(trainer, width):   # the tiny model's layers keep a few KiB: stand in for a large model's
         seen["model"] = trainer.model
         layers = len(decoder_layers(trainer.model))
-        return RecomputeProbe(per_layer_row=GiB / layers, layers=layers, checkpointed=layers, width=width)
+        return RecomputeProbe(per_layer_row=seen.get("per_row", GiB) / layers, layers=layers, checkpointed=layers,
+                              width=width)
     monkeypatch.setattr(phase_runner, "probe", probe)
 
     def run(name, **kw):
@@ -296,6 +297,13 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     # the default's line says it was the default and how to keep every layer checkpointed
     assert "(--trim-recompute auto: " in lines[0] and "--trim-recompute false recomputes every one)" in lines[0]
     assert lines[1].startswith("[colomem] training: --micro-batch 4 -> 8 from step 2 on")
+    # a model whose activations do not fit: the default says it keeps recomputing every layer, and why
+    seen["per_row"] = 16 * GiB      # the cheapest setting keeps half the layers' activations: 32 GiB at 4 rows
+    lines, event, recomputed = run("none", grow_micro_batch=False)
+    assert event["recompute_trimmed"] is None and recomputed == [layers] * 3
+    said = event["recompute_hint"]        # the line printed, as the placement event records it
+    assert said.startswith(f"the backward keeps recomputing {layers} of the {layers} decoder layers "
+                           "(--trim-recompute auto: the ") and "left free while training holds none" in said, said
 
 
 def test_the_plan_counts_activations_at_the_widest_row_the_job_can_train_on(job_env, tmp_path, monkeypatch):

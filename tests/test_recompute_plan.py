@@ -10,7 +10,7 @@ import torch
 from colomem.runner import placement as pl
 from colomem.runner.phase_runner import PhaseRunner
 from colomem.engines.recompute import fewer_checkpointed
-from colomem.runner.recompute_plan import RecomputeProbe, probe, recompute_hint
+from colomem.runner.recompute_plan import RecomputeProbe, no_fit_reason, probe, recompute_hint
 from test_recompute import small_qwen2
 
 GiB = 1 << 30
@@ -34,6 +34,17 @@ def test_the_hint_names_the_fewest_checkpointed_layers_that_fit():
     assert recompute_hint(13 * GiB, pr, 8) == ""                                          # 14 GiB: not even that
     assert recompute_hint(40 * GiB, RecomputeProbe(GiB / 8, 28, 0, 261), 8) == ""           # nothing to recompute less
     assert "--gradient-checkpointing false" in recompute_hint(40 * GiB, pr, 4)              # half the rows: half
+
+
+def test_when_no_setting_fits_the_reason_names_what_the_cheapest_would_take():
+    pr = RecomputeProbe(per_layer_row=GiB / 8, layers=28, checkpointed=28, width=261)   # 1 GiB a layer at 8 rows
+    why = no_fit_reason(13 * GiB, pr, 8)                   # the cheapest, every other layer: 14 layers, 14 GiB
+    assert "13.00 GiB left free while training holds none" in why and "--checkpoint-every 2" in why
+    assert "14 more layers' activations, 14.00 GiB at a micro-batch of 8 rows of 261 tokens" in why
+    assert "nothing is left free" in no_fit_reason(0, pr, 8)
+    assert "another GPU" in no_fit_reason(40 * GiB, pr, 8, others_short=True)
+    assert "no setting takes fewer" in no_fit_reason(40 * GiB, RecomputeProbe(GiB / 8, 28, 0, 261), 8)
+    assert "could not be measured" in no_fit_reason(40 * GiB, None, 8)
 
 
 def test_the_probe_runs_on_the_trainers_model_and_not_on_zero3():
@@ -111,7 +122,8 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
     assert line.startswith("--checkpoint-every 2 from step 2 on") and r.recompute_trimmed == (6, 3)
     assert [m.gradient_checkpointing for m in r.trainer.model.model.layers] == [True, False] * 3
     r = runner()                                                  # not one layer's activations fit
-    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(0.5 * per_layer), 2) == ""
+    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(0.5 * per_layer), 2)   # not even that: said
+    assert line.startswith("the backward keeps recomputing") and "left free while training holds none" in line
     assert checkpointed_layers(r.trainer.model) == 6 and r.recompute_trimmed is None
     # several ranks: each applies the setting that keeps the most layers checkpointed over all of them, and
     # none trims when one rank's memory fits none
@@ -121,7 +133,8 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
     assert r.recompute_trimmed == (6, 3)
     r = runner()
     r.ranks = SimpleNamespace(exchange=lambda x: [x, None])
-    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2) == "" and checkpointed_layers(r.trainer.model) == 6
+    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2)
+    assert "another GPU's free memory holds none" in line and checkpointed_layers(r.trainer.model) == 6
 
 
 def test_trim_recompute_needs_checkpointing_and_a_measured_placement():

@@ -27,7 +27,7 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
-from .recompute_plan import RecomputeProbe, probe, recompute_fit, recompute_hint
+from .recompute_plan import RecomputeProbe, no_fit_reason, probe, recompute_fit, recompute_hint
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
                        release_cache)
@@ -435,8 +435,13 @@ class PhaseRunner:
             return recompute_hint(spare, pr, rows) if pr is not None else ""
         fit = recompute_fit(spare, pr, rows) if pr is not None else None
         fits = self.ranks.exchange(None if fit is None else (fit.checkpointed, fit.every, fit.extra, fit.flag))
+        auto = self.cfg.trim_recompute == "auto"      # the default: say which it was
         if pr is None or any(f is None for f in fits):
-            return ""
+            # said too: a default that keeps recomputing every layer costs each step its time
+            kept = (f"the backward keeps recomputing {pr.checkpointed} of the {pr.layers} decoder layers"
+                    if pr is not None else "the checkpointed layers stay as they are")
+            return (f"{kept} (--trim-recompute{' auto' if auto else ''}: "
+                    f"{no_fit_reason(spare, pr, rows, others_short=fit is not None)})")
         _, every, extra, flag = max(fits)
         model: Any = getattr(self.trainer, "model", None)          # the model the probe measured
         now = set_checkpointed(model, every)
@@ -444,7 +449,6 @@ class PhaseRunner:
         # the same on every rank (a later --grow-micro-batch must pick the same): the most any rank's own
         # setting takes, at least what the chosen one, which checkpoints as many layers or more, takes there
         self.recompute_extra = max(f[2] for f in fits if f is not None)
-        auto = self.cfg.trim_recompute == "auto"      # the default: say how to keep them all
         return (f"{flag} from step {trim_from} on (--trim-recompute{' auto' if auto else ''}: the backward "
                 f"recomputes {now} of the {pr.layers} decoder layers instead of {pr.checkpointed}; the others keep "
                 f"their activations, {format_bytes(extra)} of the {format_bytes(spare)} free while training"

@@ -91,6 +91,28 @@ def recompute_fit(spare: int, pr: RecomputeProbe, micro_batch: int) -> Optional[
     return None
 
 
+def no_fit_reason(spare: int, pr: Optional[RecomputeProbe], micro_batch: int, others_short: bool = False) -> str:
+    """Why no setting with fewer checkpointed layers was taken (the runner says it, so a default that kept every
+    layer recomputed is not silent): nothing measured, nothing to take out, or the free memory too small for
+    the cheapest setting (the one that keeps the fewest layers' activations). others_short: this GPU has room,
+    another does not (every rank takes the same setting)."""
+    if pr is None:
+        return ("the layers' activations could not be measured on this trainer (ZeRO-3 gathers its parameters "
+                "inside its own forward, or the GPU had no memory for the probe's two rows)")
+    options = fewer_checkpointed(pr.layers, pr.checkpointed)
+    if not options:
+        return f"{pr.checkpointed} of the {pr.layers} layers checkpoint: no setting takes fewer"
+    if others_short:
+        return "another GPU's free memory holds none of the settings that checkpoint fewer layers"
+    if spare <= 0:
+        return "nothing is left free while training beyond the placement's margin"
+    flag, n, _ = options[-1]
+    need = (pr.checkpointed - n) * pr.per_layer_row * micro_batch
+    return (f"the {format_bytes(spare)} left free while training holds none: the cheapest, {flag}, keeps "
+            f"{pr.checkpointed - n} more layers' activations, {format_bytes(int(need))} at a micro-batch of "
+            f"{micro_batch} rows of {pr.width} tokens")
+
+
 def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
     """recompute_fit's setting as the planner's hint; empty when there is none."""
     fit = recompute_fit(spare, pr, micro_batch)
@@ -104,4 +126,4 @@ def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
             "(--trim-recompute takes it). The micro-batch and KV cache hints count the same free memory")
 
 
-__all__ = ["RecomputeFit", "RecomputeProbe", "probe", "recompute_fit", "recompute_hint"]
+__all__ = ["RecomputeFit", "RecomputeProbe", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
