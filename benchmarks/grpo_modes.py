@@ -33,6 +33,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          "batchednoise": ["--switch", "colomem", "--seeded-noise", "batched"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
+         # the same with the adapter merged into the base for each rollout (no LoRA kernels in vLLM's decode)
+         "shared_merged": ["--switch", "colomem", "--shared-base", "--shared-base-rollout", "merged"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
          # the planner's with a checkpoint every other step (the newest one kept), written in the background
          "saved": ["--switch", "colomem", "--save-every", "2", "--keep-checkpoints", "1"],

@@ -128,6 +128,48 @@ def test_a_shared_base_job_learns_its_adapter_and_never_touches_its_base(job_env
     assert any(float(v.abs().sum()) > 0 for k, v in state["model"].items() if "lora_B" in k)
 
 
+def test_a_merged_rollout_reads_the_merged_base_and_the_base_comes_back_bit_for_bit(job_env, tmp_path):
+    """--shared-base-rollout merged: while the rollout generates, the shared base holds base + scaling * B @ A
+    (peft's own delta of the trainer's adapter); after every rollout it is bit for bit what it was (the run's
+    full checksum at the end, and each step's sampled one, check that too); the rollout serves no adapter."""
+    from colomem.engines.lora import walk_modules
+    from colomem.runner.backends import build_engines
+    from colomem.runner.job import run_job
+
+    seen, held = [], {}
+
+    def factory(cfg, backend, model_path, tok, ranks, grad_accum):
+        e = build_engines(cfg, backend, model_path, tok, ranks, grad_accum=grad_accum)
+        layers = [(p, m) for p, m, params in walk_modules(e.trainer.model) if params is None]
+        original = {p: m.base_layer.weight.detach().clone() for p, m in layers}
+        generate = e.rollout.generate
+
+        def spy(*a, **k):
+            with torch.no_grad():
+                gap = max(float((m.base_layer.weight - original[p] - m.get_delta_weight("default")).abs().max())
+                          for p, m in layers)
+                merged = any(not torch.equal(m.base_layer.weight, original[p]) for p, m in layers)
+            seen.append((gap, merged))
+            return generate(*a, **k)
+        e.rollout.generate = spy
+        held.update(rollout_lora=e.rollout.lora, layers=layers, original=original)
+        return e
+
+    res = run_job(job(tmp_path / "merged", shared_base_rollout="merged"), engines_factory=factory,
+                  print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok", res.summary.get("error")
+    sb = res.summary["shared_base"]
+    assert sb["rollout"] == "merged" and sb["restores"] == 3 and sb["checks"] == 3
+    assert held["rollout_lora"] is None                # the rollout (vLLM's stand-in) decodes from plain weights
+    assert len(seen) == 3 and all(gap < 1e-6 for gap, _ in seen), seen
+    assert seen[0][1] is False and all(m for _, m in seen[1:]), seen   # B starts at zero, then trains
+    # after the run: every adapted base weight is the one it started with, bit for bit
+    assert all(torch.equal(m.base_layer.weight, held["original"][p]) for p, m in held["layers"])
+    lines = [json.loads(x) for x in (tmp_path / "merged" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "reward_mean" in x]
+    assert all(x["shared_base/restore_bytes"] > 0 and x["shared_base/restore_s"] >= 0 for x in steps)
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"lora": None}, "full fine-tune"),
     ({"zero_stage": 3}, "zero-stage 2"),
@@ -135,6 +177,7 @@ def test_a_shared_base_job_learns_its_adapter_and_never_touches_its_base(job_env
     ({"sleep_level": 2}, "sleep-level"),
     ({"backend": "gpu", "engine": "cross-process"}, "engine in-rank"),
     ({"backend": "gpu", "dtype": "float32"}, "bfloat16"),
+    ({"shared_base": False, "shared_base_rollout": "merged"}, "without --shared-base"),
 ])
 def test_what_cannot_share_is_refused_in_the_config(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -146,6 +189,9 @@ def test_auto_picks_the_in_rank_engine_for_a_shared_base(tmp_path):
     assert cfg.effective_engine == "in-rank"
     v = cfg.vllm_config()
     assert v.lora_mode == "adapter" and v.engine_in_process
+    # merged for the rollout: vLLM runs without its LoRA support, in the trainer's process all the same
+    m = job(tmp_path / "y", backend="gpu", shared_base_rollout="merged")
+    assert m.vllm_config().lora_mode == "merged" and m.effective_engine == "in-rank"
 
 
 def test_the_trainer_refuses_a_shared_base_without_lora(job_env):

@@ -145,8 +145,9 @@ class Trainer(Protocol):
     def reload(self) -> None:
         ...
 
-    def named_weights(self) -> Iterator[tuple[str, "Tensor"]]:
-        """(HF name, tensor) of the policy's weights for the sync, LoRA merged; host views while offloaded."""
+    def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, "Tensor"]]:
+        """(HF name, tensor) of the policy's weights for the sync, LoRA merged; host views while offloaded. A
+        trainer on a shared base sends its adapter alone unless merged=True."""
         ...
 
     def memory(self) -> dict:

@@ -430,12 +430,15 @@ class TorchTrainer:
         self.steps = int(state["steps"])
         torch.set_rng_state(state["torch_rng"])
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) for the rollout sync, LoRA merged (a shared base: the adapter only, peft names).
-        Offloaded: the pool copies prepared by offload()."""
+    def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) for the rollout sync, LoRA merged (a shared base: the adapter only, peft names,
+        unless merged=True: base + scaling * B @ A, the base read where it is). Offloaded: the pool copies
+        prepared by offload()."""
         if self._closed:
             raise PhaseOrderError("this TorchTrainer was closed")
         if self.shared is not None:         # the rollout reads the base where it is: the adapter alone
+            if merged:                      # the adapter stays with its base: both are on the device
+                return merged_named_weights(self.model)
             return iter([(adapter_key(n), p.detach()) for n, p in self.model.named_parameters() if ".lora_" in n])
         if self._offloaded and self._sync_source is not None:
             return iter(list(self._sync_source))

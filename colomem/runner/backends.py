@@ -151,7 +151,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                                           pool=pool, grpo=cfg.grpo, shared_base=base)
             trainer = ds_trainer
             if base is not None:
-                shared = SharedBase(base, ds_trainer.shared)
+                shared = SharedBase(base, ds_trainer.shared, merged_rollout=not cfg.shared_base_adapter)
         else:
             pool = _pool(cfg, cpu=True)
             lap("pool")
@@ -159,7 +159,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
 
             hf_rollout = HFRollout(model_path, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.trust_remote_code,
-                                   lora=cfg.lora if cfg.shared_base else None,
+                                   lora=cfg.lora if cfg.shared_base_adapter else None,
                                    seed=cfg.rollout_engine_seed(ranks.rollout_group))
             rollout = hf_rollout
             hf_rollout.sleep(keep_weights=cfg.shared_base)
@@ -177,7 +177,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 torch_compile=cfg.torch_compile)
             trainer = torch_trainer
             if cpu_base is not None:
-                shared = SharedBase(cpu_base, torch_trainer.shared)
+                shared = SharedBase(cpu_base, torch_trainer.shared, merged_rollout=not cfg.shared_base_adapter)
         lap("trainer")
         if cfg.torch_compile and ranks.rank == 0:          # every rank compiles the same parts
             from colomem.engines.compile import compiled_parts

@@ -127,6 +127,12 @@ class RunConfig(_Strict):
                                                  "weights (one copy on the GPU; vLLM in the trainer's process, "
                                                  "ZeRO-2, tensor_parallel_size 1): vLLM sleeps only its KV cache "
                                                  "and gets the adapter as a LoRA adapter")
+    shared_base_rollout: Literal["adapter", "merged"] = Field(
+        "adapter", description="with --shared-base, how the rollout engine serves the trainer's adapter: adapter "
+                               "(vLLM's LoRA support: nothing of the base is written) or merged (base + scaling * "
+                               "B @ A written into the base for the rollout, so vLLM decodes from plain weights "
+                               "without its LoRA kernels; the adapted weights go back from a host copy, taken "
+                               "once, after every rollout: one host-to-device copy of them a step)")
     overlap_offload: bool = Field(False, description="colomem switch: the trainer's optimizer state (fp32 masters, "
                                                     "Adam moments) copies out while vLLM's weights wake, sync and "
                                                     "are checked; the KV cache wakes once it finished")
@@ -339,7 +345,7 @@ class RunConfig(_Strict):
                           tensor_parallel_size=self.tensor_parallel_size,
                           seed=self.rollout_engine_seed(rollout_group), seeded_noise=self.seeded_noise,
                           enforce_eager=self.enforce_eager, lora=self.lora, sleep_level=self.effective_sleep_level,
-                          lora_mode="adapter" if self.shared_base else "merged",
+                          lora_mode="adapter" if self.shared_base_adapter else "merged",
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
                           bucket_bytes=self.start_bucket_bytes, sync_transport="direct" if in_rank else "listener",
                           engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device)
@@ -370,6 +376,11 @@ class RunConfig(_Strict):
         if self.trim_recompute == "auto":
             return self.gradient_checkpointing and self.placement_measured
         return bool(self.trim_recompute)
+
+    @property
+    def shared_base_adapter(self) -> bool:
+        """Whether the rollout engine serves the adapter through its LoRA support (a shared base, not merged)."""
+        return self.shared_base and self.shared_base_rollout == "adapter"
 
     @property
     def effective_engine(self) -> str:

@@ -196,12 +196,15 @@ class PhaseRunner:
                 rec.metrics["rollout/woke"] = int("rollout" in self._moved)   # this window's rollout follows a wake
             current = "sync"
             with self.phase(rec, "sync"):
-                sync = self.rollout.load_weights(self.trainer.named_weights(), self.version)
+                merged = self.shared is not None and self.shared.merged_rollout
+                named = (self.shared.merge_weights(self.trainer, self.pool) if merged
+                         else self.trainer.named_weights())
+                sync = self.rollout.load_weights(named, self.version)
             current = "check"
             with self.phase(rec, "check"):
                 self.rollout.check()
-                if self.shared is not None:          # nobody wrote into the base both sides read
-                    self.shared.check()
+                if self.shared is not None and not merged:    # nobody wrote into the base both sides read
+                    self.shared.check()                         # (merged: after the restore, in sleep)
             current = "offload_wait"
             if not self.placement.optim_out:       # the KV cache needs the memory the optimizer state held
                 self._finish_offload(rec)          # (optim_out: the plan counted it through the rollout)
@@ -225,14 +228,25 @@ class PhaseRunner:
                     retire = getattr(self.rollout, "retire_prefix_cache", None)   # optional in the protocol
                     if retire is not None:
                         retire()
+                if self.shared is not None:      # a merged rollout's base back as it was, before training
+                    self.shared.after_rollout()
         except BaseException as e:
             note = self._put_rollout_to_sleep()
+            if self.shared is not None:
+                self._restore_shared_base()
             if is_oom(e):
                 raise oom_error(self.cfg, self.placement, current, step, e, note) from e
             if note and isinstance(e, Exception):
                 log.error("step %d failed in %s; %s", step, current, note)
             raise
         return sync, done
+
+    def _restore_shared_base(self) -> None:
+        """After a failed window: a merged base back as it was (the error that ended the window goes on)."""
+        try:
+            self.shared.restore_after_failure()
+        except Exception as e:  # noqa: BLE001  (reported; the window's own error is the one raised)
+            log.error("restoring the shared base after a failed rollout failed too: %s: %s", type(e).__name__, e)
 
     # -- placement ----------------------------------------------------------------------------------------
     def offload_trainer(self) -> None:

@@ -4,7 +4,9 @@ The trainer's model is built without weights (meta device) and its base paramete
 rollout engine's (colomem.engines.shared_base.alias_base); only the adapter is the trainer's own. So:
 - the rollout never sleeps its weights: between rollouts it releases only its KV cache (VLLMRollout's
   `sleep(keep_weights=True)`), and the next awake window starts at the sync;
-- the sync sends the adapter alone (vLLM serves it through its LoRA support: lora_mode "adapter");
+- the sync sends the adapter alone (vLLM serves it through its LoRA support: lora_mode "adapter"), or with
+  --shared-base-rollout merged writes base + scaling * B @ A into the base for the rollout, which then decodes
+  from plain weights, and the adapted weights go back from a host copy after it (colomem.engines.base_restore);
 - the trainer's offload never moves the base (it is the engine's memory) and keeps the adapter, a few MB;
 - nobody may write into the base: a sampled checksum of it runs in every step's check phase and a full one
   at the end (BaseChecksum), and the trainer's base parameters are frozen (requires_grad False), so neither
@@ -25,6 +27,9 @@ def shared_base_problem(cfg, backend: Optional[str] = None) -> Optional[str]:
     """Why this run config cannot share its base (None: it can, or it does not ask to). backend: 'gpu' or
     'cpu' once known (the engine check needs it)."""
     if not cfg.shared_base:
+        if cfg.shared_base_rollout != "adapter":
+            return ("--shared-base-rollout merged merges the adapter into the base the rollout engine and the "
+                    "trainer share; without --shared-base the rollout already gets merged weights of its own")
         return None
     if cfg.lora is None:
         return ("--shared-base shares a LoRA job's frozen base with the rollout engine; a full fine-tune trains "
@@ -68,7 +73,7 @@ class SharedBase:
     """The job's shared base: what was shared (the report), the rollout's tensors the trainer reads, and the
     checksum guard over them."""
 
-    def __init__(self, engine_params: Mapping[str, Any], report: Any):
+    def __init__(self, engine_params: Mapping[str, Any], report: Any, merged_rollout: bool = False):
         from colomem.engines.base_guard import BaseChecksum
         from colomem.engines.shared_base import shared_tensors
 
@@ -80,6 +85,32 @@ class SharedBase:
         self.guard = BaseChecksum(self.tensors)
         self.checks = 0
         self.last_check_s = 0.0
+        # --shared-base-rollout merged: the base holds merged weights through each rollout (BaseRestore)
+        self.merged_rollout = bool(merged_rollout)
+        self.restorer: Any = None
+
+    def merge_weights(self, trainer: Any, pool: Any = None) -> Any:
+        """The sync's weights in merged mode: the trainer's merged weights, which the rollout's load writes
+        into the base itself. The adapted weights are copied to the host first (once) and marked as merged
+        before anything is written, so a sync that fails half way is restored too."""
+        if self.restorer is None:
+            from colomem.engines.base_restore import BaseRestore
+
+            self.restorer = BaseRestore(trainer.model, pool)      # the host copy in the job's pinned pool
+        self.restorer.merged = True
+        return trainer.named_weights(merged=True)
+
+    def after_rollout(self) -> None:
+        """In merged mode, once the rollout engine no longer reads the merged weights: the base back as it
+        was, then the sampled checksum (which, here, checks the restore)."""
+        if self.restorer is not None and self.restorer.merged:
+            self.restorer.restore()
+            self.check()
+
+    def restore_after_failure(self) -> None:
+        """The base back after a window that failed (merged mode); nothing to do otherwise."""
+        if self.restorer is not None and self.restorer.merged:
+            self.restorer.restore()
 
     @property
     def nbytes(self) -> int:
@@ -100,10 +131,16 @@ class SharedBase:
         return time.perf_counter() - t0
 
     def metrics(self) -> dict:
-        return {"shared_base/bytes": self.nbytes, "shared_base/check_s": self.last_check_s}
+        out = {"shared_base/bytes": self.nbytes, "shared_base/check_s": self.last_check_s}
+        if self.restorer is not None:
+            out.update({"shared_base/restore_s": self.restorer.last_restore_s,
+                        "shared_base/restore_bytes": self.restorer.nbytes})
+        return out
 
     def summary(self) -> dict:
         return {"lora_base_copies_on_gpu": 1, "bytes_shared": self.nbytes,
+                "rollout": "merged" if self.merged_rollout else "adapter",
+                "restores": self.restorer.restores if self.restorer is not None else 0,
                 "parameters_mapped": len(self.report.mapped), "checks": self.checks,
                 "not_mapped": dict(self.report.not_mapped)}
 

@@ -27,3 +27,20 @@ def test_a_shared_base_lora_job_runs_on_one_copy_of_its_base(tmp_path):
         moved = s.get("trainer_offload/moved_bytes")
         assert moved is None or moved < sb["bytes_shared"], (moved, sb["bytes_shared"])
     assert [s["weight_version"] for s in steps] == list(range(1, STEPS + 1))
+
+
+def test_a_merged_rollout_on_the_shared_base_gives_the_base_back_every_step(tmp_path):
+    """--shared-base-rollout merged: vLLM runs without its LoRA support and decodes from the base with the
+    adapter merged into it; after every rollout the adapted weights come back from their host copy (in the
+    job's pinned pool), which each step's sampled checksum and the full one at the end check."""
+    steps, summary, log = _run(tmp_path, "merged", "--lora", "--lora-r", "8", "--shared-base",
+                               "--shared-base-rollout", "merged", "--steps", str(STEPS))
+    assert summary["status"] == "ok" and len(steps) == STEPS, log[-4000:]
+    sb = summary["shared_base"]
+    assert sb["rollout"] == "merged" and sb["restores"] == STEPS and sb["checks"] == STEPS, sb
+    assert "enable_lora': True" not in log                       # vLLM serves no adapter
+    for s in steps:
+        # the rollout sampled with the trainer's weights: the merge reached vLLM
+        assert s["train/rollout_logprob_gap"] < 0.05, s["train/rollout_logprob_gap"]
+        assert 0 < s["shared_base/restore_bytes"] < sb["bytes_shared"] and s["shared_base/restore_s"] > 0
+    assert [s["weight_version"] for s in steps] == list(range(1, STEPS + 1))
