@@ -304,6 +304,15 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     said = event["recompute_hint"]        # the line printed, as the placement event records it
     assert said.startswith(f"the backward keeps recomputing {layers} of the {layers} decoder layers "
                            "(--trim-recompute auto: the ") and "left free while training holds none" in said, said
+    # nothing moves, but vLLM awake through training leaves room for part of the trim only: the line says what
+    # vLLM asleep while training would take out of the recompute, against its measured sleep and wake
+    f = figs(peak=53, rollout=75)         # nothing moving: about 11 free while training; vLLM asleep: about 85
+    seen["per_row"] = 4 * GiB            # every layer's activations: 16 GiB at 4 rows
+    lines, event, recomputed = run("awake", grow_micro_batch=False)
+    assert event["label"] == "nothing moves" and 0 < recomputed[-1] < layers, (event, recomputed)
+    said = event["recompute_hint"]
+    assert f"; with vLLM asleep while training (--rollout-sleep always) the backward would recompute 0 of the " \
+           f"{layers} layers instead of {recomputed[-1]} (--gradient-checkpointing false), for the " in said, said
 
 
 def test_the_plan_counts_activations_at_the_widest_row_the_job_can_train_on(job_env, tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from colomem.runner import placement as pl
 from colomem.runner.phase_runner import PhaseRunner
 from colomem.engines.recompute import fewer_checkpointed
-from colomem.runner.recompute_plan import RecomputeProbe, no_fit_reason, probe, recompute_hint
+from colomem.runner.recompute_plan import RecomputeProbe, asleep_trade, no_fit_reason, probe, recompute_hint
 from test_recompute import small_qwen2
 
 GiB = 1 << 30
@@ -45,6 +45,16 @@ def test_when_no_setting_fits_the_reason_names_what_the_cheapest_would_take():
     assert "another GPU" in no_fit_reason(40 * GiB, pr, 8, others_short=True)
     assert "no setting takes fewer" in no_fit_reason(40 * GiB, RecomputeProbe(GiB / 8, 28, 0, 261), 8)
     assert "could not be measured" in no_fit_reason(40 * GiB, None, 8)
+
+
+def test_asleep_trade_names_what_vllm_asleep_would_take_out_of_the_recompute():
+    pr = RecomputeProbe(per_layer_row=GiB / 8, layers=28, checkpointed=28, width=261)   # 1 GiB a layer at 8 rows
+    said = asleep_trade(15 * GiB, 40 * GiB, pr, 8, 0.048)     # awake: every other layer; asleep: none
+    assert "would recompute 0 of the 28 layers instead of 14 (--gradient-checkpointing false)" in said
+    assert "the 0.048 s its sleep and wake took" in said and "recomputing 14 layers" in said
+    assert asleep_trade(40 * GiB, 80 * GiB, pr, 8, 0.05) == ""          # awake already recomputes none
+    assert asleep_trade(15 * GiB, 16 * GiB, pr, 8, 0.05) == ""          # asleep would not take more out
+    assert "instead of 28" in asleep_trade(5 * GiB, 40 * GiB, pr, 8, 0.05)   # awake: no trim fits at all
 
 
 def test_the_probe_runs_on_the_trainers_model_and_not_on_zero3():

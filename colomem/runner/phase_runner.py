@@ -27,7 +27,7 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
-from .recompute_plan import RecomputeProbe, no_fit_reason, probe, recompute_fit, recompute_hint
+from .recompute_plan import RecomputeProbe, asleep_trade, no_fit_reason, probe, recompute_fit, recompute_hint
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
                        release_cache)
@@ -318,6 +318,9 @@ class PhaseRunner:
             taken, unit_extra = grown, 0.0
             if c.trims_recompute:
                 recompute = self._recompute_hint(figs, margin, grown, rec.step + 2)
+                if c.rollout_sleep == "auto" and not self.placement.rollout_sleeps and self.recompute_probe:
+                    trade = self._asleep_trade(figs, margin, grown, rec)
+                    recompute += f"; {trade}" if trade and recompute else trade
                 taken += self.recompute_extra
                 unit_extra = self.recompute_extra / (c.micro_batch if c.micro_batch_tokens is None
                                                      else c.micro_batch_tokens)
@@ -467,6 +470,15 @@ class PhaseRunner:
                 f"recomputes {now} of the {pr.layers} decoder layers instead of {pr.checkpointed}; the others keep "
                 f"their activations, {format_bytes(extra)} of the {format_bytes(spare)} free while training"
                 + ("; --trim-recompute false recomputes every one" if auto else "") + ")")
+
+    def _asleep_trade(self, figs: list, margin: Optional[int], taken: int, rec: StepRecord) -> str:
+        """Nothing moves: what vLLM asleep while training would take out of the recompute (asleep_trade)."""
+        c, pr = self.cfg, self.recompute_probe
+        asleep = choose(c.offload, "always", figs, margin, self._optim_out_allowed)
+        rows = c.micro_batch if c.micro_batch_tokens is None else max(1, c.micro_batch_tokens // self.train_width)
+        took = sum(rec.phase_s.get(k, 0.0) for k in ("sleep", "wake_weights", "wake_kv"))
+        return asleep_trade(train_spare(self.placement, figs, margin, taken), train_spare(asleep, figs, margin, taken),
+                            pr, rows, took) if pr is not None else ""
 
     def _choose_optimizer_reload(self, figs: list, margin) -> None:
         """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer

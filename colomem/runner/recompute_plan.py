@@ -113,6 +113,21 @@ def no_fit_reason(spare: int, pr: Optional[RecomputeProbe], micro_batch: int, ot
             f"{micro_batch} rows of {pr.width} tokens")
 
 
+def asleep_trade(spare_awake: int, spare_asleep: int, pr: RecomputeProbe, micro_batch: int,
+                 wake_sleep_s: float) -> str:
+    """With nothing moving, vLLM stays awake through training and holds memory the activations could keep:
+    what letting it sleep (--rollout-sleep always) would take out of the recompute, against what its sleep
+    and wake took in the measuring step. Empty when it would take nothing out."""
+    awake, asleep = recompute_fit(spare_awake, pr, micro_batch), recompute_fit(spare_asleep, pr, micro_batch)
+    now = awake.checkpointed if awake is not None else pr.checkpointed
+    if asleep is None or asleep.checkpointed >= now:
+        return ""
+    return (f"with vLLM asleep while training (--rollout-sleep always) the backward would recompute "
+            f"{asleep.checkpointed} of the {pr.layers} layers instead of {now} ({asleep.flag}), for the "
+            f"{wake_sleep_s:.3f} s its sleep and wake took in the measuring step: the faster of the two depends on "
+            f"what recomputing {now - asleep.checkpointed} layers costs a step")
+
+
 def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
     """recompute_fit's setting as the planner's hint; empty when there is none."""
     fit = recompute_fit(spare, pr, micro_batch)
@@ -126,4 +141,4 @@ def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
             "(--trim-recompute takes it). The micro-batch and KV cache hints count the same free memory")
 
 
-__all__ = ["RecomputeFit", "RecomputeProbe", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
+__all__ = ["RecomputeFit", "RecomputeProbe", "asleep_trade", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
