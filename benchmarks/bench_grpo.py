@@ -255,6 +255,19 @@ def top_level(report: dict) -> None:
     report["step_s_by_mode"] = by_mode("step_s")
     report["first_step_s_by_mode"] = by_mode("first_step_s")
     report["wall_s_by_mode"] = by_mode("run_wall_s")
+    # what a caller waits for, start-up included (the run's process from launch to exit), against TRL's: from
+    # each mode's rounds after its first, which compiled vLLM's graphs for that mode's settings (TRL's engine
+    # compiles its own); a mode that ran once counts as it ran
+    def warm_wall(mode):
+        names = sorted((n for n in runs if n == f"full_{mode}" or n.startswith(f"full_{mode}_r")),
+                       key=lambda n: (n != f"full_{mode}", len(n), n))
+        return _median([runs[n].get("result", {}).get("run_wall_s") for n in names[1:] or names])
+    warm = {m: warm_wall(m) for m in MODES}
+    warm = {m: v for m, v in warm.items() if v is not None}
+    if warm:
+        report["wall_s_by_mode_warm"] = warm
+        if warm.get("colomem") and warm.get("trl"):
+            report["whole_run_speedup_vs_trl"] = warm["trl"] / warm["colomem"]
     for mode, key in VERSUS.items():
         other = report["step_s_by_mode"].get(mode)
         if step_c and other:

@@ -67,6 +67,18 @@ def test_bench_grpo_reads_a_trl_run_as_one_more_mode(trl_run):
     report = {"runs": {"full_colomem": {"result": {"step_s": 2.0}}, "full_trl": {"result": {**res, "step_s": 3.0}}}}
     bench.top_level(report)
     assert report["speedup_vs_trl"] == pytest.approx(1.5)          # the peer's step over colomem's
+    # the whole run, start-up included, from each mode's rounds after its first (which compiled its graphs)
+    runs = {"full_colomem": {"result": {"step_s": 2.0, "run_wall_s": 100.0}},
+            "full_trl": {"result": {"step_s": 3.0, "run_wall_s": 88.0}},
+            "full_trl_r2": {"result": {"step_s": 3.0, "run_wall_s": 68.0}},
+            "full_trl_r3": {"result": {"step_s": 3.0, "run_wall_s": 70.0}},
+            "full_colomem_r2": {"result": {"step_s": 2.0, "run_wall_s": 72.0}},
+            "full_inrank": {"result": {"step_s": 2.5, "run_wall_s": 60.0}}}       # ran once: as it ran
+    report = {"runs": runs}
+    bench.top_level(report)
+    assert report["wall_s_by_mode"] == {"colomem": 86.0, "inrank": 60.0, "trl": 70.0}     # every round
+    assert report["wall_s_by_mode_warm"] == {"colomem": 72.0, "inrank": 60.0, "trl": 69.0}
+    assert report["whole_run_speedup_vs_trl"] == pytest.approx(69.0 / 72.0)
 
 
 def test_one_trl_step_is_one_runner_step_of_the_benchmark_job(tmp_path):
