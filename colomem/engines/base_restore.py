@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from colomem.engines.staging import Staging
 from colomem.errors import ColomemError, SharedBaseError
-
-_ALIGN = 256          # each weight's host copy starts on this boundary of the block (any dtype's alignment)
+from colomem.mapped import layout
 
 
 class BaseRestore:
@@ -36,7 +36,7 @@ class BaseRestore:
         if not self.views:
             raise SharedBaseError("a merged rollout on the shared base needs LoRA layers, and the trainer's model "
                                   "has none")
-        self.block = None
+        self._staging = Staging()           # holds the host copy (a pool block) for the run
         self.host = self._host_copies(pool)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.host)
         self.merged = False                 # the base holds merged weights: restore() before anyone trains on it
@@ -45,26 +45,22 @@ class BaseRestore:
 
     def _host_copies(self, pool: Any) -> list[torch.Tensor]:
         """The adapted weights on the host, pinned where the base is on a GPU (the copy back then runs at the
-        link's rate): one block of the job's pinned pool when it has room, else torch's pinned memory (which
-        rounds each tensor up to a power of two)."""
+        link's rate): laid end to end in one page-locked buffer, a block of the job's pinned pool when it has
+        room, else torch's pinned memory."""
         tensors = [t.detach() for _, t in self.views]
         if not any(t.is_cuda for t in tensors):
             return [t.clone() for t in tensors]
-        if pool is not None and getattr(pool, "pinned", False):
-            sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
-            try:
-                self.block = pool.alloc(sum(sizes))
-            except ColomemError:          # the pool's cap: torch's pinned memory instead
-                self.block = None
-            if self.block is not None:
-                buf, out, off = self.block.as_tensor(sum(sizes)), [], 0
-                for t, n in zip(tensors, sizes):
-                    h = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                    h.copy_(t)
-                    out.append(h)
-                    off += n
-                return out
-        return [t.to("cpu", copy=True).pin_memory() for t in tensors]
+        offsets, total = layout([t.numel() * t.element_size() for t in tensors])
+        try:
+            buf = self._staging.buffer(total, pool)
+        except ColomemError:          # the pool's cap: torch's pinned memory instead
+            buf = self._staging.buffer(total)
+        out = []
+        for t, off in zip(tensors, offsets):
+            h = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            h.copy_(t)
+            out.append(h)
+        return out
 
     def restore(self) -> float:
         """The adapted base weights back as they were (a no-op unless a merge wrote them); returns the seconds.

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from colomem.engines import lora
 from colomem.engines.hf_export import adapter_key
+from colomem.engines.staging import Staging
 from colomem.errors import ColomemError
 
 from .gather import BucketedGather
@@ -36,33 +37,6 @@ class SyncSource:
     """Named weights prepared for the sync while the trainer is offloaded (host tensors)."""
     merged: bool
     items: list[tuple[str, Tensor]]
-
-
-class Staging:
-    """A host uint8 buffer, page-locked, kept across offloads (a pool block when there is a pool)."""
-
-    def __init__(self) -> None:
-        self._block: Any = None
-        self._host: Optional[Tensor] = None
-
-    def buffer(self, nbytes: int, pool: Any = None) -> Tensor:
-        """At least nbytes; the same buffer while it is large enough."""
-        if self._host is not None and self._host.numel() >= nbytes:
-            return self._host
-        self.free()
-        if pool is not None and not pool.closed:
-            self._block = pool.alloc(nbytes)
-            self._host = self._block.as_tensor(nbytes)
-        else:
-            self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._host
-
-    def free(self) -> None:
-        self._host = None
-        if self._block is not None:
-            if not self._block.pool.closed:
-                self._block.release()
-            self._block = None
 
 
 class WeightExport:
