@@ -27,7 +27,8 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
-from .recompute_plan import RecomputeProbe, asleep_trade, no_fit_reason, probe, recompute_fit, recompute_hint
+from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
+                             recompute_hint)
 from .status import StatusFile
 from .timeline import (MemoryAlarm, MetricsWriter, StepRecord, gpu_free, gpu_total, memory_snapshot,
                        release_cache)
@@ -445,8 +446,7 @@ class PhaseRunner:
         if not self.cfg.gradient_checkpointing or not self.train_width:
             return ""                  # the same on every rank: the config, and each rank trained the step
         self.recompute_probe = pr = probe(self.trainer, self.planned_width)
-        tokens = self.cfg.micro_batch_tokens
-        rows = self.cfg.micro_batch if tokens is None else max(1, tokens // self.train_width)
+        rows = micro_batch_rows(self.cfg, self.train_width)
         spare = train_spare(self.placement, figs, margin, taken)
         if trim_from is None:
             return recompute_hint(spare, pr, rows) if pr is not None else ""
@@ -475,7 +475,7 @@ class PhaseRunner:
         """Nothing moves: what vLLM asleep while training would take out of the recompute (asleep_trade)."""
         c, pr = self.cfg, self.recompute_probe
         asleep = choose(c.offload, "always", figs, margin, self._optim_out_allowed)
-        rows = c.micro_batch if c.micro_batch_tokens is None else max(1, c.micro_batch_tokens // self.train_width)
+        rows = micro_batch_rows(self.cfg, self.train_width)
         took = sum(rec.phase_s.get(k, 0.0) for k in ("sleep", "wake_weights", "wake_kv"))
         return asleep_trade(train_spare(self.placement, figs, margin, taken), train_spare(asleep, figs, margin, taken),
                             pr, rows, took) if pr is not None else ""

@@ -78,6 +78,13 @@ class RecomputeFit:
     extra: int
 
 
+def micro_batch_rows(cfg: Any, width: int) -> int:
+    """Rows of one micro-batch of the run config `cfg` at `width` tokens a row (a token budget holds that many
+    rows of it): what the probe's per-row figure is scaled by."""
+    tokens = cfg.micro_batch_tokens
+    return cfg.micro_batch if tokens is None else max(1, tokens // width)
+
+
 def recompute_fit(spare: int, pr: RecomputeProbe, micro_batch: int) -> Optional[RecomputeFit]:
     """The setting with the fewest checkpointed layers whose extra activations fit in `spare` bytes (the
     head room while training, every GPU's smallest); None when none does or nothing would change."""
@@ -141,4 +148,4 @@ def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
             "(--trim-recompute takes it). The micro-batch and KV cache hints count the same free memory")
 
 
-__all__ = ["RecomputeFit", "RecomputeProbe", "asleep_trade", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
+__all__ = ["RecomputeFit", "RecomputeProbe", "asleep_trade", "micro_batch_rows", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
