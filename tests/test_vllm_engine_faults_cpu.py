@@ -18,27 +18,31 @@ from fakes.vllm import make, model_of, trainer_weights
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
 
 
-
-def test_a_hung_engine_times_out_and_close_kills_it():
+@pytest.fixture
+def engine_proc():
+    """A child process standing in for vLLM's engine process; killed after the test if it still runs."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        r = make(proc=proc, rpc_timeout_s=0.5, shutdown_timeout_s=0.5)
-        r.llm.hang = True
-        t0 = time.monotonic()
-        with pytest.raises(TransferTimeoutError, match="close\\(\\) kills it"):
-            r.rpc("colomem_memory")
-        with pytest.raises(PeerError, match="unusable"):
-            r.rpc("colomem_memory")
-        r.close()                                  # shutdown hangs too: bounded, then SIGKILL
-        assert time.monotonic() - t0 < 15
-        assert proc.wait(timeout=5) == -9
-        with pytest.raises(PoolClosedError):
-            r.generate([[1]])
-        r.close()                                  # idempotent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_hung_engine_times_out_and_close_kills_it(engine_proc):
+    proc = engine_proc
+    r = make(proc=proc, rpc_timeout_s=0.5, shutdown_timeout_s=0.5)
+    r.llm.hang = True
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="close\\(\\) kills it"):
+        r.rpc("colomem_memory")
+    with pytest.raises(PeerError, match="unusable"):
+        r.rpc("colomem_memory")
+    r.close()                                  # shutdown hangs too: bounded, then SIGKILL
+    assert time.monotonic() - t0 < 15
+    assert proc.wait(timeout=5) == -9
+    with pytest.raises(PoolClosedError):
+        r.generate([[1]])
+    r.close()                                  # idempotent
 
 
 def test_dead_engine_is_reported_not_waited_for():
@@ -49,31 +53,26 @@ def test_dead_engine_is_reported_not_waited_for():
     r.close()
 
 
-def test_an_engine_that_dies_mid_call_is_reported_at_once_not_at_the_timeout():
+def test_an_engine_that_dies_mid_call_is_reported_at_once_not_at_the_timeout(engine_proc):
     # vLLM's synchronous client can wait forever once its engine died mid-call: the wait watches the engine
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        r = make(proc=proc, rpc_timeout_s=60.0, shutdown_timeout_s=0.5)
-        r.llm.hang = True
+    proc = engine_proc
+    r = make(proc=proc, rpc_timeout_s=60.0, shutdown_timeout_s=0.5)
+    r.llm.hang = True
 
-        def die():
-            proc.kill()
-            proc.wait()
-            r.llm.llm_engine.engine_core.resources.engine_dead = True
+    def die():
+        proc.kill()
+        proc.wait()
+        r.llm.llm_engine.engine_core.resources.engine_dead = True
 
-        threading.Timer(0.3, die).start()
-        t0 = time.monotonic()
-        with pytest.raises(PeerError, match="engine process died during colomem_memory"):
-            r.rpc("colomem_memory")
-        assert time.monotonic() - t0 < 10           # not the 60 s timeout
-        with pytest.raises(PeerError, match="unusable"):
-            r.rpc("colomem_memory")
-        r.llm.block.set()
-        r.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    threading.Timer(0.3, die).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="engine process died during colomem_memory"):
+        r.rpc("colomem_memory")
+    assert time.monotonic() - t0 < 10           # not the 60 s timeout
+    with pytest.raises(PeerError, match="unusable"):
+        r.rpc("colomem_memory")
+    r.llm.block.set()
+    r.close()
 
 
 def test_a_failed_sync_keeps_the_old_version_and_the_next_sync_works():
