@@ -172,6 +172,34 @@ def test_a_merged_rollout_reads_the_merged_base_and_the_base_comes_back_bit_for_
     assert all(x["train/rollout_logprob_gap"] < 1e-4 for x in steps), [x["train/rollout_logprob_gap"] for x in steps]
 
 
+def test_a_base_left_merged_is_restored_before_it_is_merged_onto_again(engines):
+    """A window failed and so did its restore: the base still holds merged weights. The next sync's merge
+    reads the base, so it restores first: merging twice would add the adapter's delta twice."""
+    from colomem.engines.lora import walk_modules
+
+    e, _ = engines
+    layers = [m for _, m, params in walk_modules(e.trainer.model) if params is None]
+    with torch.no_grad():                      # an adapter that changes the weights (B starts at zero)
+        for m in layers:
+            m.lora_B["default"].weight.normal_(0, 0.02)
+    original = [m.base_layer.weight.detach().clone() for m in layers]
+    shared = e.shared
+    shared.merged_rollout = True
+
+    def window():                              # a sync in merged mode: the merged weights land in the base
+        shared.merge_weights(e.trainer)
+        with torch.no_grad():
+            for m in layers:
+                m.base_layer.weight.add_(m.get_delta_weight("default"))
+    window()                                   # its restore never ran (it failed)
+    once = [m.base_layer.weight.detach().clone() for m in layers]
+    assert shared.restorer.merged and not all(torch.equal(a, b) for a, b in zip(once, original))
+    window()
+    assert all(torch.equal(m.base_layer.weight, w) for m, w in zip(layers, once))   # base + delta, not + 2 delta
+    shared.after_rollout()
+    assert all(torch.equal(m.base_layer.weight, w) for m, w in zip(layers, original))
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"lora": None}, "full fine-tune"),
     ({"zero_stage": 3}, "zero-stage 2"),

@@ -74,8 +74,8 @@ class BaseRestore:
                 view.copy_(saved, non_blocking=view.is_cuda)
                 if view.is_cuda:
                     devices.add(view.device)
-        for d in devices:
-            torch.cuda.synchronize(d)
+        for d in devices:       # the copies' stream only: not the trainer's offload copies still in flight
+            torch.cuda.current_stream(d).synchronize()
         self.merged = False
         self.restores += 1
         self.last_restore_s = time.perf_counter() - t0

@@ -97,6 +97,9 @@ class SharedBase:
             from colomem.engines.base_restore import BaseRestore
 
             self.restorer = BaseRestore(trainer.model, pool)      # the host copy in the job's pinned pool
+        # a base still merged (its restore after a failed window failed too) must not be merged onto again:
+        # the merge reads the base it writes
+        self.restorer.restore()
         self.restorer.merged = True
         return trainer.named_weights(merged=True)
 
