@@ -74,13 +74,13 @@ def test_no_hint_when_nothing_moves_already_the_figures_are_missing_or_nothing_w
 
 def _bigkv_run(monkeypatch, out, **options):
     """The CPU loop planning from the bigkv figures (its rollout's KV figures included): (lines said, f)."""
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     f = bigkv()
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: bigkv(kv_cache=0,
-                                                                                                   kv_need=0))
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
-    monkeypatch.setattr(phase_runner.PhaseRunner, "_kv_figures", lambda self: (f.kv_cache, f.kv_need))
+    monkeypatch.setattr(train_memory_plan, "figures_from_step",
+                        lambda memory, by_cat, total, **_: bigkv(kv_cache=0, kv_need=0))
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "kv_figures", lambda cfg, rollout, world_size: (f.kv_cache, f.kv_need))
     said = []
     cfg = config_from_dict({"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8,
                             "progress": False, "plots": False, "report_to": ["none"], "out": str(out),
@@ -153,23 +153,21 @@ def test_the_planners_kv_need_is_one_gpus_share_as_the_auto_cache_is(tmp_path):
     from types import SimpleNamespace
 
     from colomem.runner.kv_need import auto_kv_cache_bytes, kv_layout, rollout_kv_need
-    from colomem.runner.phase_runner import PhaseRunner
+    from colomem.runner.train_memory_plan import kv_figures
 
     model = _qwen2_1p5b_config(tmp_path / "m")
     per_token, kv_heads = kv_layout(model)
     base = {"backend": "cpu", "prompts_per_step": 32, "grpo": {"group_size": 8}, "max_model_len": 512}
     for tp, share in ((1, 1), (2, 1), (4, 2)):      # 2 KV heads: on 4 GPUs each holds a copy of one
         cfg = config_from_dict({**base, "backend": "gpu", "tensor_parallel_size": tp})
-        me = SimpleNamespace(cfg=cfg, ranks=SimpleNamespace(world_size=tp),
-                             rollout=SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=model))
+        rollout = SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=model)
         rows = 256 // tp                   # a rank's; the engine generates as many ranks' as it has GPUs
-        cache, need = PhaseRunner._kv_figures(me)
+        cache, need = kv_figures(cfg, rollout, tp)
         assert cache == 9 * GiB and need == int(3.5 / tp * share * GiB) == rollout_kv_need(rows, 512, per_token,
                                                                                            kv_heads, tp)
         assert auto_kv_cache_bytes(rows, 512, per_token, kv_heads, tp) == int(need * 1.25)
-    gone = SimpleNamespace(cfg=config_from_dict(base), ranks=SimpleNamespace(world_size=1),
-                           rollout=SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=str(tmp_path / "none")))
-    assert PhaseRunner._kv_figures(gone) == (9 * GiB, 0)      # no config to read: no need weighed
+    gone = SimpleNamespace(kv_cache_bytes=9 * GiB, model_path=str(tmp_path / "none"))
+    assert kv_figures(config_from_dict(base), gone, 1) == (9 * GiB, 0)      # no config to read: no need weighed
 
 
 def test_kv_cache_bytes_reaches_vllm_and_bad_values_are_refused_early(tmp_path):

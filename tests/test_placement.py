@@ -76,10 +76,10 @@ def test_the_plan_counts_the_state_the_first_optimizer_step_created():
 
 def test_the_runner_plans_with_the_state_its_first_training_step_left(job_env, tmp_path, monkeypatch):
     # the CPU loop: its first offload moves no AdamW state (none exists yet); the plan still sees it
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     seen = []
-    monkeypatch.setattr(phase_runner, "figures_from_step",
+    monkeypatch.setattr(train_memory_plan, "figures_from_step",
                         lambda memory, by_cat, total, **_: seen.append(dict(by_cat)))
     res = run_job(job(tmp_path / "plan", offload="auto"), print_fn=lambda *_: None)
     assert res.summary["status"] == "ok" and len(seen) == 1
@@ -167,7 +167,7 @@ def test_the_memory_left_free_is_offered_to_a_larger_token_budget():
 def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so():
     """--grow-micro-batch: after the measuring step the trainer's micro-batch (or token budget) becomes the
     largest the free memory holds, the line says from which step, and nothing changes when none larger fits."""
-    from colomem.runner.phase_runner import PhaseRunner
+    from colomem.runner.train_memory_plan import grow_micro_batch
 
     f = figs(peak=53)                                  # as above: 16 rows of 64 fit, or 34816 tokens
     p = choose("auto", "auto", [f], margin=2 * GB)
@@ -180,28 +180,26 @@ def test_grow_micro_batch_takes_what_the_hint_names_on_the_trainer_and_says_so()
     assert micro_batch_fit(p, [f], 4, 64, margin=2 * GB, unit_extra=2 * GB) == 8           # 4 + 26 / 4: 10
     assert micro_batch_tokens_fit(p, [f], 8192, margin=2 * GB, unit_extra=GB / 1024) == 8192 + 13312
 
-    def runner(tokens=None):
+    def grow(tokens=None, taken=0):
         trainer = SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens)
-        return SimpleNamespace(cfg=SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens), trainer=trainer,
-                               placement=p, micro_batch_grown=None)
-    r = runner()
-    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 0, 2)
-    assert r.trainer.micro_batch == 16 and r.micro_batch_grown == (4, 16)
+        cfg = SimpleNamespace(micro_batch=4, micro_batch_tokens=tokens)
+        line, grown = grow_micro_batch(cfg, trainer, p, [f], 64, 2 * GB, taken, 2)
+        return line, grown, trainer
+    line, grown, trainer = grow()
+    assert trainer.micro_batch == 16 and grown == (4, 16)
     assert line.startswith("--micro-batch 4 -> 16 from step 2 on")
-    r = runner(tokens=8192)
-    assert PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 0, 2).startswith("--micro-batch-tokens 8192 -> 34816")
-    assert r.trainer.micro_batch_tokens == 34816 and r.trainer.micro_batch == 4
-    r = runner()
-    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 20 * GB, 2)               # nothing larger fits
-    assert r.trainer.micro_batch == 4 and r.micro_batch_grown is None
+    line, grown, trainer = grow(tokens=8192)
+    assert line.startswith("--micro-batch-tokens 8192 -> 34816")
+    assert trainer.micro_batch_tokens == 34816 and trainer.micro_batch == 4 and grown == (8192, 34816)
+    line, grown, trainer = grow(taken=20 * GB)                                         # nothing larger fits
+    assert trainer.micro_batch == 4 and grown is None
     assert line.startswith("--micro-batch stays 4 (--grow-micro-batch: the 5.59 GiB left free") \
         and "divides the step's 64 rows" in line                                       # said, not silent
-    r = runner(tokens=8192)
-    line = PhaseRunner._grow_micro_batch(r, [f], 64, 2 * GB, 26 * GB, 2)
+    line, grown, trainer = grow(tokens=8192, taken=26 * GB)
     assert line.startswith("--micro-batch-tokens stays 8192") and "rows" not in line
-    assert r.trainer.micro_batch_tokens == 8192 and r.micro_batch_grown is None
+    assert trainer.micro_batch_tokens == 8192 and grown is None
     # more taken than was free (a grown sync bucket and the trim): no negative size in the line
-    line = PhaseRunner._grow_micro_batch(runner(), [f], 64, 2 * GB, 40 * GB, 2)
+    line, _, _ = grow(taken=40 * GB)
     assert "nothing is left free while training" in line and not re.search(r"-\d", line)
 
 

@@ -50,11 +50,11 @@ def test_auto_on_the_cpu_measures_once_then_says_why_everything_moves(job_env, t
 
 def test_the_plan_prints_and_records_the_micro_batch_hint_from_gpu_figures(job_env, tmp_path, monkeypatch):
     # the CPU loop with GPU-like figures after its first step: the planner's own path, the hint included
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
     said = []
     res = run_job(job(tmp_path / "hint", micro_batch=4, placement_margin="2GB"), print_fn=said.append)
     assert res.summary["status"] == "ok" and res.summary["placement"]["label"] == "nothing moves"
@@ -106,11 +106,11 @@ def test_alternate_runs_both_resident_layouts_in_turn_and_trains_the_same(job_en
 
 
 def test_the_runner_reloads_at_the_step_when_the_plan_says_so_and_trains_the_same(job_env, tmp_path, monkeypatch):
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     ref = run_job(job(tmp_path / "overlap", offload="all", rollout_sleep="always"), print_fn=lambda *_: None)
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: seven_b())
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda memory, by_cat, total, **_: seven_b())
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: seven_b().total)
     said = []
     res = run_job(job(tmp_path / "auto"), print_fn=said.append)
     assert ref.summary["status"] == res.summary["status"] == "ok"
@@ -133,7 +133,7 @@ def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_ste
     """A resume's first (measuring) step already has Adam's moments: reloaded before the optimizer step, a job
     that fits only with them reloaded inside it would run out of memory before the planner could choose. So
     auto brings them back at that step, and the plan counts them as absent from the measured peak."""
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     first = run_job(job(tmp_path / "a", steps=2, save_every=2), print_fn=lambda *_: None)
     assert first.summary["status"] == "ok"
@@ -143,8 +143,8 @@ def test_a_resumed_run_measures_with_the_optimizer_state_brought_back_at_the_ste
         seen.append(kw)
         # the moments counted as absent from the measured peak (as on the GPU, at their 7.6B size), or not
         return seven_b() if kw.get("optim_created") else seven_b(optim_created=0)
-    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: seven_b().total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", figures)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: seven_b().total)
     said = []
     res = run_job(job(tmp_path / "a", steps=4, save_every=4, resume="auto"), print_fn=said.append)
     assert res.summary["status"] == "ok", res.summary
@@ -163,7 +163,7 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     (the plan counted them in the rollout's memory), and training starts only after the copy is over."""
     from colomem.engines.hf_rollout import HFRollout
     from colomem.engines.stand_ins import TorchTrainer
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     gib = 1 << 30
     f = seven_b(rollout_used=20 * gib, pre_step_peak=78 * gib, step_start_peak=100 * gib)
@@ -173,8 +173,8 @@ def test_the_runner_sends_the_optimizer_state_out_behind_the_rollout_and_trains_
     def figures(memory, by_cat, total, **kw):
         seen.append(kw)
         return f
-    monkeypatch.setattr(phase_runner, "figures_from_step", figures)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", figures)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
     events: list = []
 
     def spy(cls, name, label):
@@ -229,13 +229,13 @@ def test_an_evaluation_between_steps_with_the_optimizer_state_out_behind_the_rol
     """An evaluation's awake window sends the moments out behind it too; the next step's offload first brings
     back the moments no optimizer step took back (the state must be whole before it moves again): the
     evaluations and the training match a run that moves everything."""
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     f = seven_b(rollout_used=20 * (1 << 30))
     ref = run_job(job(tmp_path / "moves", offload="all", rollout_sleep="always", eval_every=1),
                   print_fn=lambda *_: None)
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda *a, **kw: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda *a, **kw: f)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
     res = run_job(job(tmp_path / "out", eval_every=1), print_fn=lambda *_: None)
     assert ref.summary["status"] == res.summary["status"] == "ok", res.summary
     assert res.summary["placement"]["label"].endswith("optimizer state out behind the rollout")
@@ -256,13 +256,13 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
     the activations of the layers no longer checkpointed; both lines are printed and the placement event
     records both changes. --trim-recompute false keeps every layer checkpointed."""
     from colomem.engines.recompute import checkpointed_layers, decoder_layers
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
     from colomem.runner.recompute_plan import RecomputeProbe
 
     GiB = 1 << 30
     f = figs(peak=53)           # 26 GiB free while training; 8 GiB of activations at micro-batch 4: 2 GiB a row
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
     seen = {}
 
     def probe(trainer, width):   # the tiny model's layers keep a few KiB: stand in for a large model's
@@ -270,7 +270,7 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
         layers = len(decoder_layers(trainer.model))
         return RecomputeProbe(per_layer_row=seen.get("per_row", GiB) / layers, layers=layers, checkpointed=layers,
                               width=width)
-    monkeypatch.setattr(phase_runner, "probe", probe)
+    monkeypatch.setattr(train_memory_plan, "probe", probe)
 
     def run(name, **kw):
         said = []
@@ -320,11 +320,11 @@ def test_the_plan_counts_activations_at_the_widest_row_the_job_can_train_on(job_
     step's were 4) plans for the widest: its activations count twice, so the micro-batch grows half as far, and
     the runner says so."""
     from colomem.grpo.tasks import SuccessorTask
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     f = figs(peak=53)                                 # 8 GB of activations at micro-batch 4: 2 GB a row
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
 
     def run(name):
         said = []
@@ -350,11 +350,11 @@ def test_the_default_trim_of_the_recompute_trains_bit_for_bit_as_recomputing_eve
     """--trim-recompute's default (auto) with checkpointing on and GPU-like figures that leave room: from
     step 2 no layer is recomputed, and the weights and rewards are those of the run that recomputes every
     layer (--trim-recompute false): the trim takes memory, not bits."""
-    from colomem.runner import phase_runner
+    from colomem.runner import train_memory_plan
 
     f = figs(peak=53)
-    monkeypatch.setattr(phase_runner, "figures_from_step", lambda memory, by_cat, total, **_: f)
-    monkeypatch.setattr(phase_runner, "gpu_total", lambda device: f.total)
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda memory, by_cat, total, **_: f)
+    monkeypatch.setattr(train_memory_plan, "gpu_total", lambda device: f.total)
     lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     runs = {}
     for name, kw in (("trim", {}), ("every", {"trim_recompute": False})):

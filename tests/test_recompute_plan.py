@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from colomem.runner import placement as pl
-from colomem.runner.phase_runner import PhaseRunner
 from colomem.engines.recompute import fewer_checkpointed
 from colomem.runner.recompute_plan import RecomputeProbe, asleep_trade, no_fit_reason, probe, recompute_hint
+from colomem.runner.train_memory_plan import recompute_line
 from test_recompute import small_qwen2
 
 GiB = 1 << 30
@@ -78,25 +78,24 @@ def test_the_runner_weighs_the_free_training_memory_at_the_planned_width():
     fig = pl.MemoryFigures(total=total, rollout_used=20 * GiB, trainer_left=GiB, train_peak=30 * GiB,
                            state={"params": 2 * GiB, "other": 0, "grads": 2 * GiB, "master": 4 * GiB,
                                   "optim": 8 * GiB}, train_other=GiB)
-    runner = SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4, micro_batch_tokens=None),
-                             train_width=40, planned_width=40,
-                             trainer=SimpleNamespace(model=model, device=torch.device("cpu")), recompute_probe=None,
-                             placement=pl.choose("auto", "auto", [fig], margin=2 * GiB))
-    hint = PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0)
-    assert "--gradient-checkpointing false would fit" in hint and runner.recompute_probe.checkpointed == 6
-    assert runner.recompute_probe.width == 40
+    cfg = SimpleNamespace(gradient_checkpointing=True, micro_batch=4, micro_batch_tokens=None)
+    trainer = SimpleNamespace(model=model, device=torch.device("cpu"))
+    placement = pl.choose("auto", "auto", [fig], margin=2 * GiB)
+
+    def weigh(train_width=40, width=40):
+        return recompute_line(cfg, trainer, None, placement, [fig], 2 * GiB, 0, train_width=train_width, width=width)
+    said = weigh()
+    hint = said.line
+    assert "--gradient-checkpointing false would fit" in hint and said.probe.checkpointed == 6
+    assert said.probe.width == 40 and said.trimmed is None and said.extra == 0
     # a job whose rows can be wider than the measured step's: the probe measures at the widest
-    runner.planned_width = 80
-    PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0)
-    assert runner.recompute_probe.width == 80
-    runner.planned_width = 40
+    assert weigh(width=80).probe.width == 80
     # a token budget of 160 holds 4 rows of 40: the same hint
-    runner.cfg.micro_batch, runner.cfg.micro_batch_tokens = 64, 160
-    assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == hint
-    runner.train_width = 0                                        # no batch trained on yet: no probe
-    assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == ""
-    runner.cfg.gradient_checkpointing, runner.train_width = False, 40
-    assert PhaseRunner._recompute_hint(runner, [fig], 2 * GiB, 0) == ""
+    cfg.micro_batch, cfg.micro_batch_tokens = 64, 160
+    assert weigh().line == hint
+    assert weigh(train_width=0).line == ""                        # no batch trained on yet: no probe
+    cfg.gradient_checkpointing = False
+    assert weigh().line == ""
 
 
 def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
@@ -110,41 +109,40 @@ def test_trim_recompute_applies_the_setting_to_the_trainers_model_and_says_so():
                                   "optim": 8 * GiB}, train_other=GiB)
     placement = pl.choose("auto", "auto", [fig], margin=2 * GiB)
 
-    def runner():
+    def trainer():
         model = small_qwen2(layers=6)
         enable_recompute(model, 1)
-        return SimpleNamespace(cfg=SimpleNamespace(gradient_checkpointing=True, micro_batch=4,
-                                                   micro_batch_tokens=None, trim_recompute=True),
-                               train_width=40, planned_width=40,
-                               trainer=SimpleNamespace(model=model, device=torch.device("cpu")),
-                               recompute_probe=None, recompute_trimmed=None, placement=placement,
-                               ranks=SimpleNamespace(exchange=lambda x: [x]))
-    r = runner()
-    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2)
-    assert line.startswith("--gradient-checkpointing false from step 2 on (--trim-recompute: the backward "
-                           "recomputes 0 of the 6 decoder layers instead of 6")
-    assert checkpointed_layers(r.trainer.model) == 0 and r.recompute_trimmed == (6, 0)
+        return SimpleNamespace(model=model, device=torch.device("cpu"))
+    cfg = SimpleNamespace(gradient_checkpointing=True, micro_batch=4, micro_batch_tokens=None, trim_recompute=True)
+
+    def trim(t, taken=0, others=()):
+        ranks = SimpleNamespace(exchange=lambda x: [x, *others])
+        return recompute_line(cfg, t, ranks, placement, [fig], 2 * GiB, taken, train_width=40, width=40, trim_from=2)
+    t = trainer()
+    said = trim(t)
+    assert said.line.startswith("--gradient-checkpointing false from step 2 on (--trim-recompute: the backward "
+                                "recomputes 0 of the 6 decoder layers instead of 6")
+    assert checkpointed_layers(t.model) == 0 and said.trimmed == (6, 0)
+    per_layer = probe(trainer(), 40).per_layer_row * 4
+    assert said.extra == int(6 * per_layer)                       # what a grown micro-batch must leave them
     # room for three more layers' activations (and a half): every other layer stays checkpointed
-    r = runner()
+    t = trainer()
     spare = pl.train_spare(placement, [fig], 2 * GiB, 0)
-    per_layer = probe(r.trainer, 40).per_layer_row * 4
-    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(3.5 * per_layer), 2)
-    assert line.startswith("--checkpoint-every 2 from step 2 on") and r.recompute_trimmed == (6, 3)
-    assert [m.gradient_checkpointing for m in r.trainer.model.model.layers] == [True, False] * 3
-    r = runner()                                                  # not one layer's activations fit
-    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, spare - int(0.5 * per_layer), 2)   # not even that: said
-    assert line.startswith("the backward keeps recomputing") and "left free while training holds none" in line
-    assert checkpointed_layers(r.trainer.model) == 6 and r.recompute_trimmed is None
+    said = trim(t, spare - int(3.5 * per_layer))
+    assert said.line.startswith("--checkpoint-every 2 from step 2 on") and said.trimmed == (6, 3)
+    assert [m.gradient_checkpointing for m in t.model.model.layers] == [True, False] * 3
+    t = trainer()                                                  # not one layer's activations fit
+    said = trim(t, spare - int(0.5 * per_layer))                   # not even that: said
+    assert said.line.startswith("the backward keeps recomputing") and "left free while training holds none" in said.line
+    assert checkpointed_layers(t.model) == 6 and said.trimmed is None and said.extra == 0
     # several ranks: each applies the setting that keeps the most layers checkpointed over all of them, and
     # none trims when one rank's memory fits none
-    r = runner()
-    r.ranks = SimpleNamespace(exchange=lambda x: [x, (3, 2, 1, "--checkpoint-every 2")])
-    assert PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2).startswith("--checkpoint-every 2 from step 2")
-    assert r.recompute_trimmed == (6, 3)
-    r = runner()
-    r.ranks = SimpleNamespace(exchange=lambda x: [x, None])
-    line = PhaseRunner._recompute_hint(r, [fig], 2 * GiB, 0, 2)
-    assert "another GPU's free memory holds none" in line and checkpointed_layers(r.trainer.model) == 6
+    t = trainer()
+    said = trim(t, others=[(3, 2, 1, "--checkpoint-every 2")])
+    assert said.line.startswith("--checkpoint-every 2 from step 2") and said.trimmed == (6, 3)
+    t = trainer()
+    said = trim(t, others=[None])
+    assert "another GPU's free memory holds none" in said.line and checkpointed_layers(t.model) == 6
 
 
 def test_trim_recompute_needs_checkpointing_and_a_measured_placement():

@@ -1,0 +1,292 @@
+"""The plan of every step after the measuring one: from the GPU memory figures the first step left on every
+rank, the placement (colomem.runner.placement), when the optimizer state comes back, the weight bridge's
+buckets, the recompute trimmed (--trim-recompute) and the micro-batch grown (--grow-micro-batch) in the memory
+left free, the hints for what the user could change, and the lines and the placement event that say so.
+
+It is held apart from the phases (colomem.runner.phase_runner) because it runs once, after the first step,
+and only reads what that step measured: each function takes what it needs and returns what it decided, and
+the runner keeps what later steps read. Every rank sees every rank's figures, so every rank decides the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from colomem.engines.recompute import set_checkpointed
+from colomem.units import format_bytes, parse_bytes
+
+from .batch_width import widened
+from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
+from .loop_memory import grow_sync_bucket
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
+                        micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
+                        reload_at_step, state_to_plan, train_spare)
+from .ranks import Ranks
+from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
+                             recompute_hint)
+from .timeline import StepRecord, gpu_total
+
+
+@dataclass(frozen=True)
+class RecomputeLine:
+    """What weighing the recompute gave: the line to print ("" when there is nothing to say), the probe it
+    measured, (checkpointed was, now) when --trim-recompute applied a setting, and the bytes the layers it
+    stopped checkpointing keep at the measured micro-batch, which a later --grow-micro-batch must leave them."""
+    line: str = ""
+    probe: Optional[RecomputeProbe] = None
+    trimmed: Optional[tuple[int, int]] = None
+    extra: int = 0
+
+
+@dataclass(frozen=True)
+class LaterPlan:
+    """What plan_later_steps decided: the placement, every rank's figures it was chosen from (empty: none on
+    the CPU backend), why the optimizer state comes back inside the optimizer step ("" when it does not),
+    the hints, what changed on the trainer, and the placement event as written to the metrics file."""
+    placement: Placement
+    figures: list[dict] = field(default_factory=list)
+    reload_why: str = ""
+    kv_hint: str = ""
+    micro_batch_hint: str = ""
+    recompute: RecomputeLine = RecomputeLine()
+    micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
+    event: dict = field(default_factory=dict)
+
+
+def planned_width(cfg: Any, train_width: int, widest_row: int) -> int:
+    """The row width the plan counts activations at (batch_width.py): the widest row the job can train on,
+    or the measured step's rows when wider (or unknown); micro-batches cut by a token budget hold as many
+    tokens whatever the width, so they plan at the measured one."""
+    if cfg.micro_batch_tokens is not None:
+        return train_width
+    return max(train_width, widest_row)
+
+
+def optim_out_allowed(cfg: Any, trainer: Any) -> bool:
+    """Whether the planner may send the optimizer state out behind the rollout: the trainer can defer an
+    offload (the colomem method), and the job did not ask for the state back before the step."""
+    return cfg.optimizer_reload != "overlap" and getattr(trainer, "defers_offload", False)
+
+
+def kv_figures(cfg: Any, rollout: Any, world_size: int) -> tuple[int, int]:
+    """(the rollout engine's KV cache, the most the step's rollout holds) on this GPU; zeros when unknown."""
+    cache = getattr(rollout, "kv_cache_bytes", None)
+    path = getattr(rollout, "model_path", None)
+    if not cache or not path:
+        return 0, 0
+    layout = kv_layout(path, cfg.trust_remote_code)
+    if layout is None:
+        return int(cache), 0
+    return int(cache), rollout_kv_need(cfg.rows_per_rank(world_size), cfg.max_model_len, layout[0], layout[1],
+                                       cfg.tensor_parallel_size)
+
+
+def step_figures(cfg: Any, trainer: Any, rollout: Any, world_size: int, rec: StepRecord, device: Optional[int],
+                 measured_at_step: bool, train_width: int, width: int) -> Optional[MemoryFigures]:
+    """This rank's memory figures from the measuring step `rec` (None without GPU figures: the CPU backend),
+    its activations counted at `width` tokens a row. measured_at_step: that step brought the optimizer state
+    back inside the optimizer step, so the state counts as absent from its peak."""
+    moved = dict(trainer.last_offload.by_category) if trainer.last_offload is not None else {}
+    held = getattr(trainer, "state_bytes", None)        # after training: Adam's moments exist now
+    now = held() if held is not None and not trainer.offloaded else {}
+    by_cat = state_to_plan(moved, now)
+    created = max(0, int(now.get("optim", 0) or 0) - int(moved.get("optim", 0) or 0))
+    if measured_at_step:       # the moments were in the pool through its peak, as if created there
+        created = int(now.get("optim", 0) or 0)
+    mine = figures_from_step(rec.memory, by_cat, gpu_total(device) or 0, optim_created=created,
+                             pre_step_peak=int(rec.metrics.get("train/reserved_before_step_max") or 0),
+                             step_start_peak=int(rec.metrics.get("train/reserved_at_step_start_max") or 0))
+    if mine is not None:
+        mine.kv_cache, mine.kv_need = kv_figures(cfg, rollout, world_size)
+        mine = widened(mine, train_width, width)
+    return mine
+
+
+def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec: StepRecord,
+                     device: Optional[int], measured_at_step: bool, train_width: int, widest_row: int,
+                     say: Callable[[str], None]) -> LaterPlan:
+    """After the first step (everything moved): the placement of every later step, from its memory figures on
+    every rank (the same placement everywhere: the one that fits on every GPU), and what else the memory it
+    leaves free is given to. Sets what it decides on the trainer and the rollout, says it through `say`."""
+    c = cfg
+    width = planned_width(c, train_width, widest_row)
+    mine = step_figures(c, trainer, rollout, ranks.world_size, rec, device, measured_at_step, train_width, width)
+    every = ranks.exchange(mine.to_dict() if mine is not None else None)
+    hint = micro_hint = ""
+    recompute = RecomputeLine()
+    grown_micro: Optional[tuple[int, int]] = None
+    figures: list[dict] = []
+    reload_why = ""
+    if any(f is None for f in every):
+        placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
+        if measured_at_step and hasattr(trainer, "optimizer_reload"):   # no GPU peak to keep low
+            trainer.optimizer_reload = "overlap"
+    else:
+        figs = [MemoryFigures(**f) for f in every]
+        margin = parse_bytes(c.placement_margin) if c.placement_margin else None
+        optim_out = optim_out_allowed(c, trainer)
+        placement = choose(c.offload, c.rollout_sleep, figs, margin, optim_out)
+        figures = every
+        reload_why = choose_optimizer_reload(c, trainer, placement, figs, margin)
+        grown = grow_sync_bucket(c, rollout, placement, figs, int(rec.metrics.get("sync/nbytes") or 0), margin, say)
+        rows = c.rows_per_rank(ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
+        # --trim-recompute first: recompute is work each step does twice, while a larger micro-batch only
+        # saves the host work a micro-batch costs; --grow-micro-batch then takes what is left, each row
+        # now also holding the activations of the layers no longer checkpointed
+        taken, unit_extra = grown, 0.0
+        if c.trims_recompute:
+            recompute = recompute_line(c, trainer, ranks, placement, figs, margin, grown, train_width=train_width,
+                                       width=width, trim_from=rec.step + 2)
+            if c.rollout_sleep == "auto" and not placement.rollout_sleeps and recompute.probe:
+                trade = asleep_line(c, placement, figs, margin, grown, recompute.probe, train_width,
+                                    rec.phase_s, optim_out)
+                line = recompute.line + (f"; {trade}" if trade and recompute.line else trade)
+                recompute = RecomputeLine(line, recompute.probe, recompute.trimmed, recompute.extra)
+            taken += recompute.extra
+            unit_extra = recompute.extra / (c.micro_batch if c.micro_batch_tokens is None else c.micro_batch_tokens)
+        # --grow-micro-batch takes what the hint would name; the hint stays for a trainer it cannot grow
+        if c.grow_micro_batch:
+            micro_hint, grown_micro = grow_micro_batch(c, trainer, placement, figs, rows, margin, taken, rec.step + 2,
+                                                       unit_extra)
+        # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
+        # recompute takes what the KV cache hint would offer
+        if not grown_micro:
+            if not micro_hint:          # --grow-micro-batch's "stays" line says more than the hint
+                micro_hint = (micro_batch_hint(placement, figs, c.micro_batch, rows, margin, taken=taken,
+                                               unit_extra=unit_extra)
+                              if c.micro_batch_tokens is None else
+                              micro_batch_tokens_hint(placement, figs, c.micro_batch_tokens, margin,
+                                                      taken=taken, unit_extra=unit_extra))
+            if not c.trims_recompute:
+                recompute = recompute_line(c, trainer, ranks, placement, figs, margin, grown,
+                                           train_width=train_width, width=width)
+        # the KV cache hints name a --gpu-memory-utilization: they say nothing to a run that sized the
+        # cache itself (--kv-cache-bytes)
+        sized = c.kv_cache_bytes is not None
+        hint = (kv_hint(placement, figs, c.gpu_memory_utilization, margin, taken=grown)
+                if not (grown_micro or recompute.trimmed or sized) else "")
+        shrink = "" if sized else kv_shrink_hint(placement, figs, c.offload, c.rollout_sleep,
+                                                 c.gpu_memory_utilization, margin, optim_out)
+        hint = "; ".join(h for h in (shrink, hint) if h)
+    if width > train_width > 0 and figures:
+        say(f"[colomem] placement: planned for rows of up to {width} tokens (the longest prompt plus the "
+            f"completion's most), not the measured step's {train_width}: its training activations are counted "
+            "at that width")
+    say(f"[colomem] placement from step {rec.step + 2} on: {placement.label} ({placement.why})")
+    if reload_why:
+        say(f"[colomem] optimizer state: comes back inside the optimizer step ({reload_why})")
+    if hint:
+        say(f"[colomem] KV cache: {hint}")
+    # in the order they were taken: a trim comes before the micro-batch that grew in what it left
+    for line in ((recompute.line, micro_hint) if recompute.trimmed else (micro_hint, recompute.line)):
+        if line:
+            say(f"[colomem] training: {line}")
+    event = {"event": "placement", "from_step": rec.step + 1, **placement.to_dict(),
+             "kv_hint": hint, "micro_batch_hint": micro_hint, "recompute_hint": recompute.line,
+             "micro_batch_grown": list(grown_micro) if grown_micro else None,
+             "recompute_trimmed": list(recompute.trimmed) if recompute.trimmed else None,
+             "recompute_probe": recompute.probe.to_dict() if recompute.probe else None,
+             "optimizer_reload": getattr(trainer, "optimizer_reload", None),
+             "optimizer_reload_why": reload_why,
+             "bucket_bytes": getattr(rollout, "bucket_bytes", None),
+             "measured_width": train_width, "planned_width": width,
+             "figures": figures}
+    return LaterPlan(placement, figures, reload_why, hint, micro_hint, recompute, grown_micro, event)
+
+
+def choose_optimizer_reload(cfg: Any, trainer: Any, placement: Placement, figs: list,
+                            margin: Optional[int]) -> str:
+    """optimizer_reload auto: at the optimizer step when the step's peak would not fit with the optimizer
+    state reloaded before it (the trainers' optimizer_reload option). Returns why it comes back inside the
+    optimizer step ("" when it does not, or the choice was not the planner's)."""
+    if cfg.optimizer_reload != "auto" or not hasattr(trainer, "optimizer_reload"):
+        return ""
+    at_step, why = reload_at_step(placement, figs, margin)
+    trainer.optimizer_reload = "step" if at_step else "overlap"
+    early = early_reload_room(figs, margin) if at_step else 0
+    if early >= 1 << 30:      # reported only: the state comes back whole inside the step
+        why += (f"; beside the peak as the step starts ({format_bytes(max(f.step_start_peak for f in figs))}) "
+                f"{format_bytes(early)} of it would fit back before the step")
+    return why
+
+
+def grow_micro_batch(cfg: Any, trainer: Any, placement: Placement, figs: list, rows: int, margin: Optional[int],
+                     taken: int, from_step: int, unit_extra: float = 0.0) -> tuple[str, Optional[tuple[int, int]]]:
+    """--grow-micro-batch: the trainer's micro-batch (or token budget) raised to the largest the placement's
+    free memory holds (placement.micro_batch_fit). Returns the line ("" for a trainer without the setting) and
+    (was, now) when it changed. unit_extra: bytes a row (or token) holds beyond what the measuring step's peak
+    shows (the layers --trim-recompute stopped checkpointing). Every rank sees every rank's figures, so all of
+    them pick the same."""
+    tokens = cfg.micro_batch_tokens
+    if tokens is None:
+        name, now = "micro_batch", int(getattr(trainer, "micro_batch", cfg.micro_batch))
+        new = micro_batch_fit(placement, figs, now, rows, margin, taken=taken, unit_extra=unit_extra)
+    else:
+        name, now = "micro_batch_tokens", int(getattr(trainer, "micro_batch_tokens", None) or tokens)
+        new = micro_batch_tokens_fit(placement, figs, now, margin, taken=taken, unit_extra=unit_extra)
+    if not hasattr(trainer, name):
+        return "", None
+    flag = "--" + name.replace("_", "-")
+    if new <= now:     # said, so that a user who asked for it knows it was weighed and why nothing changed
+        spare = train_spare(placement, figs, margin, taken)
+        if spare <= 0:
+            return (f"{flag} stays {now} (--grow-micro-batch: nothing is left free while training beyond the "
+                    "placement's margin, estimated from this step's training peak)"), None
+        return (f"{flag} stays {now} (--grow-micro-batch: the {format_bytes(spare)} left free while training, "
+                "estimated from this step's training peak, holds no larger one"
+                + ("" if tokens is not None else f" that divides the step's {rows} rows") + ")"), None
+    setattr(trainer, name, new)
+    return (f"{flag} {now} -> {new} from step {from_step} on (--grow-micro-batch: the largest that "
+            f"the memory this placement leaves free holds, estimated from this step's training peak)"), (now, new)
+
+
+def recompute_line(cfg: Any, trainer: Any, ranks: Any, placement: Placement, figs: list, margin: Optional[int],
+                   taken: int, *, train_width: int, width: int, trim_from: Optional[int] = None) -> RecomputeLine:
+    """With gradient checkpointing on: what the memory free while training would buy in recompute, measured
+    on the trainer's model at the planned `width` (recompute_plan.py). trim_from (with --trim-recompute): that
+    setting is applied to the trainer's model from that step on, and the line says so; every rank applies the
+    same one, the one that keeps the most layers checkpointed (a rank whose rows were wider needs more for each
+    layer). ranks: exchanged with only when trimming."""
+    if not cfg.gradient_checkpointing or not train_width:
+        return RecomputeLine()      # the same on every rank: the config, and each rank trained the step
+    pr = probe(trainer, width)
+    rows = micro_batch_rows(cfg, train_width)
+    spare = train_spare(placement, figs, margin, taken)
+    if trim_from is None:
+        return RecomputeLine(recompute_hint(spare, pr, rows) if pr is not None else "", pr)
+    fit = recompute_fit(spare, pr, rows) if pr is not None else None
+    fits = ranks.exchange(None if fit is None else (fit.checkpointed, fit.every, fit.extra, fit.flag))
+    auto = cfg.trim_recompute == "auto"      # the default: say which it was
+    if pr is None or any(f is None for f in fits):
+        # said too: a default that keeps recomputing every layer costs each step its time
+        kept = (f"the backward keeps recomputing {pr.checkpointed} of the {pr.layers} decoder layers"
+                if pr is not None else "the checkpointed layers stay as they are")
+        return RecomputeLine(f"{kept} (--trim-recompute{' auto' if auto else ''}: "
+                             f"{no_fit_reason(spare, pr, rows, others_short=fit is not None)})", pr)
+    _, every, extra, flag = max(fits)
+    model: Any = getattr(trainer, "model", None)          # the model the probe measured
+    now = set_checkpointed(model, every)
+    # the same on every rank (a later --grow-micro-batch must pick the same): the most any rank's own
+    # setting takes, at least what the chosen one, which checkpoints as many layers or more, takes there
+    most = max(f[2] for f in fits if f is not None)
+    return RecomputeLine(
+        f"{flag} from step {trim_from} on (--trim-recompute{' auto' if auto else ''}: the backward "
+        f"recomputes {now} of the {pr.layers} decoder layers instead of {pr.checkpointed}; the others keep "
+        f"their activations, {format_bytes(extra)} of the {format_bytes(spare)} free while training"
+        + ("; --trim-recompute false recomputes every one" if auto else "") + ")",
+        pr, (pr.checkpointed, now), most)
+
+
+def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int], taken: int, pr: RecomputeProbe,
+                train_width: int, phase_s: dict, optim_out: bool) -> str:
+    """Nothing moves: what vLLM asleep while training would take out of the recompute (asleep_trade), against
+    the sleep and wake the measuring step took (`phase_s`, its phases' seconds)."""
+    asleep = choose(cfg.offload, "always", figs, margin, optim_out)
+    rows = micro_batch_rows(cfg, train_width)
+    took = sum(phase_s.get(k, 0.0) for k in ("sleep", "wake_weights", "wake_kv"))
+    return asleep_trade(train_spare(placement, figs, margin, taken), train_spare(asleep, figs, margin, taken),
+                        pr, rows, took)
+
+
+__all__ = ["LaterPlan", "RecomputeLine", "asleep_line", "choose_optimizer_reload", "grow_micro_batch", "kv_figures",
+           "optim_out_allowed", "plan_later_steps", "planned_width", "recompute_line", "step_figures"]
