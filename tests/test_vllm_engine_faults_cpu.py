@@ -218,39 +218,6 @@ def test_direct_transport_loads_the_trainers_tensors_in_process():
     r.close()
 
 
-def test_a_finished_engine_call_lets_go_of_its_arguments():
-    """A sync's weights (merged ones made for it) are freed when its call ends, not when the next call comes."""
-    import gc
-    import weakref
-
-    from colomem.engines.vllm.engine_calls import EngineThread
-
-    class Weights:
-        pass
-    thread = EngineThread()
-    try:
-        for fails in (False, True):
-            w = Weights()
-            gone = weakref.ref(w)
-
-            def call(w=w, fails=fails):
-                if fails:
-                    raise RuntimeError("the load failed")
-                return 1
-            fut = thread.submit(call)
-            del w, call
-            assert fut.exception(timeout=10) is not None if fails else fut.result(timeout=10) == 1
-            del fut
-            for _ in range(100):            # the thread drops its references right after the call
-                gc.collect()
-                if gone() is None:
-                    break
-                time.sleep(0.01)
-            assert gone() is None
-    finally:
-        thread.stop()
-
-
 def test_a_second_in_process_engine_with_sleep_mode_is_refused_before_vllm_builds_it(monkeypatch, fake_vllm):
     from colomem.engines.vllm.engine_calls import build_llm
     from colomem.errors import ConfigError

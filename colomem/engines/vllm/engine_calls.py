@@ -50,14 +50,12 @@ class EngineThread:
             if item is None:
                 return
             fn, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001  (delivered to the caller)
-                    fut.set_exception(exc)
-            # a call's function holds its arguments (a sync's weights, merged ones made for it): freed now, not
-            # when the next call comes
-            del item, fn, fut
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001  (delivered to the caller)
+                fut.set_exception(exc)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
