@@ -93,6 +93,37 @@ def swap_expandable_default() -> bool:
     return v not in ("0", "false")
 
 
+# CUDA graphs captured in this process (an in-process vLLM engine's) keep the address of the cuBLAS workspace of
+# the stream they were captured on and write into it at every replay. torch's clearCublasWorkspaces frees every
+# workspace to the caching allocator, which may hand the memory out again or give it back to the driver: the
+# next replay then corrupts memory or faults. An owner of such graphs holds the workspaces while it lives.
+_workspace_holders: set[int] = set()
+_workspace_lock = threading.Lock()
+
+
+def hold_cublas_workspaces(owner: object) -> None:
+    """From now on clear_cublas_workspaces leaves torch's cuBLAS workspaces in place, until `owner` lets go."""
+    with _workspace_lock:
+        _workspace_holders.add(id(owner))
+
+
+def let_go_cublas_workspaces(owner: object) -> None:
+    with _workspace_lock:
+        _workspace_holders.discard(id(owner))
+
+
+def clear_cublas_workspaces() -> bool:
+    """Frees torch's cuBLAS workspaces (one per handle and stream, 32 MiB each on Hopper, out of any Python
+    object's reach; the next matmul makes them again) unless CUDA graphs of this process may still replay
+    over them (hold_cublas_workspaces). Returns whether they were freed."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    with _workspace_lock:
+        if clear is None or _workspace_holders:
+            return False
+        clear()
+    return True
+
+
 def release_cached(device: torch.device) -> None:
     """The caching allocator's unused memory back to the driver (a CUDA device only)."""
     if device.type == "cuda":

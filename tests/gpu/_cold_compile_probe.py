@@ -10,7 +10,7 @@ the engine-call thread) with CUDA graphs (enforce_eager=False), generates 32 pro
 batch of 256: a FULL graph replay every decode step), then either
 
     release      colomem.engines.deepspeed.state.release_cached_memory(), what every trainer offload runs
-                 before the rollout (torch._C._cuda_clearCublasWorkspaces() then torch.cuda.empty_cache()), or
+                 before the rollout (the cuBLAS workspaces freed unless held, then torch.cuda.empty_cache()), or
     empty_cache  torch.cuda.empty_cache() alone (the control),
 
 and generates again. torch keeps one cuBLAS workspace per (cuBLAS handle, stream); vLLM's graphs were
@@ -26,9 +26,9 @@ probe reports, one `PROBE {json}` line per stage on stdout (read even when the p
     failed           its error, before the process exits on its own
 
 keep-cublas runs SCRIPT (the runner) with torch._C._cuda_clearCublasWorkspaces replaced by a no-op: the A/B
-switch of the test's jobs (COLOMEM_TEST_KEEP_CUBLAS=1). release_cached_memory() looks that function up at
-each call, so every trainer offload still empties torch's cache but leaves the workspaces, and the addresses
-in-process CUDA graphs were captured with, alone. Nothing else changes.
+switch of the test's jobs (COLOMEM_TEST_KEEP_CUBLAS=1). colomem._torch.clear_cublas_workspaces() looks that
+function up at each call, so every trainer offload still empties torch's cache but leaves the workspaces
+whoever holds them. Nothing else changes.
 """
 from __future__ import annotations
 

@@ -1,27 +1,22 @@
 """vLLM inside the trainer's process with CUDA graphs, its torch.compile cache empty (a fresh machine's first
-run): the CUDA faults of the H200 call of 2026-12-06 (benchmarks/results/2026-12-06-h200/COMMANDS.md, call 4).
+run): the in-process engine's graphs must survive the trainer's offloads.
 
-There, the 1.5B full job with --engine in-rank failed at the first decode step of its first rollout
-(cudaErrorIllegalAddress, a FULL CUDA graph replay; the prefill before it ran outside graphs) and the 7B LoRA
-job with --shared-base --shared-base-rollout merged at the first decode step of its second rollout
-(cudaErrorLaunchFailure); both compiled vLLM's graphs in the trainer's process with an empty cache. The same
-in-rank job had run on an H100 with a warm cache.
-
-The suspect these tests pin down: every trainer offload ends with
-colomem.engines.deepspeed.state.release_cached_memory(), which calls torch._C._cuda_clearCublasWorkspaces()
-before torch.cuda.empty_cache(). torch keeps one cuBLAS workspace (32 MiB on Hopper) per (cuBLAS handle,
-stream) and frees them all there. With vLLM in the same process, the GEMMs inside its captured CUDA graphs
-carry the workspace address of the stream they were captured on: after the release that memory belongs to
-nobody (empty_cache hands a segment holding nothing else back to the driver), and the next graph replay
-writes into it. Whether that faults depends on what the address is by then (unmapped: a fault; reused by a
-later cudaMalloc: silent writes into someone else's memory), so a run can pass by luck, which fits a warm
-H100 run passing and a cold H200 run failing.
+A trainer offload ends with colomem.engines.deepspeed.state.release_cached_memory(), which empties torch's
+cache and, unless something holds them, frees torch's cuBLAS workspaces (torch._C._cuda_clearCublasWorkspaces:
+one per cuBLAS handle and stream, 32 MiB on Hopper). The GEMMs inside CUDA graphs captured in this process
+carry the workspace address of the stream they were captured on, so with vLLM in the process a freed
+workspace is memory the next graph replay writes into after it belongs to nobody: a fault at the first decode
+step (a FULL graph replay; the prefill before it runs outside graphs) when the address was given back to the
+driver, silent writes into someone else's memory when it was handed out again. An in-process VLLMRollout
+therefore holds the workspaces from its start to its close (colomem._torch.hold_cublas_workspaces). Whether a
+run without that hold faults depends on what the address became, so these tests look at the workspaces
+themselves, and run whole jobs on a cold compile (where the fault showed).
 
 - test_graph_workspaces_survive_the_trainers_cache_release: the probe (tests/gpu/_cold_compile_probe.py)
   builds the in-process engine with graphs, generates, runs the release the trainer runs, reports whether the
-  workspace-sized blocks of vLLM's capture stream are still allocated and mapped, and generates again. The
-  control runs torch.cuda.empty_cache() alone. Release failing and control passing: the workspaces are the
-  cause. Both failing: look elsewhere (the probe's lines say how far each got).
+  workspace-sized blocks of vLLM's capture stream are still allocated and mapped (they must be: the engine
+  holds them), and generates again. The control runs torch.cuda.empty_cache() alone. The probe's lines say how
+  far each got.
 - test_cold_compile_job_in_rank: the tiny default job, the 1.5B full job (--engine in-rank) and the 1.5B LoRA
   job with --shared-base --shared-base-rollout merged, 3 steps each, each with an empty vLLM cache
   (VLLM_CACHE_ROOT; vLLM puts Inductor's and Triton's caches under it too), --no-enforce-eager; each must end
@@ -30,8 +25,8 @@ H100 run passing and a cold H200 run failing.
 Every run is a subprocess with this process's environment, so diagnostics pass through: CUDA_LAUNCH_BLOCKING=1
 (the fault raised at the kernel that makes it), VLLM_LOGGING_LEVEL=DEBUG (vLLM then also checks that every
 graph replay sees its capture's input addresses), TORCH_LOGS=recompiles. COLOMEM_TEST_KEEP_CUBLAS=1 runs the
-jobs through `_cold_compile_probe.py keep-cublas`, which makes torch._C._cuda_clearCublasWorkspaces a no-op:
-the same jobs with the suspect switched off. About 7 minutes on one H100 (three cold vLLM compiles of the
+jobs through `_cold_compile_probe.py keep-cublas`, which makes torch._C._cuda_clearCublasWorkspaces a no-op
+whoever holds the workspaces (a fault that stays is then not theirs). About 7 minutes on one H100 (three cold vLLM compiles of the
 1.5B shape, one of the tiny model, one warm).
 
 Run: python -m pytest -q -rs -s -m vllm tests/gpu/test_inrank_cold_compile_gpu.py

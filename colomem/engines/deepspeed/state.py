@@ -24,6 +24,7 @@ from typing import Collection, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from colomem import _torch
 from colomem.bridge.buckets import dtype_name
 
 from .setup_hold import SetupHold
@@ -312,11 +313,9 @@ FUNCTIONAL_LINEAR = FunctionalLinearGuard()
 
 
 def release_cached_memory() -> None:
-    """Returns torch's cached blocks to the driver, cuBLAS workspaces included: one per (handle, stream),
-    32 MiB each on Hopper, out of any Python object's reach (the next matmul makes them again)."""
-    clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_cublas is not None:
-        clear_cublas()
+    """Returns torch's cached blocks to the driver, cuBLAS workspaces included unless an in-process engine's
+    CUDA graphs replay over them (colomem._torch.clear_cublas_workspaces)."""
+    _torch.clear_cublas_workspaces()
     torch.cuda.empty_cache()
 
 

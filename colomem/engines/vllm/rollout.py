@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from colomem._torch import driver_memory
+from colomem._torch import driver_memory, hold_cublas_workspaces, let_go_cublas_workspaces
 from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
 from colomem.engines.reports import SyncStats
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
@@ -89,6 +89,8 @@ class VLLMRollout:
         self._prefix = PrefixCache(self._calls)
         t0 = time.perf_counter()
         self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN)
+        if self.engine_in_process:      # its CUDA graphs, captured in this process, replay over them
+            hold_cublas_workspaces(self)
         self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
         self._tag_wake.read_layout()
@@ -454,6 +456,7 @@ class VLLMRollout:
         finally:
             self._phase = CLOSED
             self._calls.shutdown(timeout)
+            let_go_cublas_workspaces(self)
             if self._adapter is not None:
                 self._adapter.remove_files()
             gc.collect()
