@@ -12,7 +12,7 @@
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
 # chain FAULTS_LIST names), soak
 # (SOAK_S seconds of the default job), inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
-# kvsleep (vLLM's KV-only sleep), sharedbase (GPU tests of one copy of a LoRA base shared by vLLM and the
+# coldcompile (the in-process engine's CUDA graphs through the trainer's offloads, on an empty compile cache), kvsleep (vLLM's KV-only sleep), sharedbase (GPU tests of one copy of a LoRA base shared by vLLM and the
 # trainer), syncinloop (the weight sync from the pool's host views against the H2D peak),
 # grpo (the default job: its 40 steps are configs/default.yaml's), grpobench, realjob / realjoblora
 # (a chat dataset job with eval, checkpoints and a resume; the checkpoint loaded in transformers and vLLM), diag (where a bridge
@@ -186,6 +186,9 @@ stage() {  # the stages run in the order given on the command line
       ${GRPOBENCH2_ARGS:-} ;;
     inrank) run bench_inrank "${INRANK_TIMEOUT_S:-560}" python3 benchmarks/bench_inrank.py --out "$OUT/inrank" ${INRANK_ARGS:-} ;;
     inranktest) run inrank_tests 400 python3 -m pytest -q -rs -s -m vllm tests/gpu/test_inrank_engine_gpu.py ;;
+    # vLLM in the trainer's process on an empty compile cache: its graphs through the trainer's offloads
+    coldcompile) run cold_compile_tests "${COLDCOMPILE_TIMEOUT_S:-560}" python3 -m pytest -q -rs -s -m vllm \
+      tests/gpu/test_inrank_cold_compile_gpu.py ${COLDCOMPILE_ARGS:-} ;;
     *) echo "unknown stage $1" ;;
   esac
 }
