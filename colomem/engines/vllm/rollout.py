@@ -89,9 +89,9 @@ class VLLMRollout:
         self._prefix = PrefixCache(self._calls)
         t0 = time.perf_counter()
         self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN)
+        self._calls.attach(self._build_llm(self.llm_kwargs))
         if self.engine_in_process:      # its CUDA graphs, captured in this process, replay over them
             hold_cublas_workspaces(self)
-        self._calls.attach(self._build_llm(self.llm_kwargs))
         self.timings["start_s"] = time.perf_counter() - t0
         self._tag_wake.read_layout()
         self.seeded_noise = "vllm"
