@@ -22,7 +22,6 @@ from .loop_memory import first_placement, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import Placement
 from .ranks import Ranks
-from .recompute_plan import RecomputeProbe
 from .status import StatusFile
 from .timeline import MemoryAlarm, MetricsWriter, StepRecord, gpu_free, memory_snapshot, release_cache
 from .train_memory_plan import plan_later_steps
@@ -52,15 +51,10 @@ class PhaseRunner:
         # what moves between phases (colomem.runner.placement); measured on the first step when it may vary
         self.placement: Placement = first_placement(cfg)
         self._plan_after_step = cfg.placement_measured
-        self.placement_figures: list[dict] = []
-        self.reload_why = ""                # why the optimizer state comes back inside the optimizer step
         self._measured_at_step = False      # the measuring step brought the optimizer state back at its step
         self._moved: set[str] = set()       # what moved in this step: offload, reload, rollout (sleep / wake)
-        self.micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
         self.train_width = 0                # tokens per row of the last batch trained on
         self.widest_row = 0                 # tokens in the widest row the job can train on (0: not known)
-        self.recompute_probe: Optional[RecomputeProbe] = None
-        self.recompute_trimmed: Optional[tuple[int, int]] = None    # (checkpointed was, now): --trim-recompute
         self.status: Optional[StatusFile] = None   # <out>/status.json on rank 0 (set by run_job)
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -267,19 +261,14 @@ class PhaseRunner:
 
     def _plan(self, rec: StepRecord) -> None:
         """After the first step (everything moved): the placement of every later step and what the memory it
-        leaves free goes to (train_memory_plan.py), from that step's figures on every rank; kept here is what
-        later steps and the runner's callers read."""
+        leaves free goes to (train_memory_plan.py), from that step's figures on every rank; kept here is the
+        placement later steps follow, and the plan's event goes to the metrics file."""
         self._plan_after_step = False
         self.alarm.restart(rec.step + 1)     # the floor after sleep is the new placement's from the next step
         plan = plan_later_steps(self.cfg, trainer=self.trainer, rollout=self.rollout, ranks=self.ranks, rec=rec,
                                 device=self.device, measured_at_step=self._measured_at_step,
                                 train_width=self.train_width, widest_row=self.widest_row, say=self.print)
         self.placement = plan.placement
-        self.placement_figures = plan.figures
-        self.reload_why = plan.reload_why
-        self.micro_batch_grown = plan.micro_batch_grown
-        self.recompute_probe = plan.recompute.probe
-        self.recompute_trimmed = plan.recompute.trimmed
         if self.writer is not None:
             self.writer.write(plan.event)
 

@@ -40,16 +40,9 @@ class RecomputeLine:
 
 @dataclass(frozen=True)
 class LaterPlan:
-    """What plan_later_steps decided: the placement, every rank's figures it was chosen from (empty: none on
-    the CPU backend), why the optimizer state comes back inside the optimizer step ("" when it does not),
-    the hints, what changed on the trainer, and the placement event as written to the metrics file."""
+    """What plan_later_steps decided: the placement later steps follow, and the placement event as written
+    to the metrics file (everything else it decided, and the figures it decided from, are in that event)."""
     placement: Placement
-    figures: list[dict] = field(default_factory=list)
-    reload_why: str = ""
-    kv_hint: str = ""
-    micro_batch_hint: str = ""
-    recompute: RecomputeLine = RecomputeLine()
-    micro_batch_grown: Optional[tuple[int, int]] = None    # (was, now) after --grow-micro-batch
     event: dict = field(default_factory=dict)
 
 
@@ -191,7 +184,7 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
              "bucket_bytes": getattr(rollout, "bucket_bytes", None),
              "measured_width": train_width, "planned_width": width,
              "figures": figures}
-    return LaterPlan(placement, figures, reload_why, hint, micro_hint, recompute, grown_micro, event)
+    return LaterPlan(placement, event)
 
 
 def choose_optimizer_reload(cfg: Any, trainer: Any, placement: Placement, figs: list,
