@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colomem.bridge.buckets import Entry, Reassembler, entry_view, pack_bucket, plan_buckets
-from colomem.engines.vllm.worker.load_plan import LoadPlan
+from colomem.engines.vllm.worker.load_plan import LoadPlan, VersionRecord
 
 H, V, PAD = 8, 10, 16          # hidden size, vocab rows sent, vocab rows held (padded like vLLM)
 
@@ -155,23 +155,70 @@ def test_a_moved_parameter_invalidates_the_plan():
     assert not lp.still_valid()
 
 
+class Tied(torch.nn.Module):
+    """Every name lands in the same parameter: their order decides what it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(4, 4))
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data.copy_(t)
+        return {"w"}
+
+
 def test_names_writing_the_same_bytes_are_refused():
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.empty(4, 4))
-
-        def load_weights(self, weights):
-            for _, t in weights:            # both names land in the same parameter: order decides
-                self.w.data.copy_(t)
-            return {"w"}
-
     m = Tied()
     lp = LoadPlan(m)
     g = torch.Generator().manual_seed(0)
     named = [("a", torch.randn(4, 4, generator=g)), ("b", torch.randn(4, 4, generator=g))]
     lp.record(m.load_weights, named)
     assert set(lp.refused) == {"a", "b"} and not lp.plans
+
+
+def test_names_writing_the_same_bytes_in_calls_of_one_version_are_refused():
+    # A version loaded in several calls (buckets, direct chunks) is judged as one: "a", accepted by the
+    # first call, is refused once the second shows "b" writes its bytes.
+    m = Tied()
+    g = torch.Generator().manual_seed(0)
+    a, b = ("a", torch.randn(4, 4, generator=g)), ("b", torch.randn(4, 4, generator=g))
+    lp = LoadPlan(m)
+    version = VersionRecord()
+    lp.record(m.load_weights, [a], version)
+    assert set(lp.plans) == {"a"}
+    lp.record(m.load_weights, [b], version)
+    assert set(lp.refused) == {"a", "b"} and not lp.plans
+    assert torch.equal(m.w.detach(), b[1])          # what load_weights wrote stays
+    alone = LoadPlan(m)                             # calls of no version: each judged by itself
+    alone.record(m.load_weights, [a])
+    alone.record(m.load_weights, [b])
+    assert set(alone.plans) == {"a", "b"} and not alone.refused
+
+
+def test_a_name_sent_again_in_a_later_call_of_the_version_is_refused():
+    m = VllmLike()
+    lp = LoadPlan(m)
+    named = dict(hf_weights(0))
+    version = VersionRecord()
+    lp.record(m.load_weights, [("norm", named["norm"]), ("q", named["q"])], version)
+    lp.record(m.load_weights, [("norm", named["norm"])], version)
+    assert set(lp.refused) == {"norm"} and "sent twice" in lp.refused["norm"] and "q" in lp.plans
+
+
+def test_a_write_no_name_owns_refuses_the_earlier_calls_of_its_version():
+    m = VllmLike("const")                           # norm's loader adds to the parameter: nothing is replayed
+    lp = LoadPlan(m)
+    named = hf_weights(0)
+    first, rest = [nw for nw in named if nw[0] != "norm"], [nw for nw in named if nw[0] == "norm"]
+    version = VersionRecord()
+    lp.record(m.load_weights, first, version)
+    assert "q" in lp.plans and not lp.refused
+    lp.record(m.load_weights, rest, version)
+    assert not lp.plans and set(lp.refused) == {n for n, _ in named}
+    lp2 = LoadPlan(m)                               # the same in one call
+    lp2.record(m.load_weights, named)
+    assert lp2.refused.keys() == lp.refused.keys()
 
 
 def test_a_changed_shape_or_dtype_is_not_replayed():

@@ -50,13 +50,18 @@ class EngineThread:
             item = self._q.get()
             if item is None:
                 return
-            fn, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001  (delivered to the caller)
-                fut.set_exception(exc)
+            self._run(*item)
+            # a finished call's arguments (a weight sync's tensors) must not live on until the next call comes
+            del item
+
+    @staticmethod
+    def _run(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001  (delivered to the caller)
+            fut.set_exception(exc)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

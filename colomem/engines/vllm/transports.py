@@ -5,8 +5,9 @@
               and applies each version as it comes. No RPC per sync: the worker's report comes with the
               last ACK. If that thread stops, it closes its end and the next sync fails at once with its
               reason (and attaches again).
-  "direct"    engine_in_process=True (vLLM's EngineCore and worker in this process): one RPC hands the
-              trainer's (name, tensor) pairs to the worker, whose recorded copies read them directly.
+  "direct"    engine_in_process=True (vLLM's EngineCore and worker in this process): RPCs hand the
+              trainer's (name, tensor) pairs to the worker, a chunk of about DIRECT_CHUNK_BYTES at a time,
+              and its recorded copies read them directly. The last RPC's reply is the report.
 
 Each transport's `sync(items, version, stats)` returns one report per worker (the dict the worker's last
 ACK or RPC carries: coverage, snapshot checksums, totals).
@@ -25,6 +26,11 @@ from colomem.errors import ColomemError, InvalidArgumentError, PeerError, Transf
 from .engine_calls import EngineCalls
 
 log = logging.getLogger(__name__)
+
+# Bytes of the trainer's tensors one direct RPC hands over. The items may be made as they are yielded (merged
+# LoRA weights, one module at a time), and each chunk is let go once loaded: a sync holds about one chunk of
+# them instead of a whole model's worth.
+DIRECT_CHUNK_BYTES = 1 << 30
 
 
 class Transport(Protocol):
@@ -141,13 +147,24 @@ class ListenerTransport:
 
 
 class DirectTransport:
-    """In process: the trainer's tensors handed to the worker as Python objects, no bridge."""
+    """In process: the trainer's tensors handed to the worker as Python objects, no bridge, in chunks of
+    about DIRECT_CHUNK_BYTES (one RPC each; the worker keeps the version open from the first to the last)."""
 
     def __init__(self, calls: EngineCalls):
         self._calls = calls
 
     def sync(self, items: Iterator, version: int, stats: SyncStats) -> list:
-        return self._calls.rpc("colomem_load_direct", list(items), version)
+        chunk: list = []
+        nbytes, first = 0, True
+        for name, t in items:
+            chunk.append((name, t))
+            nbytes += t.numel() * t.element_size()
+            if nbytes >= DIRECT_CHUNK_BYTES:
+                self._calls.rpc("colomem_load_direct", chunk, version, first, False)
+                # a new list rather than chunk.clear(): the call may still hold the one it was given
+                chunk, nbytes, first = [], 0, False
+        # what is left ends the version (nothing, when the items ended on a chunk's edge): its reply is the report
+        return self._calls.rpc("colomem_load_direct", chunk, version, first, True)
 
     def close(self, detach: bool = True) -> None:
         pass
@@ -165,4 +182,4 @@ def make_transport(name: str, calls: EngineCalls, options: ListenerOptions,
     raise InvalidArgumentError(f"no sync transport {name!r}; choose from {TRANSPORTS}")
 
 
-__all__ = ["DirectTransport", "ListenerTransport", "TRANSPORTS", "Transport", "make_transport"]
+__all__ = ["DIRECT_CHUNK_BYTES", "DirectTransport", "ListenerTransport", "TRANSPORTS", "Transport", "make_transport"]

@@ -171,10 +171,11 @@ class ColomemWorkerExtension:
         return listener.state()
 
     @rpc_method
-    def colomem_load_direct(self, named: list, version: int) -> dict:
+    def colomem_load_direct(self, named: list, version: int, first: bool = True, last: bool = True) -> dict:
         """sync_transport='direct' (vLLM's engine in the trainer's process): the trainer's (name, tensor)
-        pairs straight into the model. Returns the same report as a bridge sync's last bucket."""
-        return receive.load_direct(self, named, version)
+        pairs straight into the model, a version in one call or in chunks from `first` to `last`. The last
+        returns the same report as a bridge sync's last bucket, the others {"partial": True, "version"}."""
+        return receive.load_direct(self, named, version, bool(first), bool(last))
 
     @rpc_method
     def colomem_watch_trainer(self, pid: int, interval_s: float = 1.0, grace_s: float = 10.0) -> dict:

@@ -211,6 +211,16 @@ def _overlapping(plans: dict) -> set:
 
 
 @dataclass
+class VersionRecord:
+    """What the recorded load_weights calls of one version saw so far. A version loaded in several calls
+    (bridge buckets, direct chunks) is judged as if one call had loaded it: a name overlapping one of an
+    earlier call, sent again, or a write no name can own refuses the earlier calls' names too."""
+
+    plans: dict = field(default_factory=dict)      # name -> NamePlan, every call of the version
+    bad: Optional[str] = None                      # why none of the version's names can be replayed
+
+
+@dataclass
 class CompiledBucket:
     """What replay() does for every entry of one bucket layout, as raw copies: the next bucket with that
     layout is applied with one call into the core, without parsing its entries or making a view."""
@@ -299,16 +309,25 @@ class LoadPlan:
         out = self.compiled[key] = CompiledBucket(ranges_tensor(ranges), fills, params, tensors)
         return out
 
-    def record(self, load: Callable[[Iterable], Optional[Iterable]], named: Iterable) -> Optional[set]:
+    def record(self, load: Callable[[Iterable], Optional[Iterable]], named: Iterable,
+               version: Optional[VersionRecord] = None) -> Optional[set]:
         """Runs load(named) (the model's load_weights) while recording; returns what load returned. Names
-        that load cleanly become replayable, the others are remembered as refused with the reason."""
+        that load cleanly become replayable, the others are remembered as refused with the reason.
+        version: what earlier calls of the same version recorded (updated here); None: this call alone."""
         rec = _Recorder({ptr: n for n, ptr in self._layout.items()})
         with rec:
             loaded = load(rec.watch(named))
         self.recorded_calls += 1
-        crossed = _overlapping(rec.plans)
-        for name, plan in rec.plans.items():
-            why = rec.global_bad or rec.bad.get(name) or (
+        seen = version if version is not None else VersionRecord()
+        for name in rec.plans:
+            if name in seen.plans:
+                rec.mark_bad(name, "sent twice in one version")
+        seen.plans.update(rec.plans)
+        seen.bad = seen.bad or rec.global_bad
+        crossed = _overlapping(seen.plans)
+        # the earlier calls' names too: what this call did may refuse them
+        for name, plan in seen.plans.items():
+            why = seen.bad or rec.bad.get(name) or (
                 "writes bytes another tensor also writes" if name in crossed else None)
             if why:
                 self.refused[name] = why

@@ -38,7 +38,7 @@ def attached(worker: "ColomemWorkerExtension") -> WorkerState:
 
 def start_version(worker: "ColomemWorkerExtension", st: WorkerState, version: int) -> SyncState:
     """A new version's sync state (vLLM's layerwise reload begun when the model needs it)."""
-    sync = st.sync = SyncState(version=int(version))
+    sync = st.sync = SyncState(version=int(version), open=True)
     sync.layerwise = _layerwise(worker)
     if sync.layerwise:
         _layerwise_begin(worker)
@@ -70,6 +70,7 @@ def apply_bucket(worker: "ColomemWorkerExtension", msg: dict) -> dict:
     ack = {"version": version, "seq": seq, "checksum": msg.get("checksum"), "ntensors": count,
            "apply_ms": dt * 1e3, "last": bool(msg.get("last"))}
     if msg.get("last"):
+        sync.open = False
         if sync.layerwise:
             _layerwise_end(worker)
         ack.update(report(worker, st, sync, model))
@@ -105,32 +106,50 @@ def _refuse(importer: Any, msg: dict, exc: BaseException) -> None:
         log.debug("refusing bucket %s failed: %s", msg.get("seq"), ack_exc)
 
 
-def load_direct(worker: "ColomemWorkerExtension", named: list, version: int) -> dict:
+def load_direct(worker: "ColomemWorkerExtension", named: list, version: int, first: bool = True,
+                last: bool = True) -> dict:
     """The trainer's (name, tensor) pairs straight into the model (vLLM's engine in the trainer's process):
-    the recorded copies read the trainer's memory, no bucket in between. Returns the same report as a bridge
-    sync's last bucket."""
+    the recorded copies read the trainer's memory, no bucket in between. A version may come in several calls,
+    `first` to `last`, so that the trainer need not hold all of its tensors at once. The last call returns the
+    same report as a bridge sync's last bucket, the others {"partial": True, "version": version}."""
     st = worker._colomem()
     model, device = worker._colomem_model(), worker._colomem_device()
-    sync = start_version(worker, st, version)
-    plan = _plan(st, sync, model, True)
+    version = int(version)
+    if first:
+        sync = start_version(worker, st, version)
+    else:
+        sync = st.sync
+        if not sync.open or sync.version != version:
+            now = f"version {sync.version} is" if sync.open else "no version is"
+            raise PeerError(f"a later chunk of weight version {version} came while {now} being loaded; the "
+                            f"trainer restarted or abandoned a sync midway: send the version again from its "
+                            f"first chunk")
+    plan = _plan(st, sync, model, first)
     t0 = time.perf_counter()
     ready: list = []
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        sync.nbytes += n
-        e = Entry(name, dtype_name(t.dtype), tuple(t.shape), 0, n)
-        if plan is not None and t.device == device and t.is_contiguous() and plan.can_replay(e):
-            sync.loaded.update(plan.replay(e, t.detach()))
-            sync.replayed += 1
-            sync.ntensors += 1
-        else:
-            ready.append((name, t))
-    sync.ntensors += _load_rest(plan, sync, model, ready)
-    synchronize(device)  # the trainer may change its tensors as soon as this returns
-    sync.apply_s = time.perf_counter() - t0
+    try:
+        for name, t in named:
+            n = t.numel() * t.element_size()
+            sync.nbytes += n
+            e = Entry(name, dtype_name(t.dtype), tuple(t.shape), 0, n)
+            if plan is not None and t.device == device and t.is_contiguous() and plan.can_replay(e):
+                sync.loaded.update(plan.replay(e, t.detach()))
+                sync.replayed += 1
+                sync.ntensors += 1
+            else:
+                ready.append((name, t))
+        sync.ntensors += _load_rest(plan, sync, model, ready)
+        synchronize(device)  # the trainer may change or free these tensors as soon as this returns
+    except BaseException:
+        sync.open = False    # half loaded: no later chunk may complete it
+        raise
+    sync.apply_s += time.perf_counter() - t0
+    if not last:
+        return {"partial": True, "version": version}
+    sync.open = False
     if sync.layerwise:
         _layerwise_end(worker)
-    st.last_ack = {"version": int(version), **report(worker, st, sync, model)}
+    st.last_ack = {"version": version, **report(worker, st, sync, model)}
     return st.last_ack
 
 
@@ -195,7 +214,11 @@ def _load_rest(plan: Optional[Any], sync: SyncState, model: Any, ready: list) ->
     if not ready:
         return 0
     if plan is not None and any(n not in plan.refused for n, _ in ready):
-        loaded = plan.record(model.load_weights, ready)
+        from .load_plan import VersionRecord
+
+        if sync.recorded is None:
+            sync.recorded = VersionRecord()
+        loaded = plan.record(model.load_weights, ready, sync.recorded)
     else:
         loaded = model.load_weights(iter(ready))
     if loaded:

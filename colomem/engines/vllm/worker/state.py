@@ -20,6 +20,8 @@ class SyncState:
     apply_s: float = 0.0
     layerwise: bool = False
     replayed: int = 0
+    open: bool = False       # begun and not finished: a direct load's later chunks may join it
+    recorded: Any = None     # load_plan.VersionRecord of the load_weights calls recorded in this version
 
 
 @dataclass
