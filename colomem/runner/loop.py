@@ -171,7 +171,7 @@ class ColocatedRunner(PhaseRunner):
                 self.reload_trainer()
             reset_peak(self.device)
             self.train_width = int(batch.input_ids.shape[1])
-            with self.phase(rec, "train"):
+            with self.phase(rec, "train"), self.layer_timing(rec):
                 train = self.trainer.train_step(batch)
                 settle(self.device)      # the optimizer step's kernels are training, not the next sync
             rec.memory["train"]["peak_reserved"] = peak_reserved(self.device, self.engine_reserved())

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from colomem.engines.layer_timing import LayerForwardTimer
 from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
 from colomem.errors import is_oom
@@ -110,6 +111,21 @@ class PhaseRunner:
             yield
         finally:
             rec.phase_s[name] = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def layer_timing(self, rec: StepRecord):
+        """Around the measuring step's training, with gradient checkpointing: its decoder layers' forwards
+        timed (colomem.engines.layer_timing), into the step's metrics, so the plan can weigh what recomputing a
+        layer costs a step. Later steps train without the hooks."""
+        model = getattr(self.trainer, "model", None)     # not in the Trainer protocol: a trainer may hold none
+        if not (self._plan_after_step and self.cfg.gradient_checkpointing) or not hasattr(model, "modules"):
+            yield
+            return
+        with LayerForwardTimer(model) as timer:
+            yield
+        times = timer.result()
+        if times is not None:
+            rec.metrics.update(times.metrics())
 
     # -- the awake window ---------------------------------------------------------------------------------
     def _put_rollout_to_sleep(self) -> Optional[str]:
