@@ -1,11 +1,13 @@
 """The placement planner's choices run through the CPU loop: what moves and when, and that every placement
 trains exactly as moving everything does."""
+import contextlib
 import json
 
 import torch
 
 from bench_module import load_benchmark
 from colomem.runner import run_job
+from colomem.runner.phase_runner import PhaseRunner
 from colomem.runner.placement import ALL_CATEGORIES
 from fakes.placement import figs, job, seven_b
 from fakes.vllm import fake_vllm  # noqa: F401  (autouse: vLLM's modules stubbed)
@@ -271,6 +273,9 @@ def test_trimmed_recompute_then_a_grown_micro_batch_share_the_free_memory(job_en
         return RecomputeProbe(per_layer_row=seen.get("per_row", GiB) / layers, layers=layers, checkpointed=layers,
                               width=width)
     monkeypatch.setattr(train_memory_plan, "probe", probe)
+    # no layer timing: the plan as on a trainer that could not time its layers (the tiny model's forwards on
+    # the CPU against a stand-in vLLM's sleep would weigh nothing real; test_sleep_trade.py weighs given ones)
+    monkeypatch.setattr(PhaseRunner, "layer_timing", lambda self, rec: contextlib.nullcontext())
 
     def run(name, **kw):
         said = []

@@ -253,6 +253,15 @@ def _fits(p: Placement, fig: MemoryFigures, margin: Optional[int]) -> bool:
     return _short(p, fig, margin) <= 0 and _train_short(p, fig, margin) <= 0
 
 
+def fits(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None, taken: int = 0) -> bool:
+    """Whether placement p fits on every GPU of `figures` with the margin, while the rollout runs and while
+    the trainer trains (what choose() asks of the placement it takes), with `taken` bytes more held through
+    both (the buffers of a weight-bridge bucket grown for another placement)."""
+    if not figures or not all(_fits(p, f, margin) for f in figures):
+        return False
+    return not taken or min(_spare(p, figures, margin, taken), train_spare(p, figures, margin, taken)) >= 0
+
+
 def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
            margin: Optional[int] = None, optim_out: bool = True) -> Placement:
     """The cheapest allowed placement that fits on every GPU (figures: one per rank), with the reason. With
@@ -450,7 +459,7 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
-           "figures_from_step",
+           "figures_from_step", "fits",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
            "kv_hint", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
            "needs_measuring", "sync_bucket", "sync_bucket_target"]

@@ -1,7 +1,8 @@
 """The plan of every step after the measuring one: from the GPU memory figures the first step left on every
 rank, the placement (colomem.runner.placement), when the optimizer state comes back, the weight bridge's
 buckets, the recompute trimmed (--trim-recompute) and the micro-batch grown (--grow-micro-batch) in the memory
-left free, the hints for what the user could change, and the lines and the placement event that say so.
+left free, whether vLLM sleeps while training when both would fit awake (colomem.runner.sleep_trade), the
+hints for what the user could change, and the lines and the placement event that say so.
 
 It is held apart from the phases (colomem.runner.phase_runner) because it runs once, after the first step,
 and only reads what that step measured: each function takes what it needs and returns what it decided, and
@@ -24,6 +25,7 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
 from .ranks import Ranks
 from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
                              recompute_hint)
+from .sleep_trade import SleepTrade, recompute_cost, weigh_rollout_sleep
 from .timeline import StepRecord, gpu_total
 
 
@@ -107,6 +109,7 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
     every = ranks.exchange(mine.to_dict() if mine is not None else None)
     hint = micro_hint = ""
     recompute = RecomputeLine()
+    trade: Optional[SleepTrade] = None
     grown_micro: Optional[tuple[int, int]] = None
     figures: list[dict] = []
     reload_why = ""
@@ -120,20 +123,34 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
         optim_out = optim_out_allowed(c, trainer)
         placement = choose(c.offload, c.rollout_sleep, figs, margin, optim_out)
         figures = every
-        reload_why = choose_optimizer_reload(c, trainer, placement, figs, margin)
         grown = grow_sync_bucket(c, rollout, placement, figs, int(rec.metrics.get("sync/nbytes") or 0), margin, say)
+        pr = recompute_probe(c, trainer, train_width, width) if c.trims_recompute else None
+        if c.trims_recompute and c.rollout_sleep == "auto" and not placement.rollout_sleeps:
+            # whether vLLM asleep while training saves more recompute than its sleep and wake cost: decided
+            # before the trim, which then fits the placement taken (a sleeping one only where the bucket
+            # grown for nothing moving fits beside it too)
+            trade = weigh_rollout_sleep(c, ranks, placement, figs, margin, grown, pr, rec, optim_out, train_width)
+            if trade is not None:
+                placement = trade.placement(placement)
+        reload_why = choose_optimizer_reload(c, trainer, placement, figs, margin)
         rows = c.rows_per_rank(ranks.world_size) // c.grpo.mini_batches   # one optimizer step's
         # --trim-recompute first: recompute is work each step does twice, while a larger micro-batch only
         # saves the host work a micro-batch costs; --grow-micro-batch then takes what is left, each row
         # now also holding the activations of the layers no longer checkpointed
         taken, unit_extra = grown, 0.0
         if c.trims_recompute:
-            recompute = recompute_line(c, trainer, ranks, placement, figs, margin, grown, train_width=train_width,
-                                       width=width, trim_from=rec.step + 2)
-            if c.rollout_sleep == "auto" and not placement.rollout_sleeps and recompute.probe:
-                trade = asleep_line(c, placement, figs, margin, grown, recompute.probe, train_width,
-                                    rec.phase_s, optim_out)
-                line = recompute.line + (f"; {trade}" if trade and recompute.line else trade)
+            recompute = recompute_line_of(pr, c, trainer, ranks, placement, figs, margin, grown,
+                                          train_width=train_width, width=width, trim_from=rec.step + 2)
+            # unweighed (no timing): what vLLM asleep would take out of the recompute, the choice left open;
+            # otherwise what the layers still recomputed cost
+            said = (asleep_line(c, placement, figs, margin, grown, recompute.probe, train_width, rec.phase_s, optim_out)
+                    if trade is None and c.rollout_sleep == "auto" and not placement.rollout_sleeps
+                    and recompute.probe else "")
+            if trade is None and not said and recompute.probe:
+                said = recompute_cost(rec.metrics, recompute.trimmed[1] if recompute.trimmed
+                                      else recompute.probe.checkpointed)
+            if said:
+                line = recompute.line + (f"; {said}" if recompute.line else said)
                 recompute = RecomputeLine(line, recompute.probe, recompute.trimmed, recompute.extra)
             taken += recompute.extra
             unit_extra = recompute.extra / (c.micro_batch if c.micro_batch_tokens is None else c.micro_batch_tokens)
@@ -166,6 +183,8 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
             f"completion's most), not the measured step's {train_width}: its training activations are counted "
             "at that width")
     say(f"[colomem] placement from step {rec.step + 2} on: {placement.label} ({placement.why})")
+    if trade is not None:
+        say(f"[colomem] rollout sleep: {trade.line(rec.step + 2)}")
     if reload_why:
         say(f"[colomem] optimizer state: comes back inside the optimizer step ({reload_why})")
     if hint:
@@ -179,6 +198,7 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
              "micro_batch_grown": list(grown_micro) if grown_micro else None,
              "recompute_trimmed": list(recompute.trimmed) if recompute.trimmed else None,
              "recompute_probe": recompute.probe.to_dict() if recompute.probe else None,
+             "rollout_sleep_trade": trade.to_dict(rec.step + 2) if trade is not None else None,
              "optimizer_reload": getattr(trainer, "optimizer_reload", None),
              "optimizer_reload_why": reload_why,
              "bucket_bytes": getattr(rollout, "bucket_bytes", None),
@@ -233,6 +253,14 @@ def grow_micro_batch(cfg: Any, trainer: Any, placement: Placement, figs: list, r
             f"the memory this placement leaves free holds, estimated from this step's training peak)"), (now, new)
 
 
+def recompute_probe(cfg: Any, trainer: Any, train_width: int, width: int) -> Optional[RecomputeProbe]:
+    """The probe recompute_line weighs, of the trainer's model at the planned `width` (recompute_plan.py); None
+    without gradient checkpointing or a trained batch (nothing to weigh) or where it cannot run."""
+    if not cfg.gradient_checkpointing or not train_width:
+        return None
+    return probe(trainer, width)
+
+
 def recompute_line(cfg: Any, trainer: Any, ranks: Any, placement: Placement, figs: list, margin: Optional[int],
                    taken: int, *, train_width: int, width: int, trim_from: Optional[int] = None) -> RecomputeLine:
     """With gradient checkpointing on: what the memory free while training would buy in recompute, measured
@@ -240,9 +268,16 @@ def recompute_line(cfg: Any, trainer: Any, ranks: Any, placement: Placement, fig
     setting is applied to the trainer's model from that step on, and the line says so; every rank applies the
     same one, the one that keeps the most layers checkpointed (a rank whose rows were wider needs more for each
     layer). ranks: exchanged with only when trimming."""
+    return recompute_line_of(recompute_probe(cfg, trainer, train_width, width), cfg, trainer, ranks, placement,
+                             figs, margin, taken, train_width=train_width, width=width, trim_from=trim_from)
+
+
+def recompute_line_of(pr: Optional[RecomputeProbe], cfg: Any, trainer: Any, ranks: Any, placement: Placement,
+                      figs: list, margin: Optional[int], taken: int, *, train_width: int, width: int,
+                      trim_from: Optional[int] = None) -> RecomputeLine:
+    """recompute_line from the probe `pr` already taken (recompute_probe)."""
     if not cfg.gradient_checkpointing or not train_width:
         return RecomputeLine()      # the same on every rank: the config, and each rank trained the step
-    pr = probe(trainer, width)
     rows = micro_batch_rows(cfg, train_width)
     spare = train_spare(placement, figs, margin, taken)
     if trim_from is None:
@@ -282,4 +317,5 @@ def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int
 
 
 __all__ = ["LaterPlan", "RecomputeLine", "asleep_line", "choose_optimizer_reload", "grow_micro_batch", "kv_figures",
-           "optim_out_allowed", "plan_later_steps", "planned_width", "recompute_line", "step_figures"]
+           "optim_out_allowed", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
+           "recompute_probe", "step_figures"]
