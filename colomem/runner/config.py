@@ -105,8 +105,9 @@ class RunConfig(_Strict):
                             "the rollout, Adam moments first), all, optimizer (fp32 masters and Adam moments), "
                             "none")
     rollout_sleep: Literal["auto", "always", "never", "alternate"] = Field(
-        "auto", description="colomem switch, whether vLLM sleeps while the trainer trains: auto (never when "
-                            "both fit with nothing moving), always, never (needs offload none or auto), "
+        "auto", description="colomem switch, whether vLLM sleeps while the trainer trains: auto (not when "
+                            "both fit with nothing moving, unless the recompute --trim-recompute leaves costs "
+                            "more than the sleep and wake, both measured in the first step), always, never (needs offload none or auto), "
                             "alternate (a measurement, with offload none: every other step, so both layouts "
                             "run in one process; each step's metrics say which)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "

@@ -5,7 +5,9 @@ generates and the whole trainer (weights, gradients, fp32 masters, Adam moments,
 trains. Moving either costs time, so the planner moves only what must go:
 
     nothing moves        vLLM never sleeps, the trainer never offloads: a step costs the sync and its check.
-                         Chosen when the rollout awake + the trainer's peak while training fit together.
+                         Chosen when the rollout awake + the trainer's peak while training fit together
+                         (unless vLLM asleep would save more recompute than its sleep and wake cost:
+                         colomem.runner.sleep_trade).
     optimizer out for the step
                          the trainer stays whole through the rollout, but its optimizer step cannot hold
                          Adam's moments beside the gradients' fp32 copy: they start copying to the pool when
