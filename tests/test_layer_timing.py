@@ -121,3 +121,16 @@ def test_the_runner_times_the_measuring_steps_training_only(job_env, tmp_path):
     res = run_job(job(tmp_path / "plain"), print_fn=lambda *_: None)
     steps = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
     assert res.summary["status"] == "ok" and not any(LAYER_STEP_KEY in x for x in steps)
+
+
+def test_a_timing_that_cannot_be_read_leaves_the_step_and_the_plan_without_it(job_env, tmp_path, monkeypatch):
+    """Reading the events fails (a driver error, say): the measuring step still counts, its record holds no
+    layer figure, and the job runs on."""
+    def broken(self):
+        raise RuntimeError("events could not be read")
+    monkeypatch.setattr(LayerForwardTimer, "result", broken)
+    res = run_job(job(tmp_path / "ckpt", gradient_checkpointing=True), print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok", res.summary
+    steps = [json.loads(x) for x in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if "reward_mean" in x]
+    assert steps and not any(LAYER_STEP_KEY in x for x in steps)

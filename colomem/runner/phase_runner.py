@@ -123,7 +123,14 @@ class PhaseRunner:
             return
         with LayerForwardTimer(model) as timer:
             yield
-        times = timer.result()
+        try:
+            times = timer.result()
+        except Exception as e:  # noqa: BLE001  (a timing is not worth a failed step: the plan goes without it)
+            if is_oom(e):
+                raise
+            log.warning("the decoder layers' forwards could not be timed (%s); the plan weighs no recompute "
+                        "time", e)
+            times = None
         if times is not None:
             rec.metrics.update(times.metrics())
 
