@@ -120,14 +120,20 @@ def no_fit_reason(spare: int, pr: Optional[RecomputeProbe], micro_batch: int, ot
             f"{micro_batch} rows of {pr.width} tokens")
 
 
+def recomputed_with(spare: int, pr: RecomputeProbe, rows: int) -> int:
+    """Layers the backward recomputes after --trim-recompute with `spare` bytes free while training."""
+    fit = recompute_fit(spare, pr, rows)
+    return fit.checkpointed if fit is not None else pr.checkpointed
+
+
 def asleep_trade(spare_awake: int, spare_asleep: int, pr: RecomputeProbe, micro_batch: int,
                  wake_sleep_s: float) -> str:
     """With nothing moving, vLLM stays awake through training and holds memory the activations could keep:
     what letting it sleep (--rollout-sleep always) would take out of the recompute, against what its sleep
     and wake took in the measuring step. Empty when it would take nothing out."""
-    awake, asleep = recompute_fit(spare_awake, pr, micro_batch), recompute_fit(spare_asleep, pr, micro_batch)
-    now = awake.checkpointed if awake is not None else pr.checkpointed
-    if asleep is None or asleep.checkpointed >= now:
+    now, then = recomputed_with(spare_awake, pr, micro_batch), recomputed_with(spare_asleep, pr, micro_batch)
+    asleep = recompute_fit(spare_asleep, pr, micro_batch)
+    if asleep is None or then >= now:
         return ""
     return (f"with vLLM asleep while training (--rollout-sleep always) the backward would recompute "
             f"{asleep.checkpointed} of the {pr.layers} layers instead of {now} ({asleep.flag}), for the "
@@ -148,4 +154,5 @@ def recompute_hint(spare: int, pr: RecomputeProbe, micro_batch: int) -> str:
             "(--trim-recompute takes it). The micro-batch and KV cache hints count the same free memory")
 
 
-__all__ = ["RecomputeFit", "RecomputeProbe", "asleep_trade", "micro_batch_rows", "no_fit_reason", "probe", "recompute_fit", "recompute_hint"]
+__all__ = ["RecomputeFit", "RecomputeProbe", "asleep_trade", "micro_batch_rows", "no_fit_reason", "probe", "recompute_fit", "recompute_hint",
+           "recomputed_with"]

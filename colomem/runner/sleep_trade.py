@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 from colomem.engines.layer_timing import LAYER_STEP_KEY
 
 from .placement import ALL_CATEGORIES, MemoryFigures, Placement, choose, fits, train_spare
-from .recompute_plan import RecomputeProbe, micro_batch_rows, recompute_fit
+from .recompute_plan import RecomputeProbe, micro_batch_rows, recomputed_with
 from .timeline import StepRecord
 
 SLEEP_PHASES = ("sleep", "wake_weights", "wake_kv")
@@ -50,12 +50,6 @@ def switch_seconds(phase_s: dict, asleep: Placement, figures: Sequence[MemoryFig
     took = sum(phase_s.get(k, 0.0) for k in SLEEP_PHASES)
     share = moved_share(asleep, figures)
     return took + share * sum(phase_s.get(k, 0.0) for k in TRAINER_PHASES) if share else took
-
-
-def recomputed_with(spare: int, pr: RecomputeProbe, rows: int) -> int:
-    """Layers the backward recomputes after --trim-recompute with `spare` bytes free while training."""
-    fit = recompute_fit(spare, pr, rows)
-    return fit.checkpointed if fit is not None else pr.checkpointed
 
 
 @dataclass(frozen=True)
@@ -144,5 +138,5 @@ def recompute_cost(metrics: dict, recomputed: int) -> str:
             f"{seconds(recomputed * layer_s)} a step (each layer's forwards, as timed in the measuring step)")
 
 
-__all__ = ["SLEEP_PHASES", "SleepTrade", "TRAINER_PHASES", "moved_share", "recompute_cost", "recomputed_with",
+__all__ = ["SLEEP_PHASES", "SleepTrade", "TRAINER_PHASES", "moved_share", "recompute_cost",
            "seconds", "switch_seconds", "weigh_rollout_sleep"]

@@ -25,7 +25,7 @@ from .placement import (MemoryFigures, Placement, choose, early_reload_room, fig
 from .ranks import Ranks
 from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
                              recompute_hint)
-from .sleep_trade import SleepTrade, recompute_cost, weigh_rollout_sleep
+from .sleep_trade import SLEEP_PHASES, SleepTrade, recompute_cost, weigh_rollout_sleep
 from .timeline import StepRecord, gpu_total
 
 
@@ -311,7 +311,7 @@ def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int
     the sleep and wake the measuring step took (`phase_s`, its phases' seconds)."""
     asleep = choose(cfg.offload, "always", figs, margin, optim_out)
     rows = micro_batch_rows(cfg, train_width)
-    took = sum(phase_s.get(k, 0.0) for k in ("sleep", "wake_weights", "wake_kv"))
+    took = sum(phase_s.get(k, 0.0) for k in SLEEP_PHASES)
     return asleep_trade(train_spare(placement, figs, margin, taken), train_spare(asleep, figs, margin, taken),
                         pr, rows, took)
 

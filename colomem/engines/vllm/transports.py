@@ -158,7 +158,7 @@ class DirectTransport:
         nbytes, first = 0, True
         for name, t in items:
             chunk.append((name, t))
-            nbytes += t.numel() * t.element_size()
+            nbytes += t.nbytes
             if nbytes >= DIRECT_CHUNK_BYTES:
                 self._calls.rpc("colomem_load_direct", chunk, version, first, False)
                 # a new list rather than chunk.clear(): the call may still hold the one it was given

@@ -214,10 +214,6 @@ def _load_rest(plan: Optional[Any], sync: SyncState, model: Any, ready: list) ->
     if not ready:
         return 0
     if plan is not None and any(n not in plan.refused for n, _ in ready):
-        from .load_plan import VersionRecord
-
-        if sync.recorded is None:
-            sync.recorded = VersionRecord()
         loaded = plan.record(model.load_weights, ready, sync.recorded)
     else:
         loaded = model.load_weights(iter(ready))

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from .load_plan import VersionRecord
+
 
 @dataclass
 class SyncState:
@@ -21,7 +23,8 @@ class SyncState:
     layerwise: bool = False
     replayed: int = 0
     open: bool = False       # begun and not finished: a direct load's later chunks may join it
-    recorded: Any = None     # load_plan.VersionRecord of the load_weights calls recorded in this version
+    # the load_weights calls recorded in this version (a new SyncState per version starts it empty)
+    recorded: VersionRecord = field(default_factory=VersionRecord)
 
 
 @dataclass
