@@ -26,6 +26,7 @@ from colomem.engines.hf_export import adapter_key, save_adapter, save_full_model
 from colomem.engines.hf_model import load_model, model_on_base
 from colomem.engines.hf_rollout import HFRollout
 from colomem.engines.lora import build_lora_config, check_lora_layers, merged_named_weights
+from colomem.engines.lr_schedule import LrSchedule, current_lr
 from colomem.engines.pending_write import PendingWrite, WriteGuard, host_copy
 from colomem.engines.protocols import check_hold
 from colomem.engines.recompute import recomputed_layers
@@ -57,7 +58,8 @@ class TorchTrainer:
                  device: str = "cpu", dtype: torch.dtype = torch.float32, process_group=None,
                  world_size: int = 1, swap_timeout_s: float = 300.0, overlap_reload: bool = True,
                  shared_base: Optional[Mapping[str, Tensor]] = None, optimizer_reload: str = "overlap",
-                 optimizer_state_memory: str = "torch", torch_compile: bool = False):
+                 optimizer_state_memory: str = "torch", torch_compile: bool = False,
+                 lr_schedule: Optional[LrSchedule] = None):
         from colomem.grpo.config import GRPOConfig
 
         if micro_batch < 1:
@@ -119,6 +121,8 @@ class TorchTrainer:
             compile_decoder_layers(model, self.device.type)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.lr, self.lr_schedule = float(lr), lr_schedule or LrSchedule()
+        self.scheduler = self.lr_schedule.started(self.optimizer, self.lr)
         self._offloaded = False
         self._closed = False
         self._swaps = []
@@ -185,7 +189,10 @@ class TorchTrainer:
             out["reload_wait_s"] = self._pending.wait(self.swap_timeout_s) + self.finish_offload()
             if at_step:
                 out["optimizer_reload_s"] = self._reload_at_step(self.swap_timeout_s)
+            out["lr"] = current_lr(self.optimizer)      # the rate this step uses
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
             return out
@@ -195,7 +202,6 @@ class TorchTrainer:
                                  backward=lambda loss: loss.backward(), optimizer_step=optimizer_step,
                                  ref_logprobs_fn=self._ref_fn, device=self.device, world_size=self.world_size,
                                  process_group=self.process_group)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["recomputed_layers"] = recomputed_layers(self.model)
         metrics["train_step_s"] = time.perf_counter() - t0
         return metrics
@@ -428,6 +434,7 @@ class TorchTrainer:
                 if isinstance(v, Tensor) and not v.untyped_storage().resizable():
                     st[k] = v.clone()
         self.steps = int(state["steps"])
+        self.scheduler = self.lr_schedule.started(self.optimizer, self.lr, self.steps)
         torch.set_rng_state(state["torch_rng"])
 
     def named_weights(self, merged: Optional[bool] = None) -> Iterator[tuple[str, Tensor]]:

@@ -178,7 +178,7 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 process_group=ranks.group, world_size=ranks.world_size,
                 swap_timeout_s=cfg.phase_timeout_s, overlap_reload=cfg.overlap_reload, shared_base=cpu_base,
                 optimizer_reload=cfg.start_optimizer_reload, optimizer_state_memory=cfg.optimizer_state_memory,
-                torch_compile=cfg.torch_compile)
+                torch_compile=cfg.torch_compile, lr_schedule=cfg.lr_schedule("cpu"))
             trainer = torch_trainer
             if cpu_base is not None:
                 shared = SharedBase(cpu_base, torch_trainer.shared, merged_rollout=not cfg.shared_base_adapter)

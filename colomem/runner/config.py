@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from colomem._checkpoint import checkpoint_problem
+from colomem.engines.lr_schedule import LrSchedule
 from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.grpo.config import GRPOConfig, LoraSpec, _Strict
 from colomem.units import parse_bytes
@@ -55,6 +56,17 @@ class RunConfig(_Strict):
     # trainer
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"] = Field(
+        "constant", description="the learning rate over the run (transformers' schedulers, TRL's "
+                                "lr_scheduler_type): linear and cosine decay to 0 at the last step, "
+                                "cosine_with_min_lr to --min-lr-rate x --lr")
+    warmup_steps: Optional[int] = Field(None, ge=0, description="steps whose learning rate rises linearly from 0 "
+                                                               "to --lr before the schedule's decay")
+    warmup_ratio: Optional[float] = Field(None, ge=0, lt=1, description="the warmup as a fraction of the run's "
+                                                                        "steps instead of --warmup-steps")
+    min_lr_rate: Optional[float] = Field(None, ge=0, le=1, description="cosine_with_min_lr: the last step's "
+                                                                       "learning rate as a fraction of --lr "
+                                                                       "(default 0.1)")
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     micro_batch: int = Field(64, gt=0, description="sequences per forward/backward")
     micro_batch_tokens: Optional[int] = Field(None, gt=0, description="micro-batches by a token budget instead "
@@ -270,6 +282,9 @@ class RunConfig(_Strict):
             raise ValueError("--trainer-expandable needs the cross-process engine: vLLM in the trainer's process "
                              "(--engine in-rank, --shared-base) allocates its sleepable memory with the CUDA "
                              "allocator of that process and refuses expandable segments")
+        problem = self._lr_schedule_problem()
+        if problem:
+            raise ValueError(problem)
         if self.checkpoint_every > 1 and not self.gradient_checkpointing:
             raise ValueError(f"--checkpoint-every {self.checkpoint_every} chooses which layers gradient "
                              "checkpointing recomputes; add --gradient-checkpointing true")
@@ -296,6 +311,30 @@ class RunConfig(_Strict):
                              "none is checkpointed")
         return self
 
+    def _lr_schedule_problem(self) -> str:
+        warm = self.warmup_steps if self.warmup_steps is not None else self.warmup_ratio
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            return "--warmup-steps and --warmup-ratio both set the warmup: give one"
+        if self.lr_scheduler == "constant" and warm:
+            return ("--lr-scheduler constant never changes the learning rate, so it has no warmup: use "
+                    "--lr-scheduler constant_with_warmup")
+        if self.min_lr_rate is not None and self.lr_scheduler != "cosine_with_min_lr":
+            return (f"--min-lr-rate is the floor of --lr-scheduler cosine_with_min_lr; --lr-scheduler "
+                    f"{self.lr_scheduler} does not use it")
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:
+            return f"--warmup-steps {self.warmup_steps} is longer than the run's {self.steps} steps"
+        return ""
+
+    def lr_schedule(self, backend: str) -> LrSchedule:
+        """The learning-rate schedule of a run on `backend`, in optimizer steps (num_iterations x mini_batches
+        a step)."""
+        per = self.grpo.num_iterations * self.grpo.mini_batches
+        steps = self.steps_for(backend)
+        warm = self.warmup_steps if self.warmup_steps is not None else round((self.warmup_ratio or 0.0) * steps)
+        rate = self.min_lr_rate if self.min_lr_rate is not None else 0.1
+        return LrSchedule(self.lr_scheduler, min(warm, steps) * per, steps * per,
+                          rate if self.lr_scheduler == "cosine_with_min_lr" else 0.0)
+
     # the engines' own configs: built (and so validated) when the run config is, before anything starts
     def deepspeed_config(self, grad_accum: Optional[int] = None) -> "DeepSpeedConfig":
         """The GPU trainer's options (colomem.engines.deepspeed.DeepSpeedConfig) this run asks for."""
@@ -311,7 +350,7 @@ class RunConfig(_Strict):
                                timeout_s=self.phase_timeout_s, overlap_reload=self.overlap_reload,
                                optimizer_reload=self.start_optimizer_reload,
                                optimizer_state_memory=self.optimizer_state_memory,
-                               grad_reduction=self.grad_reduction)
+                               grad_reduction=self.grad_reduction, lr_schedule=self.lr_schedule("gpu"))
 
     def rollout_engine_seed(self, rollout_group: int = 0) -> int:
         """The rollout engine's own seed on a rank of `rollout_group`. Where its generator draws (in-rank

@@ -140,6 +140,9 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             say=say, out=out, start=start)
         say(f"[colomem] model {model_path}; task {_task_label(cfg)}; {steps} steps x {cfg.prompts_per_step} prompts x "
             f"{cfg.grpo.group_size} completions; switch={cfg.switch}; out {out}")
+        schedule = cfg.lr_schedule(backend)
+        if not schedule.is_constant:
+            say(f"[colomem] {schedule.describe(cfg.lr)}")
         factory = engines_factory or (lambda c, b, m, t, r, g: build_engines(c, b, m, t, r, grad_accum=g))
         t_build = time.perf_counter()
         engines = factory(cfg, backend, model_path, tokenizer, ranks, grad_accum)

@@ -69,3 +69,34 @@ def test_resume_from_a_pool_checkpoint_continues_bit_for_bit(model_dir, ready, s
         saved = load_file(tmp_path / "model" / "model.safetensors")
     assert saved.keys() <= weights.keys() and len(saved) >= len(weights) - 1      # a tied head may be left out
     assert all(torch.equal(saved[n], weights[n]) for n in saved)
+
+
+def test_the_lr_schedule_steps_with_the_engine_and_a_resume_goes_on_with_its_rates(model_dir, ready, tmp_path):  # noqa: F811
+    from colomem.engines.lr_schedule import LrSchedule
+
+    schedule = LrSchedule("cosine_with_min_lr", 1, 4, 0.1)
+    want = []
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = schedule.started(opt, 1e-5)
+    for _ in range(4):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    a = make_trainer(model_dir, 2, False, lr_schedule=schedule)
+    try:
+        got = [a.train_step(make_batch(s))["lr"] for s in range(2)]
+        a.save_state(tmp_path)
+        got += [a.train_step(make_batch(s))["lr"] for s in range(2, 4)]
+        final = final_state(a)
+    finally:
+        a.close()
+    assert got == pytest.approx(want) and got[0] == 0.0            # warmup from 0, the decay to the floor
+    b = make_trainer(model_dir, 2, False, lr_schedule=schedule)
+    try:
+        b.load_state(tmp_path)
+        resumed = [b.train_step(make_batch(s))["lr"] for s in range(2, 4)]
+        again = final_state(b)
+    finally:
+        b.close()
+    assert resumed == got[2:]
+    assert [k for k in final if again[k] != final[k]] == []

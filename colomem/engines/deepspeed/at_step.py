@@ -70,9 +70,10 @@ class AtStepReload:
         retries = alloc_retries(self.device)
         if self.reduce_per_step:         # the reduction ran as the update's block ended; the step is the boundary
             engine.set_gradient_accumulation_boundary(True)
+        lr = float(engine.get_lr()[0])           # the rate this step uses (the step moves the scheduler on)
         engine.step()
         self.steps += 1
-        out = {"reload_wait_s": waited, "reserved_before_step_max": float(before),
+        out = {"lr": lr, "reload_wait_s": waited, "reserved_before_step_max": float(before),
                "optimizer_step_alloc_retries": float(alloc_retries(self.device) - retries)}
         if start is not None:            # with the gradients' cast: what fits beside it could come back early
             out["reserved_at_step_start_max"] = float(start.bytes)

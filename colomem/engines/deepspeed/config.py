@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from colomem.engines.lora import build_lora_config
+from colomem.engines.lr_schedule import LrSchedule
 from colomem.errors import InvalidArgumentError, NotAvailableError
 
 SUPPORTED_DEEPSPEED = ((0, 19),)          # major.minor series whose ZeRO internals this adapter knows
@@ -205,6 +206,8 @@ class DeepSpeedConfig(BaseModel):
         module's parameters in hooks a compiled module would trace).
     ds_config: extra DeepSpeed config merged over the built one. timeout_s: bound on each swap and on close().
     seed: torch seed before the model and the LoRA adapter are built.
+    lr_schedule: the learning rate over the run (colomem.engines.lr_schedule; None: constant at lr), stepped by
+        the engine at each optimizer step; on resume it stands where the checkpoint's optimizer steps leave it.
     """
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -233,6 +236,7 @@ class DeepSpeedConfig(BaseModel):
     optimizer_reload: Literal["overlap", "step"] = "overlap"
     optimizer_state_memory: Literal["torch", "mapped"] = "torch"
     torch_compile: bool = False
+    lr_schedule: Optional[LrSchedule] = None
 
     def __init__(self, **options: Any) -> None:
         try:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from colomem._torch import mem_get_info
 from colomem.engines.background import BackgroundSlot
+from colomem.engines.lr_schedule import LrSchedule
 from colomem.engines.pending_write import PendingWrite, WriteGuard
 from colomem.engines.protocols import check_hold
 from colomem.engines.recompute import recomputed_layers
@@ -141,7 +142,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         # the default process group the set-up starts (one GPU, no torchrun) goes with the last trainer
         ((self.engine, _, _, _), self._holds_linear), self._holds_group = DEFAULT_GROUP.setup(
             lambda: FUNCTIONAL_LINEAR.setup(
-                lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config)),
+                lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config,
+                                             lr_scheduler=self._lr_scheduler(config))),
             before=group_before)
         self.model = self.engine.module
         if shared_base is not None:            # DeepSpeed's set-up (dtype, device, broadcast) kept the views
@@ -239,7 +241,6 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
                 world_size=self.world_size)
         finally:
             trim_module_stack(stack, depth)      # ZeRO-3's checkpoint recompute leaves submodules pushed
-        out["lr"] = float(engine.get_lr()[0])
         out["recomputed_layers"] = recomputed_layers(self.model)      # train_on_batch left it in training mode
         # the optimizer step's kernels are still queued on return: wait for them here, or the next phase (the
         # weight sync, when nothing is offloaded) would start behind them and be timed with them
@@ -475,6 +476,16 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         self._check_resident("load_state()")
         self.wait_reload()                 # it writes into the optimizer state in place: all of it on the GPU
         checkpoint.load_state(self, path)
+        # the rate of the step it resumes at, from this run's flags (the engine steps the scheduler it holds)
+        self.engine.lr_scheduler = self._schedule.started(self.engine.optimizer.optimizer, self._peak_lr, self.steps)
+
+    def _lr_scheduler(self, config: DeepSpeedConfig) -> Optional[Callable[[Any], Any]]:
+        """What deepspeed.initialize builds the learning-rate scheduler with (it steps it in engine.step()):
+        None for a constant rate."""
+        self._schedule, self._peak_lr = config.lr_schedule or LrSchedule(), float(config.lr)
+        if self._schedule.is_constant:
+            return None
+        return lambda optimizer: self._schedule.started(optimizer, self._peak_lr)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
