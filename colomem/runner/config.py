@@ -38,6 +38,9 @@ class RunConfig(_Strict):
                                                    "them), or a Jinja file")
     rewards: Optional[list[str]] = Field(None, description="reward fns: built-in names or module:function; "
                                                            "unset = the task's reward")
+    reward_weights: Optional[list[float]] = Field(None, description="one weight per reward function, in order "
+                                                                    "(TRL's reward_weights): a sample's reward "
+                                                                    "is their weighted sum; unset = 1 each")
     trust_remote_code: bool = False
     # held-out evaluation (colomem.runner.evaluation): greedy completions through the rollout engine
     eval_dataset: Optional[str] = Field(None, description="held-out prompts to evaluate on, read like --dataset "
@@ -266,6 +269,9 @@ class RunConfig(_Strict):
             resolve_reporters(self.report_to)
         except ConfigError as e:
             raise ValueError(str(e)) from None
+        if self.reward_weights is not None and self.rewards and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"--reward-weights gives {len(self.reward_weights)} weights for "
+                             f"{len(self.rewards)} reward functions ({', '.join(self.rewards)}): one each, in order")
         if self.dataset is not None and not self.rewards:
             raise ValueError("a dataset job needs --rewards (built-in names, module:function or file.py:function)")
         if self.dataset is not None and self.grpo.max_new_tokens is None:

@@ -48,12 +48,20 @@ def _tokenizer(path: str, trust_remote_code: bool):
 def _rewards(cfg, task, reward_fns):
     from colomem.grpo.rewards import RewardSpec, resolve
 
-    if reward_fns is not None:
-        specs = [s if isinstance(s, RewardSpec) else RewardSpec(resolve(s)) for s in reward_fns]
-    else:
-        specs = [RewardSpec(resolve(name)) for name in (cfg.rewards or task.rewards)]
+    fns = list(reward_fns) if reward_fns is not None else list(cfg.rewards or task.rewards)
+    weights = cfg.reward_weights if cfg.reward_weights is not None else [1.0] * len(fns)
+    if len(weights) != len(fns):        # the task's own rewards (no --rewards): known only now
+        raise ConfigError(f"--reward-weights gives {len(weights)} weights for {len(fns)} reward functions "
+                          f"({', '.join(map(_reward_label, fns))}): one each, in order")
+    specs = [s if isinstance(s, RewardSpec) else RewardSpec(resolve(s), weight=w) for s, w in zip(fns, weights)]
     metrics = [(name, RewardSpec(resolve(fn), name=name)) for name, fn in task.metrics.items()]
     return specs, metrics
+
+
+def _reward_label(fn) -> str:
+    from colomem.grpo.rewards import RewardSpec, fn_name
+
+    return fn.label if isinstance(fn, RewardSpec) else fn if isinstance(fn, str) else fn_name(fn)
 
 
 def _grad_accum(cfg, world: int) -> int:
