@@ -84,13 +84,15 @@ def trl_settings(cfg, *, steps: int, max_new_tokens: int, use_vllm: bool, sleep:
     if refused:
         raise ConfigError(f"TRL's GRPOTrainer has no equivalent of {', '.join(refused)}; leave them at their defaults")
     micro, accum, per_generation = batch_shape(cfg)
+    schedule = cfg.lr_schedule("gpu" if cuda else "cpu")      # in optimizer steps, as TRL counts them
     kw: dict[str, Any] = dict(
         output_dir=str(out / "trl"), max_steps=steps * g.num_iterations * g.mini_batches,
         per_device_train_batch_size=micro, gradient_accumulation_steps=accum, steps_per_generation=per_generation,
         num_generations=g.group_size, num_iterations=g.num_iterations, shuffle_dataset=False,
-        max_completion_length=max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-        learning_rate=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 0.0,
-        lr_scheduler_type="constant", warmup_steps=0, seed=cfg.seed, data_seed=cfg.seed,
+        max_completion_length=max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or 0,
+        min_p=g.min_p or None, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm or 0.0, lr_scheduler_type=schedule.name, warmup_steps=schedule.warmup,
+        seed=cfg.seed, data_seed=cfg.seed,
         bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", model_init_kwargs={"dtype": cfg.dtype},
         gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
         beta=g.kl_coef, epsilon=g.clip_eps, epsilon_high=g.clip_high, use_bias_correction_kl=g.kl_ratio_correction,
@@ -99,6 +101,8 @@ def trl_settings(cfg, *, steps: int, max_new_tokens: int, use_vllm: bool, sleep:
         entropy_coef=g.entropy_coef, vllm_importance_sampling_correction=use_vllm and g.is_correction != "none",
         trust_remote_code=cfg.trust_remote_code, use_cpu=not cuda, report_to="none", logging_steps=1,
         save_strategy="no", disable_tqdm=not cfg.progress, dataloader_num_workers=0)
+    if schedule.name == "cosine_with_min_lr":
+        kw["lr_scheduler_kwargs"] = {"min_lr_rate": schedule.min_lr_rate}
     if kw["vllm_importance_sampling_correction"]:
         kw.update(vllm_importance_sampling_mode=f"{g.is_correction}_{g.is_mode}",
                   vllm_importance_sampling_clip_max=g.is_cap)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from colomem.engines.hf_export import adapter_key
 from colomem.engines.hf_model import load_model
-from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_sampling
 from colomem.engines.reports import SyncStats
 from colomem.errors import InvalidArgumentError, PhaseOrderError, PoolClosedError, StaleWeightsError, WeightCheckError
 
@@ -161,7 +161,8 @@ class HFRollout:
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 16, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: Optional[int] = 0) -> list:
+                 top_p: float = 1.0, seed: Optional[int] = 0, top_k: Optional[int] = None,
+                 min_p: float = 0.0) -> list:
         """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature).
 
         temperature 0 is greedy decoding (the most likely token each time, as vLLM does for 0; the seed is
@@ -174,12 +175,12 @@ class HFRollout:
                                     f"announced {self._expected_version}; sync first")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise InvalidArgumentError("prompt_ids must be a non-empty list of non-empty token lists")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        check_sampling(temperature, top_p, top_k, min_p)
         greedy = temperature == 0
         # greedy: no sampling knobs at all (transformers warns about sampling options given to a greedy call)
         knobs = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy else \
-            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
+            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0),
+                 min_p=float(min_p) if min_p else None)
         width = max(len(p) for p in prompt_ids)
         rows = [p for p in prompt_ids for _ in range(n)]
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)

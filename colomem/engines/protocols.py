@@ -55,9 +55,11 @@ class Rollout(Protocol):
         ...
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: Optional[int]) -> list[list["Completion"]]:
-        """n completions per prompt; temperature 0 is greedy decoding (top_p and seed then do nothing). seed
-        None: the engine's own generator draws (the samples then depend on how it batched the prompts)."""
+                 top_p: float, seed: Optional[int], top_k: Optional[int] = None,
+                 min_p: float = 0.0) -> list[list["Completion"]]:
+        """n completions per prompt; temperature 0 is greedy decoding (top_p, top_k, min_p and seed then do
+        nothing). seed None: the engine's own generator draws (the samples then depend on how it batched the
+        prompts). top_k None and min_p 0: no such filter."""
         ...
 
     def sleep(self, keep_weights: bool = False) -> None:
@@ -180,6 +182,17 @@ class Checkpointable(Protocol):
         ...
 
 
+def check_sampling(temperature: float, top_p: float, top_k: Optional[int] = None, min_p: float = 0.0) -> None:
+    """InvalidArgumentError unless the sampling knobs a Rollout's generate takes are in range."""
+    from colomem.errors import InvalidArgumentError
+
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if (top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1)) \
+            or not 0 <= min_p < 1:
+        raise InvalidArgumentError(f"need top_k None or an int >= 1 and 0 <= min_p < 1, got {top_k!r}, {min_p}")
+
+
 def check_hold(defer: bool, hold: bool) -> None:
     """Trainer.offload's hold: only for a deferred offload (InvalidArgumentError otherwise)."""
     if hold and not defer:
@@ -188,4 +201,4 @@ def check_hold(defer: bool, hold: bool) -> None:
         raise InvalidArgumentError("offload(hold=True) holds back a deferred copy; pass defer=True too")
 
 
-__all__ = ["Checkpointable", "check_hold", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]
+__all__ = ["Checkpointable", "check_hold", "check_sampling", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]

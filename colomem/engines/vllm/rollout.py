@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from colomem._torch import driver_memory, hold_cublas_workspaces, let_go_cublas_workspaces
-from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_sampling
 from colomem.engines.reports import SyncStats
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
                             StaleWeightsError, WeightCheckError)
@@ -203,7 +203,8 @@ class VLLMRollout:
     # ------------------------------------------------------------------------------------------- generate
     def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = 0, stop_token_ids: Optional[list] = None,
-                 ignore_eos: bool = False, logprobs: bool = True) -> list:
+                 ignore_eos: bool = False, logprobs: bool = True, top_k: Optional[int] = None,
+                 min_p: float = 0.0) -> list:
         """Samples n completions per prompt. Returns list[list[Completion]] with vLLM's sampled-token logprobs.
 
         Prompt i uses seed + i * n, its completion j seed + i * n + j (None: unseeded). Refuses
@@ -226,8 +227,7 @@ class VLLMRollout:
         if int(n) < 1 or int(max_new_tokens) < 1:
             raise InvalidArgumentError(f"n and max_new_tokens must be >= 1, got n={n}, "
                                        f"max_new_tokens={max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise InvalidArgumentError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        check_sampling(temperature, top_p, top_k, min_p)
         if not prompt_ids:
             return []
         kw: dict = {"use_tqdm": False}
@@ -236,7 +236,7 @@ class VLLMRollout:
         self._settle_prefix_cache()   # a reset retire_prefix_cache() started: this generate fills the cache again
         params, prompts = requests(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, top_k=top_k, min_p=min_p)
         outs = self._calls.call(lambda llm: llm.generate(prompts, params, **kw), self.generate_timeout_s,
                                 "generate")
         return completions(outs, logprobs)

@@ -9,16 +9,23 @@ from colomem.errors import ColomemError
 
 def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
              seed: Optional[int], stop_token_ids: Optional[list], ignore_eos: bool,
-             logprobs: bool) -> tuple[list, list]:
+             logprobs: bool, top_k: Optional[int] = None, min_p: float = 0.0) -> tuple[list, list]:
     """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i * n (vLLM seeds
     completion j of a prompt seeded s with s + j, so every completion of the call has a seed of its own: with
     seed + i, completion j + 1 of prompt i and completion j of prompt i + 1 would draw the same noise). temperature 0
-    is vLLM's greedy decoding; top_p is then 1 (no nucleus: the argmax token is always kept)."""
+    is vLLM's greedy decoding; top_p is then 1 (no nucleus: the argmax token is always kept) and top_k and
+    min_p are left out. top_k None and min_p 0 are left out too: vLLM's own defaults filter nothing."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    filters: dict[str, Any] = {}
     if float(temperature) == 0.0:
         top_p = 1.0
+    else:
+        if top_k is not None:
+            filters["top_k"] = int(top_k)
+        if min_p:
+            filters["min_p"] = float(min_p)
 
     params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
                              top_p=float(top_p), seed=None if seed is None else int(seed) + i * int(n),
@@ -27,7 +34,7 @@ def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: floa
                              # dict and a Logprob object per token, built in this process at every decode step
                              flat_logprobs=bool(logprobs),
                              stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-                             ignore_eos=bool(ignore_eos))
+                             ignore_eos=bool(ignore_eos), **filters)
               for i in range(len(prompt_ids))]
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
     return params, prompts
