@@ -179,6 +179,14 @@ def test_greedy_after_a_sync_equals_transformers_with_the_new_weights(r, tiny):
     assert all(lp <= 0.0 for c in out for lp in c.logprobs)
 
 
+def test_top_k_one_and_a_min_p_near_one_sample_the_greedy_tokens(r, tiny):
+    _, _, prompts = tiny
+    want = [c.token_ids for c in greedy(r, prompts)]
+    for knobs in ({"top_k": 1}, {"min_p": 0.999}):
+        out = r.generate(prompts, n=2, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3, ignore_eos=True, **knobs)
+        assert [[c.token_ids for c in g] for g in out] == [[w, w] for w in want], knobs
+
+
 @pytest.mark.parametrize("backup", ["vllm", "pool"])
 def test_sleep_frees_at_least_90_percent_of_vllms_memory(r, backup):
     r.weights_backup = backup
