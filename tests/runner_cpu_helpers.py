@@ -1,5 +1,6 @@
 """The tiny model, the small run config and the engine spy the runner's CPU tests share
 (test_runner_cpu.py, test_runner_cpu_failures.py, test_runner_cli_cpu.py, test_heap_profile.py)."""
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,30 @@ from colomem.runner.backends import build_engines
 from colomem.runner.config import RunConfig, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def awake_cpu_rollout(cfg: RunConfig, task_name: str = "successor"):
+    """(engines, tokenizer, task) of `cfg` on the CPU, the rollout awake with the trainer's weights (version 0);
+    the engines are closed after."""
+    from colomem.grpo.tasks import make_task
+    from colomem.grpo.tiny_model import model_dir
+    from colomem.runner import Ranks
+    from colomem.runner.backends import close_engines
+    from colomem.runner.job import _tokenizer
+
+    task = make_task(task_name)
+    path = str(model_dir("tiny", task.alphabet, log=lambda *_: None))
+    tok = _tokenizer(path, False)
+    eng = build_engines(cfg, "cpu", path, tok, Ranks(), grad_accum=1)
+    try:
+        r = eng.rollout
+        r.wake_weights()                                 # built asleep, as the loop expects it
+        r.load_weights(eng.trainer.named_weights(), 0)
+        r.wake_kv()
+        yield eng, tok, task
+    finally:
+        close_engines(eng)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from colomem.runner.config import config_from_dict
 from colomem.runner.phases import CYCLE, SWITCH_PHASES, WORK_PHASES
 from colomem.runner.timeline import read_jsonl
 
+from runner_cpu_helpers import awake_cpu_rollout
 from test_dataset_job import TEMPLATE, successor_rows, write_jsonl
 
 pytest.importorskip("transformers")
@@ -95,22 +96,12 @@ def test_greedy_evaluations_of_the_same_weights_agree(job_env, tmp_path):
     """Temperature 0 is greedy on the CPU rollout: the same completions whatever the seed, each token the
     model's most likely one; two evaluations of the same weights give the same completions."""
     from colomem.grpo.rewards import RewardSpec, resolve
-    from colomem.grpo.tasks import make_task
-    from colomem.grpo.tiny_model import model_dir
     from colomem.runner import Ranks
     from colomem.runner.evaluation import Evaluator, plan
-    from colomem.runner.job import _tokenizer
 
     c = cfg(tmp_path / "g", eval_every=1, eval_prompts=12)
-    task = make_task("successor")
-    path = str(model_dir("tiny", task.alphabet, log=lambda *_: None))
-    tok = _tokenizer(path, False)
-    eng = build_engines(c, "cpu", path, tok, Ranks(), grad_accum=1)
-    try:
+    with awake_cpu_rollout(c) as (eng, tok, task):
         r = eng.rollout
-        r.wake_weights()                                 # built asleep, as the loop expects it
-        r.load_weights(eng.trainer.named_weights(), 0)
-        r.wake_kv()
         prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in (">345", ">78")]
         a = r.generate(prompts, n=2, max_new_tokens=4, temperature=0.0, top_p=0.5, seed=1)
         b = r.generate(prompts, n=2, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=99)
@@ -136,10 +127,6 @@ def test_greedy_evaluations_of_the_same_weights_agree(job_env, tmp_path):
         # the held-out sample is fixed and not the stream training draws its prompts from
         assert [s.prompt for s in samples] == [s.prompt for s in plan(c, task).samples(tok, 3, print)]
         assert samples[:4] != task.samples(4, seed=c.seed, step=0)
-    finally:
-        from colomem.runner.backends import close_engines
-
-        close_engines(eng)
 
 
 def test_bad_eval_input_stops_the_run_before_any_engine_starts(job_env, tmp_path):

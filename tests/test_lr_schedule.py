@@ -11,6 +11,7 @@ from colomem.engines.lr_schedule import LrSchedule
 from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
+from runner_cpu_helpers import small_cfg
 
 
 def rates(schedule: LrSchedule, lr: float, steps: int, start: int = 0) -> list[float]:
@@ -55,12 +56,8 @@ def test_bad_schedules_are_refused():
         LrSchedule("cosine_with_min_lr", 0, 4, 1.5)
 
 
-def run_cfg(out=None, **kw):
-    data = {"backend": "cpu", "steps": 6, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
-            "plots": False, "report_to": ["none"], "grpo": {"group_size": 4}, **kw}
-    if out is not None:
-        data["out"] = str(out)
-    return config_from_dict(data)
+def run_cfg(out="unused", **kw):
+    return small_cfg(out, **{"steps": 6, "plots": False, "report_to": ["none"], **kw})
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -6,15 +6,11 @@ import pytest
 
 from colomem.errors import ConfigError
 from colomem.runner import run_job
-from colomem.runner.config import config_from_dict
+from runner_cpu_helpers import small_cfg
 
 
-def cfg(out=None, **kw):
-    data = {"backend": "cpu", "steps": 2, "prompts_per_step": 4, "micro_batch": 8, "progress": False,
-            "plots": False, "report_to": ["none"], "grpo": {"group_size": 4}, **kw}
-    if out is not None:
-        data["out"] = str(out)
-    return config_from_dict(data)
+def cfg(out="unused", **kw):
+    return small_cfg(out, plots=False, report_to=["none"], **kw)
 
 
 def test_a_weight_count_unlike_the_rewards_is_refused_before_anything_starts(job_env, tmp_path):

@@ -6,6 +6,7 @@ from colomem.engines.protocols import check_sampling
 from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.runner.config import config_from_dict
 from fakes.vllm import install_vllm_stubs
+from runner_cpu_helpers import awake_cpu_rollout
 
 
 def test_vllm_requests_carry_the_filters_only_where_they_filter(monkeypatch):
@@ -37,22 +38,9 @@ def test_the_flags_are_checked_with_the_config():
 
 
 def test_the_cpu_rollout_samples_within_the_filters(job_env, tmp_path):
-    from colomem.grpo.tasks import make_task
-    from colomem.grpo.tiny_model import model_dir
-    from colomem.runner import Ranks
-    from colomem.runner.backends import build_engines, close_engines
-    from colomem.runner.job import _tokenizer
-
     c = config_from_dict({"backend": "cpu", "out": str(tmp_path), "progress": False, "report_to": ["none"]})
-    task = make_task("successor")
-    path = str(model_dir("tiny", task.alphabet, log=lambda *_: None))
-    tok = _tokenizer(path, False)
-    eng = build_engines(c, "cpu", path, tok, Ranks(), grad_accum=1)
-    try:
+    with awake_cpu_rollout(c) as (eng, tok, _):
         r = eng.rollout
-        r.wake_weights()
-        r.load_weights(eng.trainer.named_weights(), 0)
-        r.wake_kv()
         prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in (">345", ">78")]
         greedy = r.generate(prompts, n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
         top1 = r.generate(prompts, n=3, max_new_tokens=4, temperature=1.5, top_p=1.0, seed=7, top_k=1)
@@ -63,5 +51,3 @@ def test_the_cpu_rollout_samples_within_the_filters(job_env, tmp_path):
         free = r.generate(prompts, n=8, max_new_tokens=4, temperature=3.0, top_p=1.0, seed=7)
         assert any(c.token_ids != g[0].token_ids for g, group in zip(greedy, free) for c in group)
         assert len(top1[0][0].logprobs) == len(top1[0][0].token_ids)
-    finally:
-        close_engines(eng)
