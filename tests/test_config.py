@@ -115,6 +115,26 @@ def test_model_path_is_checked(tmp_path):
     assert load_run_config(["--model", str(tmp_path / "ok")]).model == str((tmp_path / "ok").resolve())
 
 
+def test_a_hub_id_is_found_in_the_local_hub_cache_and_never_downloaded(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")          # were anything fetched, this fails instead
+    with pytest.raises(ConfigError, match=r"'acme/tiny-lm' is not in the local Hugging Face cache.*hf download"):
+        load_run_config(["--model", "acme/tiny-lm"])
+    snap = hub / "models--acme--tiny-lm" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (hub / "models--acme--tiny-lm" / "refs").mkdir()
+    (hub / "models--acme--tiny-lm" / "refs" / "main").write_text("0123abcd")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (snap / name).write_text("{}")
+    assert load_run_config(["--model", "acme/tiny-lm"]).model == str(snap.resolve())
+    (snap / "tokenizer.json").unlink()                 # a cached snapshot still has to be a whole checkpoint
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        load_run_config(["--model", "acme/tiny-lm"])
+
+
 def test_sizes_and_literals():
     assert load_run_config(["--pool-bytes", "2GiB"]).pool_bytes == "2GiB"
     with pytest.raises(ConfigError, match="pool_bytes"):

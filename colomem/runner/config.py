@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from colomem._checkpoint import checkpoint_problem
+from colomem._checkpoint import cached_hub_model, checkpoint_problem
 from colomem.engines.lr_schedule import LrSchedule
 from colomem.errors import ConfigError, InvalidArgumentError
 from colomem.grpo.config import GRPOConfig, LoraSpec, _Strict
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 class RunConfig(_Strict):
     """One colocated GRPO run. configs/default.yaml is the embedded tiny job."""
     # what to train
-    model: Optional[str] = Field(None, description="local checkpoint directory; unset = config-built model")
+    model: Optional[str] = Field(None, description="local checkpoint directory, or a hub id already in the "
+                                                   "local Hugging Face cache; unset = config-built model")
     model_shape: str = Field("tiny", description="shape of the config-built model when --model is unset")
     task: str = Field("successor", description="built-in task (colomem.grpo.tasks)")
     task_options: dict[str, Any] = Field(default_factory=dict)
@@ -238,6 +239,10 @@ class RunConfig(_Strict):
     def _model_exists(cls, v):
         if v is None:
             return v
+        snapshot, why = cached_hub_model(v)       # a hub id the user already fetched: its cached snapshot
+        if why:
+            raise ValueError(why)
+        v = snapshot or v
         problem = checkpoint_problem(v)
         if problem:
             raise ValueError(problem + " (or leave --model unset for the config-built model)")
