@@ -36,6 +36,8 @@ MODES = {"colomem": ["--switch", "colomem"],
          # the same with the adapter merged into the base for each rollout (no LoRA kernels in vLLM's decode)
          "shared_merged": ["--switch", "colomem", "--shared-base", "--shared-base-rollout", "merged"],
          "inrank": ["--switch", "colomem", "--engine", "in-rank"],
+         # vLLM in a process of its own (the default puts it in the trainer's process): its longer start-up
+         "crossproc": ["--switch", "colomem", "--engine", "cross-process"],
          # the planner's with a checkpoint every other step (the newest one kept), written in the background
          "saved": ["--switch", "colomem", "--save-every", "2", "--keep-checkpoints", "1"],
          "trl": [], "trl_sleep": ["--trl-sleep"],

@@ -59,7 +59,7 @@ def lora_top_level(report: dict, over_rounds) -> None:
             if trl:
                 report[f"{tag}_speedup_vs_trl"] = trl / step
         used = {m: [over_rounds(cfg, m, "gpu_used_in_rollout_gib"), over_rounds(cfg, m, "gpu_used_in_train_gib")]
-                for m in ("colomem", "inrank", "shared", "shared_merged", "trl")}   # trl: the peer's two copies
+                for m in ("colomem", "inrank", "crossproc", "shared", "shared_merged", "trl")}   # trl: the peer's two copies
         used = {m: v for m, v in used.items() if any(x is not None for x in v)}
         if used:
             report[f"{cfg}_gpu_used_rollout_train_gib"] = used

@@ -27,9 +27,27 @@ def _cfg(**kw):
 
 
 # ------------------------------------------------------------------------------------------ the flag
-def test_auto_is_the_cross_process_engine_at_tp1_and_the_in_rank_engine_above():
-    assert _cfg().engine == "auto" and _cfg().effective_engine == "cross-process"
+def test_auto_is_the_in_rank_engine_unless_vllm_cannot_sit_in_the_trainers_process(monkeypatch):
+    import types
+
+    assert _cfg().engine == "auto" and _cfg().effective_engine == "in-rank"
     assert _cfg(tensor_parallel_size=2).effective_engine == "in-rank"
+    # torch's expandable segments in the trainer's process: vLLM's sleep-mode allocator refuses them there
+    assert _cfg(trainer_expandable=True, backend="gpu").effective_engine == "cross-process"
+    assert _cfg(backend="cpu").effective_engine == "cross-process"          # no vLLM there
+    # a process that already built an engine with sleep mode (a notebook's second job): vLLM keeps one such
+    # allocator a process, so the next engine gets a process of its own; observed when the config is made
+    held = {"bytes": 1 << 20}
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    setattr(cumem, "CuMemAllocator", types.SimpleNamespace(
+        instance=types.SimpleNamespace(get_current_usage=lambda: held["bytes"])))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    second = _cfg()
+    assert second.effective_engine == "cross-process"
+    held["bytes"] = 0
+    assert second.effective_engine == "cross-process"       # the run keeps the engine it was planned with
+    assert _cfg().effective_engine == "in-rank"
+    assert _cfg(tensor_parallel_size=2).effective_engine == "in-rank"   # spans the ranks whatever else
     assert _cfg(engine="in-rank").effective_engine == "in-rank"
     assert _cfg(engine="cross-process").effective_engine == "cross-process"
 
@@ -66,8 +84,8 @@ def test_the_in_rank_engine_is_built_with_the_external_launcher_and_the_direct_s
     assert kw["seed"] == 10                                   # the group's seed: 7 + group 3
 
 
-def test_the_cross_process_engine_is_built_as_before():
-    v = _cfg(seed=7).vllm_config(device=0, rollout_group=3)
+def test_the_cross_process_engine_has_its_own_process_and_the_bridge():
+    v = _cfg(engine="cross-process", seed=7).vllm_config(device=0, rollout_group=3)
     assert not v.engine_in_process and not v.external_launcher and v.sync_transport == "listener"
     kw = v.llm_arguments("/m")
     assert "distributed_executor_backend" not in kw and kw["seed"] == 7

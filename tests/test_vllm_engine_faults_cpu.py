@@ -224,11 +224,11 @@ def test_a_second_in_process_engine_with_sleep_mode_is_refused_before_vllm_build
 
     held = {"bytes": 1 << 20}
     built = []
-    allocator = types.ModuleType("vllm.device_allocator")
-    setattr(allocator, "get_mem_allocator_instance",
-            lambda: types.SimpleNamespace(get_current_usage=lambda: held["bytes"]))
+    cumem = types.ModuleType("vllm.device_allocator.cumem")   # vLLM's singleton, as an engine left it
+    setattr(cumem, "CuMemAllocator", types.SimpleNamespace(
+        instance=types.SimpleNamespace(get_current_usage=lambda: held["bytes"])))
     envs = types.ModuleType("vllm.envs")
-    monkeypatch.setitem(sys.modules, "vllm.device_allocator", allocator)
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
     monkeypatch.setitem(sys.modules, "vllm.envs", envs)
     setattr(fake_vllm, "envs", envs)
     setattr(fake_vllm, "LLM", lambda **kw: built.append(kw) or "engine")

@@ -134,8 +134,9 @@ class RunConfig(_Strict):
         "auto", description="where vLLM runs: cross-process (its engine in a process of its own, weights over the "
                             "bridge), in-rank (inside every torchrun rank, distributed_executor_backend "
                             "external_launcher: each rank holds its tensor-parallel shard and reads its trainer's "
-                            "tensors in place), auto (cross-process at tensor_parallel_size 1, in-rank above and "
-                            "with --shared-base)")
+                            "tensors in place; it starts sooner), auto (in-rank; cross-process with "
+                            "--trainer-expandable at tensor_parallel_size 1, or when this process already ran "
+                            "an engine with sleep mode)")
     shared_base: bool = Field(False, description="LoRA: the trainer's frozen base is the rollout engine's "
                                                  "weights (one copy on the GPU; vLLM in the trainer's process, "
                                                  "ZeRO-2, tensor_parallel_size 1): vLLM sleeps only its KV cache "
@@ -216,6 +217,9 @@ class RunConfig(_Strict):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
 
     _explicit: set[str] = PrivateAttr(default_factory=set)   # fields set on the command line
+    # whether this process held a sleeping vLLM engine's memory when the config was made: --engine auto then
+    # starts vLLM in a process of its own (observed once, so the choice holds for the whole run)
+    _engine_held: bool = PrivateAttr(default=False)
 
     @field_validator("pool_bytes", "bucket_bytes", "pool_max_bytes", "placement_margin", "kv_cache_bytes")
     @classmethod
@@ -254,6 +258,10 @@ class RunConfig(_Strict):
 
         from .shared_base_job import shared_base_problem
 
+        if self.engine == "auto":
+            from colomem.engines.vllm.engine_calls import sleeping_engine_bytes
+
+            self._engine_held = sleeping_engine_bytes() > 0
         problem = (engine_problem(self.engine, self.tensor_parallel_size, self.backend)
                    or shared_base_problem(self, None if self.backend == "auto" else self.backend))
         if problem:
@@ -434,7 +442,9 @@ class RunConfig(_Strict):
         """'in-rank' or 'cross-process': what --engine auto resolves to (colomem.runner.inrank)."""
         from .inrank import resolve_engine
 
-        return resolve_engine(self.engine, self.tensor_parallel_size, shared_base=self.shared_base)
+        return resolve_engine(self.engine, self.tensor_parallel_size, shared_base=self.shared_base,
+                              trainer_expandable=self.trainer_expandable, engine_held=self._engine_held,
+                              backend=self.backend)
 
     @property
     def effective_sleep_level(self) -> int:

@@ -8,10 +8,13 @@ rank holds its shard of its group's engine. The weight sync is then in process o
 transport: the trainer's tensors go to the worker as they are, no bridge), and each rank's worker takes the
 full weights from its own trainer and keeps its shard (vLLM's loaders narrow them).
 
-Which engine (`resolve_engine`): `auto` is the cross-process engine at TP 1 (the measured default) and the
-in-rank one above or for a shared LoRA base (the trainer reads vLLM's weights in its own process), the only
-one that spans ranks: a cross-process engine belongs to one rank, and its TP
-workers would be processes of its own on GPUs the other ranks train on.
+Which engine (`resolve_engine`): `auto` is the in-rank engine, the one that spans ranks (a cross-process
+engine belongs to one rank, and its TP workers would be processes of its own on GPUs the other ranks train
+on) and, at TP 1, the one that starts sooner: no engine process to spawn and import vLLM into, the weights
+synced in process, as fast a rollout. `auto` takes the cross-process engine only where vLLM cannot sit in the
+trainer's process: with --trainer-expandable (vLLM refuses torch's expandable segments in its process), or
+where this process already built an engine with sleep mode (vLLM keeps one such allocator a process, and its
+memory stays after the engine closes: a notebook's or a test's second job).
 
 Prompts: every rank draws the same prompts for a step, and Ranks.generate_groups hands the ranks of one TP
 group the same ones (Ranks says how the groups split the step and which rank trains on which part). The
@@ -34,11 +37,17 @@ class RolloutMismatchError(ColomemError):
     """The ranks of one tensor-parallel engine generated different completions for the same prompts."""
 
 
-def resolve_engine(choice: str, tensor_parallel_size: int, *, shared_base: bool = False) -> str:
-    """'in-rank' or 'cross-process' for --engine `choice` (auto: cross-process at TP 1, in-rank above, and
-    in-rank for a shared LoRA base, which the trainer reads in its own process)."""
+def resolve_engine(choice: str, tensor_parallel_size: int, *, shared_base: bool = False,
+                   trainer_expandable: bool = False, engine_held: bool = False, backend: str = "auto") -> str:
+    """'in-rank' or 'cross-process' for --engine `choice`. auto: in-rank, except at TP 1 with
+    `trainer_expandable`, when `engine_held` (this process already holds a sleeping vLLM engine's memory) or
+    on the CPU backend (no vLLM: its stand-in keeps the cross-process engine's seeding); a shared LoRA base
+    and TP above 1 are in-rank whatever else (the trainer reads vLLM's weights in its own process; the engine
+    spans the ranks)."""
     if choice == "auto":
-        return "in-rank" if int(tensor_parallel_size) > 1 or shared_base else "cross-process"
+        if int(tensor_parallel_size) > 1 or shared_base:
+            return "in-rank"
+        return "cross-process" if trainer_expandable or engine_held or backend == "cpu" else "in-rank"
     if choice not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
     return choice

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -234,22 +235,31 @@ def _without_agent_store() -> Iterator[None]:
             os.environ[AGENT_STORE_VAR] = old
 
 
+def sleeping_engine_bytes() -> int:
+    """Bytes vLLM's sleep-mode allocator holds in this process: 0 when it was never created here (no engine
+    with sleep mode was built in this process), or vLLM has no such allocator. Read from the singleton as it
+    is: creating it would load its library in a process that never used it (and it refuses torch's
+    expandable segments)."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    instance = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    if instance is None:
+        return 0
+    try:
+        return int(instance.get_current_usage())
+    except (AttributeError, RuntimeError, AssertionError):
+        return 0
+
+
 def refuse_second_sleeping_engine() -> None:
     """vLLM's sleep mode has one allocator per process, and an engine built while it holds memory fails deep
     inside vLLM (an assertion while loading weights). Say so before anything is built."""
-    try:
-        from vllm.device_allocator import get_mem_allocator_instance
-
-        held = int(get_mem_allocator_instance().get_current_usage())
-    except (ImportError, AttributeError, RuntimeError, AssertionError):
-        # a vLLM without that allocator, or a platform or build without sleep mode's allocator: vLLM decides
-        return
+    held = sleeping_engine_bytes()
     if held:
         raise ConfigError(
             f"an in-process vLLM engine with sleep mode already holds {held} bytes of vLLM's sleep-mode allocator "
             "in this process, and vLLM allows one such engine per process (its memory stays with the process "
-            "after the engine closes). Start this engine in its own process (engine_in_process=False), or run "
-            "each in-process engine in a process of its own")
+            "after the engine closes). Start this engine in its own process (--engine cross-process, or "
+            "engine_in_process=False), or run each in-process engine in a process of its own")
 
 
 def build_llm(kwargs: dict, in_process: bool, set_device: Callable[[], None]) -> Any:
