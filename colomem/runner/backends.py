@@ -131,10 +131,6 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
                 log_fn(said)
             vcfg = cfg.vllm_config(device=ranks.local_rank, rollout_group=ranks.rollout_group,
                                    kv_cache_bytes=kv_bytes)
-            if cfg.shared_base and not cfg.shared_base_adapter:
-                log_fn("[colomem] warning: --shared-base-rollout merged is experimental: no GPU run of it has "
-                       "finished yet (its first failed with a CUDA fault in its second rollout); "
-                       "--shared-base-rollout adapter (the default) is the tested way")
             vllm_rollout = VLLMRollout(model_path, config=vcfg)
             rollout = vllm_rollout
             base = None
