@@ -2,9 +2,9 @@
 ones TRL's `lr_scheduler_type` names), stepped once per optimizer step by either trainer.
 
 The run counts in its own steps (--steps, --warmup-steps); a step makes `per_step` optimizer steps
-(num_iterations x mini_batches), so the schedule is laid out in optimizer steps. Its position is saved with
-the optimizer in every checkpoint and comes back on resume; the shape itself (name, warmup, length) is
-rebuilt from the run's flags, so a resumed run given more --steps stretches the decay over the new length.
+(num_iterations x mini_batches), so the schedule is laid out in optimizer steps. On resume it is built again
+from the run's flags and stood at the checkpoint's optimizer-step count (`started`), so a resumed run given
+more --steps stretches the decay over the new length, and a changed --lr is the new peak.
 """
 from __future__ import annotations
 

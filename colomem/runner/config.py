@@ -331,9 +331,9 @@ class RunConfig(_Strict):
         return self
 
     def _lr_schedule_problem(self) -> str:
-        warm = self.warmup_steps if self.warmup_steps is not None else self.warmup_ratio
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             return "--warmup-steps and --warmup-ratio both set the warmup: give one"
+        warm = self.warmup_steps if self.warmup_steps is not None else self.warmup_ratio
         if self.lr_scheduler == "constant" and warm:
             return ("--lr-scheduler constant never changes the learning rate, so it has no warmup: use "
                     "--lr-scheduler constant_with_warmup")

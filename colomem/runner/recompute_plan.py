@@ -131,9 +131,8 @@ def asleep_trade(spare_awake: int, spare_asleep: int, pr: RecomputeProbe, micro_
     """With nothing moving, vLLM stays awake through training and holds memory the activations could keep:
     what letting it sleep (--rollout-sleep always) would take out of the recompute, against what its sleep
     and wake took in the measuring step. Empty when it would take nothing out."""
-    now, then = recomputed_with(spare_awake, pr, micro_batch), recomputed_with(spare_asleep, pr, micro_batch)
-    asleep = recompute_fit(spare_asleep, pr, micro_batch)
-    if asleep is None or then >= now:
+    now, asleep = recomputed_with(spare_awake, pr, micro_batch), recompute_fit(spare_asleep, pr, micro_batch)
+    if asleep is None or asleep.checkpointed >= now:
         return ""
     return (f"with vLLM asleep while training (--rollout-sleep always) the backward would recompute "
             f"{asleep.checkpointed} of the {pr.layers} layers instead of {now} ({asleep.flag}), for the "
