@@ -93,13 +93,11 @@ def prepare_state(trainer: Any, path: Path, offloaded: Optional[ColomemOffload] 
                                "(please report it)")
         opt_state[name] = {k: host(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
     opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    sched = getattr(engine, "lr_scheduler", None)
+    # no scheduler state: a resume builds the schedule from its own flags and stands it at "steps"
     blob = {"format": FORMAT, "layout": layout(trainer), "deepspeed": trainer.deepspeed_version,
             "steps": trainer.steps, "storages": storages, "categories": categories,
             "optimizer": {"state": opt_state, "param_groups": opt_groups},
             "counters": {k: getattr(engine, k) for k in _COUNTERS if isinstance(getattr(engine, k, None), int)},
-            "lr_scheduler": copy.deepcopy(sched.state_dict()) if sched is not None and hasattr(sched, "state_dict")
-            else None,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None}
     out = rank_file(path, trainer.rank)
@@ -176,9 +174,6 @@ def load_state(trainer: Any, path: Path) -> None:
     _load_optimizer(engine.optimizer.optimizer, blob["optimizer"], dict(state.groups.get("master", ())), path)
     for k, v in blob["counters"].items():
         setattr(engine, k, v)
-    sched = getattr(engine, "lr_scheduler", None)
-    if sched is not None and blob["lr_scheduler"] is not None:
-        sched.load_state_dict(blob["lr_scheduler"])
     trainer.steps = int(blob["steps"])
     torch.set_rng_state(blob["torch_rng"])
     if blob["cuda_rng"] is not None and trainer.device.type == "cuda":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Mapping, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -138,12 +138,16 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         model, self.shared = build_model(model_path, config, self.lora, self.device, shared_base)
         self.ds_config = config.build_ds_config(self.world_size)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        # deepspeed.initialize builds the learning-rate scheduler from the optimizer and engine.step() steps it
+        self._schedule, self._peak_lr = config.lr_schedule or LrSchedule(), float(config.lr)
+        scheduler = None if self._schedule.is_constant else (
+            lambda optimizer: self._schedule.started(optimizer, self._peak_lr))
         # ZeRO-3's set-up replaces torch.nn.functional.linear process-wide: the last trainer to close puts it back
         # the default process group the set-up starts (one GPU, no torchrun) goes with the last trainer
         ((self.engine, _, _, _), self._holds_linear), self._holds_group = DEFAULT_GROUP.setup(
             lambda: FUNCTIONAL_LINEAR.setup(
                 lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=self.ds_config,
-                                             lr_scheduler=self._lr_scheduler(config))),
+                                             lr_scheduler=scheduler)),
             before=group_before)
         self.model = self.engine.module
         if shared_base is not None:            # DeepSpeed's set-up (dtype, device, broadcast) kept the views
@@ -478,14 +482,6 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         checkpoint.load_state(self, path)
         # the rate of the step it resumes at, from this run's flags (the engine steps the scheduler it holds)
         self.engine.lr_scheduler = self._schedule.started(self.engine.optimizer.optimizer, self._peak_lr, self.steps)
-
-    def _lr_scheduler(self, config: DeepSpeedConfig) -> Optional[Callable[[Any], Any]]:
-        """What deepspeed.initialize builds the learning-rate scheduler with (it steps it in engine.step()):
-        None for a constant rate."""
-        self._schedule, self._peak_lr = config.lr_schedule or LrSchedule(), float(config.lr)
-        if self._schedule.is_constant:
-            return None
-        return lambda optimizer: self._schedule.started(optimizer, self._peak_lr)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
