@@ -90,7 +90,7 @@ def trl_settings(cfg, *, steps: int, max_new_tokens: int, use_vllm: bool, sleep:
         per_device_train_batch_size=micro, gradient_accumulation_steps=accum, steps_per_generation=per_generation,
         num_generations=g.group_size, num_iterations=g.num_iterations, shuffle_dataset=False,
         max_completion_length=max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or 0,
-        min_p=g.min_p or None, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        min_p=g.min_p or None, repetition_penalty=g.repetition_penalty, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm or 0.0, lr_scheduler_type=schedule.name, warmup_steps=schedule.warmup,
         seed=cfg.seed, data_seed=cfg.seed,
         bf16=cfg.dtype == "bfloat16", fp16=cfg.dtype == "float16", model_init_kwargs={"dtype": cfg.dtype},

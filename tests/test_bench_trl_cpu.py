@@ -114,18 +114,19 @@ def test_trl_gets_the_runners_learning_rate_schedule_and_sampling_filters(tmp_pa
     bench = _load("bench_trl")
     cfg = load_run_config(["--config", str(REPO / "configs/grpo_1p5b_full.yaml"), "--lr-scheduler",
                            "cosine_with_min_lr", "--warmup-steps", "2", "--min-lr-rate", "0.05", "--top-k", "20",
-                           "--min-p", "0.1", "--mini-batches", "2", "--steps", "6"])
+                           "--min-p", "0.1", "--repetition-penalty", "1.2", "--mini-batches", "2", "--steps", "6"])
     kw, _ = bench.trl_settings(cfg, steps=6, max_new_tokens=256, use_vllm=True, sleep=False, cuda=True,
                                out=tmp_path)
     kw.pop("deepspeed")
     args = GRPOConfig(**{**kw, "use_cpu": True, "bf16": False})
     assert args.max_steps == 12 and args.warmup_steps == 4          # optimizer steps, on both sides
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.05}
-    assert args.top_k == 20 and args.min_p == 0.1
+    assert args.top_k == 20 and args.min_p == 0.1 and args.repetition_penalty == 1.2
     plain = load_run_config(["--config", str(REPO / "configs/grpo_1p5b_full.yaml")])
     kw, _ = bench.trl_settings(plain, steps=6, max_new_tokens=256, use_vllm=True, sleep=False, cuda=True,
                                out=tmp_path)
-    assert kw["lr_scheduler_type"] == "constant" and kw["top_k"] == 0 and kw["min_p"] is None
+    assert kw["lr_scheduler_type"] == "constant" and kw["top_k"] == 0 and kw["min_p"] is None \
+        and kw["repetition_penalty"] == 1.0
 
 
 def test_a_peer_mode_without_its_package_is_skipped_with_the_reason(tmp_path, monkeypatch):

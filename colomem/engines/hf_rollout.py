@@ -24,6 +24,24 @@ from colomem.engines.reports import SyncStats
 from colomem.errors import InvalidArgumentError, PhaseOrderError, PoolClosedError, StaleWeightsError, WeightCheckError
 
 
+def _penalty_over_own_tokens(penalty: float, starts: Tensor):
+    """transformers' repetition penalty over each row's own tokens (prompt and completion), as vLLM applies it.
+    transformers' processor reads every position of input_ids, so a row's left padding (the pad token is the
+    EOS token where a tokenizer has none) would be penalized too: each pad position is read as the row's first
+    prompt token instead, which is penalized anyway. generate runs it before the temperature and the filters,
+    as vLLM does."""
+    from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    class OwnTokens(LogitsProcessor):
+        inner = RepetitionPenaltyLogitsProcessor(float(penalty))
+
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            at = starts.to(input_ids.device)[:, None]
+            pad = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] < at
+            return self.inner(torch.where(pad, input_ids.gather(1, at), input_ids), scores)
+    return LogitsProcessorList([OwnTokens()])
+
+
 def _fingerprint(t: Tensor) -> tuple:
     """Cheap, order-sensitive checksum of a tensor's values (a strided sample plus the sum)."""
     flat = t.detach().reshape(-1).float()
@@ -162,7 +180,7 @@ class HFRollout:
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 16, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = 0, top_k: Optional[int] = None,
-                 min_p: float = 0.0) -> list:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0) -> list:
         """n sampled completions per prompt, with each sampled token's logprob (of logits / temperature).
 
         temperature 0 is greedy decoding (the most likely token each time, as vLLM does for 0; the seed is
@@ -175,7 +193,7 @@ class HFRollout:
                                     f"announced {self._expected_version}; sync first")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise InvalidArgumentError("prompt_ids must be a non-empty list of non-empty token lists")
-        check_sampling(temperature, top_p, top_k, min_p)
+        check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
         greedy = temperature == 0
         # greedy: no sampling knobs at all (transformers warns about sampling options given to a greedy call)
         knobs = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy else \
@@ -189,6 +207,9 @@ class HFRollout:
             ids[i, width - len(p):] = torch.as_tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        if repetition_penalty != 1.0:      # greedy decoding too, as in vLLM: it changes which token is the argmax
+            starts = torch.as_tensor([width - len(p) for p in rows], dtype=torch.long)
+            knobs["logits_processor"] = _penalty_over_own_tokens(repetition_penalty, starts)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             if seed is None:
                 torch.random.set_rng_state(self._engine_rng)

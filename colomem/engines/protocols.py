@@ -56,10 +56,10 @@ class Rollout(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float, seed: Optional[int], top_k: Optional[int] = None,
-                 min_p: float = 0.0) -> list[list["Completion"]]:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[list["Completion"]]:
         """n completions per prompt; temperature 0 is greedy decoding (top_p, top_k, min_p and seed then do
         nothing). seed None: the engine's own generator draws (the samples then depend on how it batched the
-        prompts). top_k None and min_p 0: no such filter."""
+        prompts). top_k None and min_p 0: no such filter; repetition_penalty 1: none."""
         ...
 
     def sleep(self, keep_weights: bool = False) -> None:
@@ -182,7 +182,8 @@ class Checkpointable(Protocol):
         ...
 
 
-def check_sampling(temperature: float, top_p: float, top_k: Optional[int] = None, min_p: float = 0.0) -> None:
+def check_sampling(temperature: float, top_p: float, top_k: Optional[int] = None, min_p: float = 0.0,
+                   repetition_penalty: float = 1.0) -> None:
     """InvalidArgumentError unless the sampling knobs a Rollout's generate takes are in range."""
     from colomem.errors import InvalidArgumentError
 
@@ -191,6 +192,8 @@ def check_sampling(temperature: float, top_p: float, top_k: Optional[int] = None
     if (top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1)) \
             or not 0 <= min_p < 1:
         raise InvalidArgumentError(f"need top_k None or an int >= 1 and 0 <= min_p < 1, got {top_k!r}, {min_p}")
+    if not repetition_penalty > 0:
+        raise InvalidArgumentError(f"need repetition_penalty > 0 (1 = off), got {repetition_penalty}")
 
 
 def check_hold(defer: bool, hold: bool) -> None:

@@ -55,6 +55,9 @@ class GRPOConfig(_Strict):
     top_k: Optional[int] = Field(None, ge=1, description="sample among the k most likely tokens only; unset = all")
     min_p: float = Field(0.0, ge=0, lt=1, description="drop tokens less likely than min_p x the most likely one's "
                                                      "probability; 0 = off")
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="divides a positive logit (multiplies a negative one) of every token already in the "
+                               "prompt or the completion; 1 = off (vLLM's and TRL's repetition_penalty)")
     max_new_tokens: Optional[int] = Field(None, gt=0, description="unset = the task's (longest answer + EOS)")
     old_logprobs: Literal["policy", "rollout"] = Field(
         "policy", description="ratio denominator: policy = the trainer's own logprobs before the batch's first update "

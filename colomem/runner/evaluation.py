@@ -166,7 +166,8 @@ class Evaluator:
         out: list = []
         for j in range(0, len(prompt_ids), self.chunk):        # a rank may have no prompt at all: no call
             groups = rollout.generate(prompt_ids[j:j + self.chunk], n=1, max_new_tokens=self.max_new_tokens,
-                                      temperature=0.0, top_p=1.0, seed=(self.cfg.seed + version) % (2 ** 31))
+                                      temperature=0.0, top_p=1.0, seed=(self.cfg.seed + version) % (2 ** 31),
+                                      repetition_penalty=self.cfg.grpo.repetition_penalty)
             if len(groups) != len(prompt_ids[j:j + self.chunk]) or any(len(g) != 1 for g in groups):
                 raise ColomemError(f"the rollout returned {len(groups)} groups for "
                                    f"{len(prompt_ids[j:j + self.chunk])} eval prompts x n=1")

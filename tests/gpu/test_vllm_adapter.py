@@ -76,10 +76,15 @@ def hf_logits(model, ids):
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt, n):
+def hf_greedy(model, prompt, n, penalty=1.0):
+    """Greedy tokens; penalty: the repetition penalty over the prompt's and the completion's tokens so far."""
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+        row = hf_logits(model, ids)[-1]
+        if penalty != 1.0:
+            seen = torch.tensor(sorted(set(ids)), device=row.device)
+            row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        ids.append(int(row.argmax()))
     return ids[len(prompt):]
 
 
@@ -187,6 +192,19 @@ def test_top_k_one_and_a_min_p_near_one_sample_the_greedy_tokens(r, tiny):
         same = sum(c.token_ids == w for g, w in zip(out, want) for c in g)
         # unfiltered, a sample at temperature 1 almost never repeats the greedy tokens; a bf16 tie may split one
         assert same >= 0.75 * 2 * len(want), (knobs, same, len(want))
+
+
+def test_a_repetition_penalty_decodes_as_transformers_penalized_greedy(r, tiny):
+    _, cfg, prompts = tiny
+    model = new_model(cfg, seed=2)
+    cycle(r, named(model), version=r.weight_version + 1)
+    plain = greedy(r, prompts)
+    out = [c[0] for c in r.generate(prompts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0,
+                                    ignore_eos=True, repetition_penalty=3.0)]
+    want = [hf_greedy(model, p, NEW_TOKENS, penalty=3.0) for p in prompts]
+    # a bf16 near-tie may part one sequence from transformers'; the penalty must change some
+    assert sum(c.token_ids == w for c, w in zip(out, want)) >= 0.75 * len(prompts)
+    assert any(c.token_ids != p.token_ids for c, p in zip(out, plain)), "the penalty changed no token"
 
 
 @pytest.mark.parametrize("backup", ["vllm", "pool"])

@@ -204,7 +204,7 @@ class VLLMRollout:
     def generate(self, prompt_ids: list, *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = 0, stop_token_ids: Optional[list] = None,
                  ignore_eos: bool = False, logprobs: bool = True, top_k: Optional[int] = None,
-                 min_p: float = 0.0) -> list:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0) -> list:
         """Samples n completions per prompt. Returns list[list[Completion]] with vLLM's sampled-token logprobs.
 
         Prompt i uses seed + i * n, its completion j seed + i * n + j (None: unseeded). Refuses
@@ -227,7 +227,7 @@ class VLLMRollout:
         if int(n) < 1 or int(max_new_tokens) < 1:
             raise InvalidArgumentError(f"n and max_new_tokens must be >= 1, got n={n}, "
                                        f"max_new_tokens={max_new_tokens}")
-        check_sampling(temperature, top_p, top_k, min_p)
+        check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
         if not prompt_ids:
             return []
         kw: dict = {"use_tqdm": False}
@@ -236,7 +236,8 @@ class VLLMRollout:
         self._settle_prefix_cache()   # a reset retire_prefix_cache() started: this generate fills the cache again
         params, prompts = requests(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                                   logprobs=logprobs, top_k=top_k, min_p=min_p)
+                                   logprobs=logprobs, top_k=top_k, min_p=min_p,
+                                   repetition_penalty=repetition_penalty)
         outs = self._calls.call(lambda llm: llm.generate(prompts, params, **kw), self.generate_timeout_s,
                                 "generate")
         return completions(outs, logprobs)

@@ -9,16 +9,20 @@ from colomem.errors import ColomemError
 
 def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
              seed: Optional[int], stop_token_ids: Optional[list], ignore_eos: bool,
-             logprobs: bool, top_k: Optional[int] = None, min_p: float = 0.0) -> tuple[list, list]:
+             logprobs: bool, top_k: Optional[int] = None, min_p: float = 0.0,
+             repetition_penalty: float = 1.0) -> tuple[list, list]:
     """(SamplingParams per prompt, TokensPrompt per prompt); prompt i is seeded with seed + i * n (vLLM seeds
     completion j of a prompt seeded s with s + j, so every completion of the call has a seed of its own: with
     seed + i, completion j + 1 of prompt i and completion j of prompt i + 1 would draw the same noise). temperature 0
     is vLLM's greedy decoding; top_p is then 1 (no nucleus: the argmax token is always kept) and top_k and
-    min_p are left out. top_k None and min_p 0 are left out too: vLLM's own defaults filter nothing."""
+    min_p are left out. top_k None and min_p 0 are left out too: vLLM's own defaults filter nothing. A
+    repetition_penalty other than 1 goes with every request, greedy ones included (it moves the argmax)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     filters: dict[str, Any] = {}
+    if float(repetition_penalty) != 1.0:
+        filters["repetition_penalty"] = float(repetition_penalty)
     if float(temperature) == 0.0:
         top_p = 1.0
     else:
