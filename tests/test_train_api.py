@@ -90,3 +90,16 @@ def test_keywords_land_where_their_flags_do(tmp_path):
     assert cfg.model == str(tmp_path) and cfg.lora is not None and cfg.lora.r == 8
     assert cfg.grpo.temperature == 0.7 and cfg.offload == "none" and cfg.steps == 3 and fns == [len]
     assert build_config(lora=True, data_root=tmp_path)[0].lora is not None
+
+
+def test_ranks_writing_the_same_rows_at_once_agree_on_one_whole_file(tmp_path):
+    """Every rank of a torchrun job calls train() with the same rows: each writes its own temporary file and
+    renames it into place, so all read one whole file and no temporary one is left."""
+    import datasets
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = successor_rows(64)
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: materialize(rows, "train", root=tmp_path), range(8)))
+    assert len(set(paths)) == 1 and [p.name for p in tmp_path.iterdir()] == [paths[0].rsplit("/", 1)[1]]
+    assert [dict(r) for r in datasets.load_dataset("parquet", data_files=paths[0], split="train")] == rows
