@@ -114,3 +114,16 @@ def test_the_chat_example_runs_as_its_readme_says(job_env, tmp_path, monkeypatch
     ids = tok(samples[0]["prompt"], add_special_tokens=False)["input_ids"]
     assert tok.unk_token_id not in ids           # every character the template writes has its own token
     assert ids.count(tok.eos_token_id) == 2      # the EOS closes each turn as one token
+
+
+def test_the_chat_example_from_python_runs_and_evaluates(job_env, tmp_path):
+    spec = importlib.util.spec_from_file_location("chat_train", EXAMPLES / "chat" / "train.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.run(steps=2, backend="cpu", prompts_per_step=4, eval_prompts=8, out=str(tmp_path / "run"),
+                  progress=False, report_to=["none"], plots=False, print_fn=lambda *_: None)
+    s = res.summary
+    assert s["status"] == "ok" and s["steps_done"] == 2
+    assert 0.0 <= s["eval_first"]["eval/reward_mean"] <= 1.0 and s["eval_last"] is not s["eval_first"]
+    assert s["config"]["rewards"] == ["rewards:digits_in_place"]

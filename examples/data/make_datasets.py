@@ -57,15 +57,20 @@ def math_row(rng: random.Random) -> dict:
 MAKERS = {"count-chat": count_row, "math": math_row}
 
 
+def splits(name: str, seed: int = 0, n_train: int = 512, n_eval: int = 64) -> tuple[list[dict], list[dict]]:
+    """Dataset `name`'s (train rows, eval rows), as write() writes them."""
+    rng = random.Random(f"{name}:{seed}")            # one stream per dataset: adding one leaves the others
+    rows = [MAKERS[name](rng) for _ in range(n_train + n_eval)]
+    return rows[:n_train], rows[n_train:]
+
+
 def write(out: Path, seed: int, n_train: int, n_eval: int) -> dict[str, Path]:
     """Every dataset's train.jsonl and eval.jsonl under `out`; returns {name: folder}."""
     folders = {}
-    for name, make in MAKERS.items():
-        rng = random.Random(f"{name}:{seed}")        # one stream per dataset: adding one leaves the others
-        rows = [make(rng) for _ in range(n_train + n_eval)]
+    for name in MAKERS:
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
-        for split, part in (("train", rows[:n_train]), ("eval", rows[n_train:])):
+        for split, part in zip(("train", "eval"), splits(name, seed, n_train, n_eval)):
             (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
         folders[name] = folder
     return folders
