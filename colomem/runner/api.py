@@ -105,10 +105,16 @@ def materialize(rows: Any, name: str, *, root: Optional[Path] = None) -> str:
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=root)
     os.close(fd)
+    import datasets
+
+    quiet = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()          # a bar for a copy the user did not ask for says nothing
     try:
         ds.to_parquet(tmp)
         os.replace(tmp, path)
     finally:
+        if not quiet:
+            datasets.enable_progress_bars()
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(path)
