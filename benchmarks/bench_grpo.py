@@ -153,6 +153,8 @@ def run_one(name: str, args: list[str], out_dir: Path, timeout_s: float,
     """Runs the colocated runner (or a peer's script) in a fresh process; returns rc, wall time, log tail."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / script), *args, "--out", str(out_dir), "--no-progress"]
+    if script == "runners/grpo_colocated.py":
+        cmd.append("--no-save-final")   # TRL's harness saves nothing either (save_strategy "no"): training alone
     log_path = out_dir / "run.log"
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()

@@ -208,10 +208,10 @@ def test_background_writes_overlap_the_next_step_and_hold_the_state_of_their_own
     really moved on meanwhile; its files still equal those of a run that waited for every write."""
     import threading
 
-    from colomem.engines import stand_ins
+    from colomem.engines import stand_ins, torch_checkpoint
 
     trained = threading.Event()
-    real_train, real_save = stand_ins.TorchTrainer.train_step, stand_ins.save_torch
+    real_train, real_save = stand_ins.TorchTrainer.train_step, torch_checkpoint.save_torch
     overlapped = []
 
     def train_step(self, batch):
@@ -225,7 +225,7 @@ def test_background_writes_overlap_the_next_step_and_hold_the_state_of_their_own
             overlapped.append(trained.wait(60))
         real_save(obj, path)
     monkeypatch.setattr(stand_ins.TorchTrainer, "train_step", train_step)
-    monkeypatch.setattr(stand_ins, "save_torch", save_torch)
+    monkeypatch.setattr(torch_checkpoint, "save_torch", save_torch)
     bg = run_job(cfg(tmp_path / "bg", steps=4, save_every=1, keep_checkpoints=4), print_fn=lambda *_: None)
     assert bg.summary["status"] == "ok" and overlapped == [True, True, True]    # steps 1-3 in the background
     sync = run_job(cfg(tmp_path / "sync", steps=4, save_every=1, keep_checkpoints=4, save_background=False),

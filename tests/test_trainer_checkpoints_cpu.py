@@ -244,13 +244,13 @@ def test_a_prepared_save_reads_the_pool_copies_of_its_step_and_the_next_offload_
     until the write ended. The files hold the state of the step they were prepared at, bit for bit."""
     import threading
 
-    from colomem.engines import stand_ins
+    from colomem.engines import torch_checkpoint
     from colomem.engines.stand_ins import TorchTrainer
     from colomem.errors import PhaseOrderError
 
     offloaded_again = threading.Event()
     seen = {}
-    real_save = stand_ins.save_torch
+    real_save = torch_checkpoint.save_torch
 
     def slow_save(obj, path):          # the write waits to see whether the offload got past it
         seen["offload_done_before_write"] = offloaded_again.wait(1.0)
@@ -266,7 +266,7 @@ def test_a_prepared_save_reads_the_pool_copies_of_its_step_and_the_next_offload_
         t.train_step(batch_for(1))                     # changes every weight the pool copies hold
         with pytest.raises(PhaseOrderError, match="neither written nor dropped"):
             t.offload()
-        monkeypatch.setattr(stand_ins, "save_torch", slow_save)
+        monkeypatch.setattr(torch_checkpoint, "save_torch", slow_save)
         writer = threading.Thread(target=pending.write)
         writer.start()
 

@@ -171,10 +171,11 @@ class Checkpointable(Protocol):
         rank calls it and writes its own part."""
         ...
 
-    def prepare_save(self, path: "Path", *, merged: bool = False) -> "PendingWrite":
+    def prepare_save(self, path: "Path", *, merged: bool = False, state: bool = True) -> "PendingWrite":
         """What save_state writes, gathered now (collectives, copies of what is resident, RNG, counters);
         its write() is file I/O only, fit for a background thread while training goes on. Copies it reads
-        in the pool stay until the trainer's next offload or close, which wait for the write."""
+        in the pool stay until the trainer's next offload or close, which wait for the write. state=False:
+        the model folders alone (the trained model at the end of a run), no trainer state."""
         ...
 
     def load_state(self, path: "Path") -> None:

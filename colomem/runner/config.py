@@ -201,6 +201,10 @@ class RunConfig(_Strict):
     save_merged: bool = Field(False, description="with LoRA: checkpoints also hold the full model with the "
                                                  "adapter merged (model-merged/)")
     keep_checkpoints: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
+    save_final: bool = Field(True, description="after the last step, the trained model in Hugging Face format "
+                                               "into <out>/model (the peft adapter with LoRA; with --save-merged "
+                                               "also <out>/model-merged), linked from the last step's checkpoint "
+                                               "when there is one; a run stopped early writes none")
     save_background: bool = Field(True, description="write a checkpoint's files in a thread while the next "
                                                     "step runs (the run waits only for what is left of the "
                                                     "write at the offload after it); off: the run waits for "

@@ -22,6 +22,7 @@ from colomem.grpo.dataset_task import DatasetTask, template_characters
 
 from . import checkpoints, evaluation, heap_profile
 from .checkpoints import Checkpointer
+from .final_model import save_final_model
 from .loop import ColocatedRunner, RunResult
 from .reporters import make_reporters
 from .reporters import resolve as resolve_reporters
@@ -185,6 +186,12 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
             say(f"[colomem] tracing the Python heap every {every} steps into {out / name} (slower steps)")
         with _stop_on_signals(runner, say):
             runner.run(steps, progress=cfg.progress, start=start, checkpointer=checkpointer)
+        if cfg.save_final and runner.stop_requested is None and isinstance(trainer, Checkpointable):
+            last = runner.final_checkpoint.get("step") == steps       # it holds the model: linked, not written
+            final = save_final_model(out, trainer, tokenizer, ranks, merged=cfg.save_merged, say=say,
+                                     checkpoint=out / "checkpoints" / f"{checkpoints.PREFIX}{steps}" if last else None)
+            if final is not None:
+                summary["final_model"] = str(final)
         if engines.shared is not None:         # every byte of the shared base, once, as it was when shared
             summary["shared_base"] = {**engines.shared.summary(), "full_check_s": engines.shared.check_full()}
         summary["status"] = "ok" if runner.stop_requested is None else "interrupted"

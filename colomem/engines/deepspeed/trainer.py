@@ -449,10 +449,10 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         return self._weights.lora_tensors(copy=True)
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def prepare_save(self, path: Path, *, merged: bool = False) -> PendingWrite:
-        """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`) and, on rank 0, the model in HF
-        format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too), ready to write (file
-        I/O only). Offloaded by the colomem method, it reads the pool's copies where they are (no reload, no
+    def prepare_save(self, path: Path, *, merged: bool = False, state: bool = True) -> PendingWrite:
+        """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`; not with state=False) and, on rank 0,
+        the model in HF format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too), ready
+        to write (file I/O only). Offloaded by the colomem method, it reads the pool's copies where they are (no reload, no
         copy; the next offload and close() wait for the write); resident, it copies the state to the host
         now. Every rank calls it (ZeRO-3 gathers collectively)."""
         from . import checkpoint
@@ -466,7 +466,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
                                   "offload keeps readable copies; save while resident")
         pooled = strategy if isinstance(strategy, ColomemOffload) else None
         stable = self._offloaded and not self._params_kept
-        writes = [checkpoint.prepare_state(self, path, pooled), *checkpoint.prepare_model(self, path, merged, stable)]
+        writes = [checkpoint.prepare_state(self, path, pooled)] if state else []
+        writes += checkpoint.prepare_model(self, path, merged, stable)
         return self._writes.track(PendingWrite(writes, reads_pool=pooled is not None, path=path))
 
     def save_state(self, path: Path, *, merged: bool = False) -> None:
