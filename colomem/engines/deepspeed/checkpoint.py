@@ -31,7 +31,8 @@ from colomem.errors import ColomemError, ConfigError
 from .state import CATEGORIES, collect_engine_state, storage_key
 from .strategies import ColomemOffload
 
-FORMAT = 1
+# 2: no learning-rate scheduler state (a resume builds the schedule from its flags); format 1 files still load
+FORMAT = 2
 SAVED_CATEGORIES = tuple(c for c in CATEGORIES if c not in ("grads", "optim"))   # optim: by master name
 REQUIRED_CATEGORIES = ("params", "master")          # must match exactly; "other" is restored where it does
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
