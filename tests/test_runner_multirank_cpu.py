@@ -97,6 +97,17 @@ WORKER = textwrap.dedent(r'''
                                 "barrier_timeout_s": 60, "grpo": {"group_size": 4}})
         res = run_job(cfg, engines_factory=factory, print_fn=print)
         dump({"status": res.summary["status"], "error": res.summary.get("error"), "steps": len(res.records)})
+    elif mode == "defaultout":
+        # no --out: each rank's clock would name its own folder (a second apart here); rank 0's is taken
+        from colomem.runner import job
+        from colomem.runner.config import config_from_dict
+        os.chdir(out)
+        job.default_out_dir = lambda: job.Path("runs") / f"started-on-rank{rank}"
+        cfg = config_from_dict({"backend": "cpu", "steps": 1, "prompts_per_step": 4, "micro_batch": 8,
+                                "progress": False, "plots": False, "report_to": ["none"],
+                                "barrier_timeout_s": 60, "grpo": {"group_size": 4}})
+        res = job.run_job(cfg, print_fn=print)
+        dump({"out": str(res.out_dir), "final_model": res.summary.get("final_model")})
     elif mode == "run":
         import torch
         from colomem.runner.config import config_from_dict
@@ -248,6 +259,14 @@ def test_two_rank_loop_keeps_ranks_in_step(tmp_path):
     state = json.loads((job / "checkpoints" / "step-2" / "state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 2 and state["trainer"] == "torch"
     assert (job / "checkpoints" / "step-2" / "trainer.pt").is_file()
+
+
+def test_ranks_without_an_out_folder_share_rank_0s_and_its_trained_model(tmp_path):
+    _, r0, r1 = _run_both(tmp_path, "defaultout")
+    assert r0["out"] == r1["out"] == "runs/started-on-rank0"
+    assert r0["final_model"] == "runs/started-on-rank0/model" and r1["final_model"] is None   # rank 0 writes it
+    assert (tmp_path / "runs" / "started-on-rank0" / "model" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["started-on-rank0"]
 
 
 def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):

@@ -93,7 +93,9 @@ def run_job(cfg, *, reward_fns=None, engines_factory=None, print_fn: Callable[[s
                            barrier_timeout_s=cfg.barrier_timeout_s,
                            backend="gloo" if cfg.backend == "cpu" else _dist_backend())
     say = print_fn if ranks.is_main else (lambda *_: None)
-    out = Path(out_dir or cfg.out or default_out_dir())
+    # rank 0's default folder on every rank: ranks started a second apart would name two (a checkpoint's
+    # rank files and its state.json must land in one)
+    out = Path(out_dir or cfg.out or ranks.exchange(str(default_out_dir()))[0])
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
