@@ -156,9 +156,8 @@ def build_config(model: Optional[PathLike] = None, reward_funcs: Any = None, tra
         data["lora"] = {} if options["lora"] is True else None if options["lora"] is False else options["lora"]
         sources[("lora",)] = "train(lora=...)"
         explicit.add("lora")
-    for key in lora_keys:
-        if not isinstance(data.get("lora"), dict):
-            data["lora"] = {}                 # a lora_* keyword implies LoRA, as a --lora-* flag does
+    if lora_keys and not isinstance(data.get("lora"), dict):
+        data["lora"] = {}                     # a lora_* keyword implies LoRA, as a --lora-* flag does
     for key, value in options.items():
         if key == "lora":
             continue
