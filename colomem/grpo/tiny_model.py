@@ -45,8 +45,13 @@ SHAPES: dict[str, dict] = {
 }
 
 
+def cache_home() -> Path:
+    """colomem's cache: $COLOMEM_CACHE, default ~/.cache/colomem (models here, datasets given in memory)."""
+    return Path(os.environ.get("COLOMEM_CACHE", Path.home() / ".cache" / "colomem"))
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("COLOMEM_CACHE", Path.home() / ".cache" / "colomem")) / "models"
+    return cache_home() / "models"
 
 
 def _round_up(n: int, m: int) -> int:

@@ -42,7 +42,9 @@ _ALIASES = {"lora": ("lora",)}
 
 def datasets_cache() -> Path:
     """Where rows given in memory are written: $COLOMEM_CACHE/datasets (default ~/.cache/colomem/datasets)."""
-    return Path(os.environ.get("COLOMEM_CACHE", Path.home() / ".cache" / "colomem")) / "datasets"
+    from colomem.grpo.tiny_model import cache_home
+
+    return cache_home() / "datasets"
 
 
 def _as_dataset(rows: Any, what: str) -> Any:

@@ -66,11 +66,26 @@ def _tmp(root: Path, step: int) -> Path:
     return root / f".tmp-{PREFIX}{step}"
 
 
+MODEL_DIRS = ("model", "model-merged")      # what prepare_save writes: the model, and with LoRA the merged one
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """The tokenizer beside each model folder under `folder`, so each loads on its own."""
+    for sub in MODEL_DIRS:
+        if (folder / sub).is_dir():
+            tokenizer.save_pretrained(folder / sub)
+
+
+def write_failure(e: BaseException, what: str) -> str:
+    """A failed write as an error names it: the system's reason and the file, or the writer's own error."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({e.filename or what})"
+    return f"{type(e).__name__}: {e}"
+
+
 def _finish(root: Path, tmp: Path, *, step: int, version: int, tokenizer: Any, ident: dict, keep: int) -> Path:
     final = root / f"{PREFIX}{step}"
-    tokenizer.save_pretrained(tmp / "model")
-    if (tmp / "model-merged").is_dir():
-        tokenizer.save_pretrained(tmp / "model-merged")
+    save_tokenizer(tokenizer, tmp)
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "weight_version": version,
                                                 **ident}, indent=1) + "\n")
     if final.exists():
@@ -87,8 +102,7 @@ def _raise_failed(root: Path, step: int, e: BaseException) -> NoReturn:
         raise e                     # ours already say what to do; an interrupt is no write failure
     # OSError, or a library's writer (safetensors, torch) failing on the disk
     kept = [p.name for _, p in _steps(root)]
-    cause = (f"{e.strerror} ({e.filename or 'a checkpoint file'})" if isinstance(e, OSError) and e.strerror
-             else f"{type(e).__name__}: {e}")
+    cause = write_failure(e, "a checkpoint file")
     raise CheckpointError(f"writing checkpoint {PREFIX}{step} under {str(root)!r} failed: {cause}; free disk "
                           f"space or choose another --out. Earlier checkpoints are intact: {', '.join(kept) or 'none'}"
                           ) from e
@@ -254,4 +268,5 @@ class Checkpointer:
         return path
 
 
-__all__ = ["CheckpointError", "Checkpointer", "FORMAT", "find", "identity", "load_state", "newest", "save"]
+__all__ = ["CheckpointError", "Checkpointer", "FORMAT", "MODEL_DIRS", "find", "identity", "load_state", "newest",
+           "save", "save_tokenizer", "write_failure"]

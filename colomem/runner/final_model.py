@@ -17,26 +17,20 @@ from typing import Any, Callable, Optional
 
 from colomem.errors import ColomemError
 
-from .checkpoints import CheckpointError
-
-SUBDIRS = ("model", "model-merged")
+from .checkpoints import MODEL_DIRS, CheckpointError, save_tokenizer, write_failure
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    """dst as a copy of src whose files are hard links of src's (copies where the filesystem cannot link)."""
-    for root, _, files in os.walk(src):
-        to = dst / Path(root).relative_to(src)
-        to.mkdir(parents=True, exist_ok=True)
-        for f in files:
-            try:
-                os.link(Path(root) / f, to / f)
-            except OSError:
-                shutil.copy2(Path(root) / f, to / f)
+def _link_or_copy(src: str, dst: str) -> None:
+    """copytree's copy: a hard link of the file, a copy where the filesystem cannot link."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _into_place(tmp: Path, out: Path) -> None:
     """Renames each model folder of tmp over the one of the same name under out; tmp goes."""
-    for sub in SUBDIRS:
+    for sub in MODEL_DIRS:
         if (tmp / sub).is_dir():
             if (out / sub).exists():
                 shutil.rmtree(out / sub)
@@ -55,9 +49,9 @@ def save_final_model(out: Path, trainer: Any, tokenizer: Any, ranks: Any, *, mer
         if checkpoint is not None:
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                for sub in SUBDIRS:
+                for sub in MODEL_DIRS:
                     if (checkpoint / sub).is_dir():
-                        _link_tree(checkpoint / sub, tmp / sub)
+                        shutil.copytree(checkpoint / sub, tmp / sub, copy_function=_link_or_copy)
                 _into_place(tmp, out)
                 say(f"[colomem] trained model: {out / 'model'} (linked from {checkpoint.name})")
             return out / "model" if main else None
@@ -70,21 +64,18 @@ def save_final_model(out: Path, trainer: Any, tokenizer: Any, ranks: Any, *, mer
             ranks.barrier("final model: every rank wrote its part")
         if not main:
             return None
-        for sub in SUBDIRS:
-            if (tmp / sub).is_dir():
-                tokenizer.save_pretrained(tmp / sub)
+        save_tokenizer(tokenizer, tmp)
         _into_place(tmp, out)
     except Exception as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, ColomemError):
             raise                    # ours say what to do already (a rank gone, a trainer closed)
-        cause = (f"{e.strerror} ({e.filename or 'a model file'})" if isinstance(e, OSError) and e.strerror
-                 else f"{type(e).__name__}: {e}")
-        raise CheckpointError(f"writing the trained model under {str(out)!r} failed: {cause}; free disk space or "
+        raise CheckpointError(f"writing the trained model under {str(out)!r} failed: "
+                              f"{write_failure(e, 'a model file')}; free disk space or "
                               "choose another --out (the run's checkpoints are intact)") from e
     say(f"[colomem] trained model: {out / 'model'}")
     return out / "model"
 
 
-__all__ = ["SUBDIRS", "save_final_model"]
+__all__ = ["save_final_model"]

@@ -147,7 +147,8 @@ class ColocatedRunner(PhaseRunner):
             return self.rollout.generate(
                 prompt_ids, n=cfg.grpo.group_size, max_new_tokens=self.max_new_tokens,
                 temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, top_k=cfg.grpo.top_k,
-                min_p=cfg.grpo.min_p, repetition_penalty=cfg.grpo.repetition_penalty, seed=rollout_seed(cfg.seed, k, ranks.rollout_group, cfg.rollout_seeding))
+                min_p=cfg.grpo.min_p, repetition_penalty=cfg.grpo.repetition_penalty,
+                seed=rollout_seed(cfg.seed, k, ranks.rollout_group, cfg.rollout_seeding))
         work: list[tuple[str, Callable[[], Any]]] = [("rollout", rollout)]
         evaluator = self.evaluator
         if evaluator is not None and evaluator.due(self.version):

@@ -452,9 +452,9 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
     def prepare_save(self, path: Path, *, merged: bool = False, state: bool = True) -> PendingWrite:
         """This rank's engine state (checkpoint.py: `trainer-rank<R>.pt`; not with state=False) and, on rank 0,
         the model in HF format (`model/`: the peft adapter with LoRA; with merged, `model-merged/` too), ready
-        to write (file I/O only). Offloaded by the colomem method, it reads the pool's copies where they are (no reload, no
-        copy; the next offload and close() wait for the write); resident, it copies the state to the host
-        now. Every rank calls it (ZeRO-3 gathers collectively)."""
+        to write (file I/O only). Offloaded by the colomem method, it reads the pool's copies where they are
+        (no reload, no copy; the next offload and close() wait for the write); resident, it copies the state
+        to the host now. Every rank calls it (ZeRO-3 gathers collectively)."""
         from . import checkpoint
 
         self._check_open()

@@ -20,16 +20,16 @@ def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: floa
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    filters: dict[str, Any] = {}
+    extra: dict[str, Any] = {}      # only what differs from vLLM's defaults
     if float(repetition_penalty) != 1.0:
-        filters["repetition_penalty"] = float(repetition_penalty)
+        extra["repetition_penalty"] = float(repetition_penalty)
     if float(temperature) == 0.0:
         top_p = 1.0
     else:
         if top_k is not None:
-            filters["top_k"] = int(top_k)
+            extra["top_k"] = int(top_k)
         if min_p:
-            filters["min_p"] = float(min_p)
+            extra["min_p"] = float(min_p)
 
     params = [SamplingParams(n=int(n), max_tokens=int(max_new_tokens), temperature=float(temperature),
                              top_p=float(top_p), seed=None if seed is None else int(seed) + i * int(n),
@@ -38,7 +38,7 @@ def requests(prompt_ids: list, *, n: int, max_new_tokens: int, temperature: floa
                              # dict and a Logprob object per token, built in this process at every decode step
                              flat_logprobs=bool(logprobs),
                              stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-                             ignore_eos=bool(ignore_eos), **filters)
+                             ignore_eos=bool(ignore_eos), **extra)
               for i in range(len(prompt_ids))]
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
     return params, prompts
