@@ -20,7 +20,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
   enginerng    the default with --rollout-seeding engine: vLLM's own generator, seeded once, as TRL samples
-  batchednoise the default with --seeded-noise batched: the seeded requests' noise of a step in one launch
+  batchednoise the default's --seeded-noise batched named: the seeded requests' noise of a step in one launch
+  vllmnoise    the default with --seeded-noise vllm: vLLM's sampler draws each seeded request's noise itself
   overlap      the default with --overlap-offload: the optimizer state copies out behind the weights' wake
   expandable   the default with --trainer-expandable: all of the trainer's memory in expandable segments
   hidden       the default with --trainer-expandable and --overlap-offload

@@ -29,8 +29,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          "mapped": ["--switch", "colomem", "--optimizer-state-memory", "mapped"],
          # the planner's with vLLM's own generator instead of per-request seeds (TRL's sampling)
          "enginerng": ["--switch", "colomem", "--rollout-seeding", "engine"],
-         # the planner's with the seeded requests' noise drawn in one launch
+         # the seeded requests' noise drawn in one launch (the default), and by vLLM's sampler, a launch each
          "batchednoise": ["--switch", "colomem", "--seeded-noise", "batched"],
+         "vllmnoise": ["--switch", "colomem", "--seeded-noise", "vllm"],
          # LoRA: one copy of the base (vLLM in the rank, the trainer on its weights) and the same engine with two
          "shared": ["--switch", "colomem", "--shared-base"],
          # the same with the adapter merged into the base for each rollout (no LoRA kernels in vLLM's decode)
@@ -83,4 +84,4 @@ PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags th
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
           "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng",
-          "batchednoise": "speedup_vs_batchednoise"}
+          "batchednoise": "speedup_vs_batchednoise", "vllmnoise": "speedup_vs_vllmnoise"}

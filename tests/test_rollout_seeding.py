@@ -38,8 +38,8 @@ def test_engine_seeding_gives_each_engine_its_own_seed():
     assert req.rollout_seeding == "request" and req.rollout_engine_seed(0) == req.rollout_engine_seed(1)
     assert eng.rollout_engine_seed(0) != eng.rollout_engine_seed(1)   # no two engines draw the same noise
     assert eng.vllm_config(rollout_group=1).seed == eng.rollout_engine_seed(1)
-    assert config_from_dict({"backend": "cpu", "seeded_noise": "batched"}).vllm_config().seeded_noise == "batched"
-    assert req.vllm_config().seeded_noise == "vllm"
+    assert config_from_dict({"backend": "cpu", "seeded_noise": "vllm"}).vllm_config().seeded_noise == "vllm"
+    assert req.vllm_config().seeded_noise == "batched"
     with pytest.raises(Exception, match="rollout_seeding"):
         config_from_dict({"backend": "cpu", "rollout_seeding": "per-token"})
 

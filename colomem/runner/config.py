@@ -102,10 +102,10 @@ class RunConfig(_Strict):
                                "the samples then depend on how vLLM batched the requests and a resumed run "
                                "does not repeat them")
     seeded_noise: Literal["vllm", "batched"] = Field(
-        "vllm", description="with request seeding, how vLLM's sampler draws the seeded requests' noise: vllm (its "
-                            "own draw, one launch per request at every decode step) or batched (every request "
-                            "of a step in one launch, from a generator keyed by each request's seed: the same "
-                            "tokens whatever the batch, not the tokens of vLLM's own draw)")
+        "batched", description="with request seeding, how vLLM's sampler draws the seeded requests' noise: batched "
+                               "(every request of a step in one launch, from a generator keyed by each request's "
+                               "seed: the same tokens whatever the batch, not the tokens of vLLM's own draw) or "
+                               "vllm (its own draw, one launch per request at every decode step)")
     # phase switch
     backend: Literal["auto", "gpu", "cpu"] = "auto"
     switch: Literal["colomem", "timesplit"] = Field(

@@ -87,7 +87,7 @@ class VLLMConfig(BaseModel):
     device: int = 0
     max_num_seqs: Optional[int] = None
     logprobs_mode: str = "processed_logprobs"
-    seeded_noise: str = "vllm"           # worker/seeded_noise.py; "batched" once measured on the GPU host
+    seeded_noise: str = "batched"        # worker/seeded_noise.py: one launch per decode step, not one per request
     verify: str = "sampled"
     check_sample: int = 8
     sync_transport: str = "listener"
