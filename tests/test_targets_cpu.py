@@ -22,7 +22,10 @@ def test_every_target_reads_a_figure_from_its_result_file():
             assert d["met"] in (True, False)
     # the figures are those of the files, not typed in
     first = t.TARGETS[0]
-    assert report[first.key] == json.loads((t.RESULTS / first.source).read_text())["speedup_vs_trl"]
+    steps = json.loads((t.RESULTS / first.source).read_text())["step_s_by_mode"]
+    assert report[first.key] == steps["trl"] / steps["batchednoise"]
+    lora = next(x for x in t.TARGETS if x.key == "lora7b_speedup_vs_trl")
+    assert report[lora.key] == json.loads((t.RESULTS / lora.source).read_text())["lora7b_shared_merged_speedup_vs_trl"]
 
 
 def test_a_missing_file_leaves_the_figure_empty_and_says_why(tmp_path):
