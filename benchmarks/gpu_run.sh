@@ -141,7 +141,8 @@ stage() {  # the stages run in the order given on the command line
     kvsleep) run kvsleep_tests 300 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_kv_sleep_gpu.py ;;
     # one pytest process per file: each builds an in-process vLLM with sleep mode, and vLLM allows one a process
     # (SHAREDBASE_FILES: which of them, e.g. "shared_base_runner")
-    sharedbase) for f in ${SHAREDBASE_FILES:-shared_base lora_inplace shared_base_runner}; do
+    sharedbase) run base_restore_tests 120 python3 -m pytest -q -rs -m gpu tests/gpu/test_base_restore_gpu.py
+      for f in ${SHAREDBASE_FILES:-shared_base lora_inplace shared_base_runner}; do
         run "${f}_tests" "${SHAREDBASE_TIMEOUT_S:-240}" python3 -m pytest -q -rs -s -m vllm "tests/gpu/test_${f}_gpu.py"
       done ;;
     runner) run runner_tests "${RUNNER_TIMEOUT_S:-560}" python3 -m pytest -q -rs -m vllm tests/gpu/test_grpo_runner_gpu.py ${RUNNER_ARGS:-} ;;

@@ -9,7 +9,10 @@ the base is frozen, so one copy serves the whole run. Subtracting the merge agai
 bf16 rounds (W + D) - D.
 
 Only the adapted layers' base weights change (a merge writes nothing else), so only they are copied: on a
-Qwen2-7B-shaped model with every linear layer adapted, 13 GB of its 15 GB, one host-to-device copy a step.
+Qwen2-7B-shaped model with every linear layer adapted, 13 GB of its 15 GB, one host-to-device copy a step
+(0.25 s at the link). Where the GPU has that much to spare through both phases (the placement planner says,
+from the measured memory), `hold_on_device` keeps a second copy in GPU memory and the restore becomes a
+device-to-device copy (milliseconds); the host copy stays, the one the first merge took.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ class BaseRestore:
         self._staging = Staging()           # holds the host copy (a pool block) for the run
         self.host = self._host_copies(pool)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.host)
+        self.source = self.host             # what restore() copies from: the host copy, or hold_on_device's
+        self._device_buf: Any = None
         self.merged = False                 # the base holds merged weights: restore() before anyone trains on it
         self.last_restore_s = 0.0
         self.restores = 0
@@ -62,6 +67,40 @@ class BaseRestore:
             out.append(h)
         return out
 
+    @property
+    def on_device(self) -> bool:
+        """Whether restore() copies from a copy in GPU memory (hold_on_device)."""
+        return self._device_buf is not None
+
+    def device_bytes(self) -> int:
+        """GPU bytes hold_on_device would take: 0 where the base is not on one GPU (nothing to gain) or the
+        copy is held already."""
+        devices = {t.device for _, t in self.views}
+        if self.on_device or len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return 0
+        return layout([t.numel() * t.element_size() for t in self.host])[1]
+
+    def hold_on_device(self) -> int:
+        """A copy of the adapted base weights in the base's own GPU memory, made from the host copy, which
+        restore() reads from then on. Returns the GPU bytes it took (0: nothing done, device_bytes says why).
+        Called once the base holds no merge (between a restore and the next merge), so either copy is exact."""
+        total = self.device_bytes()
+        if not total:
+            return 0
+        if self.merged:
+            raise SharedBaseError("the base's copy can move to the GPU only while the base holds no merge")
+        device = self.views[0][1].device
+        offsets, _ = layout([t.numel() * t.element_size() for t in self.host])
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        out = []
+        for h, off in zip(self.host, offsets):
+            d = buf[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+            d.copy_(h, non_blocking=True)
+            out.append(d)
+        torch.cuda.current_stream(device).synchronize()
+        self.source, self._device_buf = out, buf
+        return total
+
     def restore(self) -> float:
         """The adapted base weights back as they were (a no-op unless a merge wrote them); returns the seconds.
         Waits for the copies: the next reader is the trainer's forward, and the phase that restores pays it."""
@@ -70,7 +109,7 @@ class BaseRestore:
         t0 = time.perf_counter()
         devices = set()
         with torch.no_grad():
-            for (_, view), saved in zip(self.views, self.host):
+            for (_, view), saved in zip(self.views, self.source):
                 view.copy_(saved, non_blocking=view.is_cuda)
                 if view.is_cuda:
                     devices.add(view.device)

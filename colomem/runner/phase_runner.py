@@ -290,8 +290,11 @@ class PhaseRunner:
         self.alarm.restart(rec.step + 1)     # the floor after sleep is the new placement's from the next step
         plan = plan_later_steps(self.cfg, trainer=self.trainer, rollout=self.rollout, ranks=self.ranks, rec=rec,
                                 device=self.device, measured_at_step=self._measured_at_step,
-                                train_width=self.train_width, widest_row=self.widest_row, say=self.print)
+                                train_width=self.train_width, widest_row=self.widest_row, say=self.print,
+                                restore_bytes=self.shared.restore_copy_bytes() if self.shared is not None else 0)
         self.placement = plan.placement
+        if plan.restore_on_device:
+            self.shared.hold_restore_on_device()
         if self.writer is not None:
             self.writer.write(plan.event)
 

@@ -115,6 +115,15 @@ class SharedBase:
         if self.restorer is not None:
             self.restorer.restore()                  # a no-op unless a merge wrote the base
 
+    def restore_copy_bytes(self) -> int:
+        """GPU bytes a copy of the merged rollout's restore source would take there (0: no merged rollout yet,
+        or nothing to gain): what the placement planner weighs against the memory its placement leaves."""
+        return self.restorer.device_bytes() if self.restorer is not None else 0
+
+    def hold_restore_on_device(self) -> int:
+        """The restore's source copied into GPU memory (BaseRestore.hold_on_device); returns the bytes taken."""
+        return self.restorer.hold_on_device() if self.restorer is not None else 0
+
     @property
     def nbytes(self) -> int:
         return int(self.report.bytes_shared)
@@ -144,6 +153,7 @@ class SharedBase:
         return {"lora_base_copies_on_gpu": 1, "bytes_shared": self.nbytes,
                 "rollout": "merged" if self.merged_rollout else "adapter",
                 "restores": self.restorer.restores if self.restorer is not None else 0,
+                "restore_copy": None if self.restorer is None else "gpu" if self.restorer.on_device else "host",
                 "parameters_mapped": len(self.report.mapped), "checks": self.checks,
                 "not_mapped": dict(self.report.not_mapped)}
 

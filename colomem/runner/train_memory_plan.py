@@ -21,7 +21,7 @@ from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .loop_memory import grow_sync_bucket
 from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
-                        reload_at_step, state_to_plan, train_spare)
+                        fits, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
 from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
                              recompute_hint)
@@ -46,6 +46,7 @@ class LaterPlan:
     to the metrics file (everything else it decided, and the figures it decided from, are in that event)."""
     placement: Placement
     event: dict = field(default_factory=dict)
+    restore_on_device: bool = False     # a merged rollout's restore source held in GPU memory (restore_copy_fits)
 
 
 def planned_width(cfg: Any, train_width: int, widest_row: int) -> int:
@@ -97,12 +98,21 @@ def step_figures(cfg: Any, trainer: Any, rollout: Any, world_size: int, rec: Ste
     return mine
 
 
+def restore_copy_fits(placement: Placement, figs: list, margin: Optional[int], taken: int, nbytes: int) -> bool:
+    """Whether a merged rollout's restore source (nbytes, held through both phases) fits in GPU memory beside
+    the placement and the `taken` bytes already given out, on every GPU: then the base comes back from it in
+    milliseconds instead of over the host link each step."""
+    return nbytes > 0 and fits(placement, figs, margin, taken + nbytes)
+
+
 def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec: StepRecord,
                      device: Optional[int], measured_at_step: bool, train_width: int, widest_row: int,
-                     say: Callable[[str], None]) -> LaterPlan:
+                     say: Callable[[str], None], restore_bytes: int = 0) -> LaterPlan:
     """After the first step (everything moved): the placement of every later step, from its memory figures on
     every rank (the same placement everywhere: the one that fits on every GPU), and what else the memory it
-    leaves free is given to. Sets what it decides on the trainer and the rollout, says it through `say`."""
+    leaves free is given to. Sets what it decides on the trainer and the rollout, says it through `say`.
+    restore_bytes: the GPU bytes a merged rollout's restore source would take there (a shared LoRA base),
+    given after the recompute trim (which saves more a step) and before a grown micro-batch."""
     c = cfg
     width = planned_width(c, train_width, widest_row)
     mine = step_figures(c, trainer, rollout, ranks.world_size, rec, device, measured_at_step, train_width, width)
@@ -113,6 +123,7 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
     grown_micro: Optional[tuple[int, int]] = None
     figures: list[dict] = []
     reload_why = ""
+    restore_on_device = False
     if any(f is None for f in every):
         placement = Placement((), True, "no GPU memory figures (the CPU backend): everything moves")
         if measured_at_step and hasattr(trainer, "optimizer_reload"):   # no GPU peak to keep low
@@ -154,6 +165,9 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
                 recompute = RecomputeLine(line, recompute.probe, recompute.trimmed, recompute.extra)
             taken += recompute.extra
             unit_extra = recompute.extra / (c.micro_batch if c.micro_batch_tokens is None else c.micro_batch_tokens)
+        if restore_copy_fits(placement, figs, margin, taken, restore_bytes):
+            restore_on_device = True
+            taken += restore_bytes
         # --grow-micro-batch takes what the hint would name; the hint stays for a trainer it cannot grow
         if c.grow_micro_batch:
             micro_hint, grown_micro = grow_micro_batch(c, trainer, placement, figs, rows, margin, taken, rec.step + 2,
@@ -173,7 +187,8 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
         # the KV cache hints name a --gpu-memory-utilization: they say nothing to a run that sized the
         # cache itself (--kv-cache-bytes)
         sized = c.kv_cache_bytes is not None
-        hint = (kv_hint(placement, figs, c.gpu_memory_utilization, margin, taken=grown)
+        hint = (kv_hint(placement, figs, c.gpu_memory_utilization, margin,
+                        taken=grown + (restore_bytes if restore_on_device else 0))
                 if not (grown_micro or recompute.trimmed or sized) else "")
         shrink = "" if sized else kv_shrink_hint(placement, figs, c.offload, c.rollout_sleep,
                                                  c.gpu_memory_utilization, margin, optim_out)
@@ -187,6 +202,9 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
         say(f"[colomem] rollout sleep: {trade.line(rec.step + 2)}")
     if reload_why:
         say(f"[colomem] optimizer state: comes back inside the optimizer step ({reload_why})")
+    if restore_on_device:
+        say(f"[colomem] shared base: the merged rollout's base comes back from a copy in GPU memory from step "
+            f"{rec.step + 2} on ({format_bytes(restore_bytes)}, free beside this placement), not over the host link")
     if hint:
         say(f"[colomem] KV cache: {hint}")
     # in the order they were taken: a trim comes before the micro-batch that grew in what it left
@@ -203,8 +221,9 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
              "optimizer_reload_why": reload_why,
              "bucket_bytes": getattr(rollout, "bucket_bytes", None),
              "measured_width": train_width, "planned_width": width,
+             "restore_copy_bytes": restore_bytes if restore_on_device else 0,
              "figures": figures}
-    return LaterPlan(placement, event)
+    return LaterPlan(placement, event, restore_on_device)
 
 
 def choose_optimizer_reload(cfg: Any, trainer: Any, placement: Placement, figs: list,

@@ -38,6 +38,9 @@ def test_a_merged_rollout_on_the_shared_base_gives_the_base_back_every_step(tmp_
     assert summary["status"] == "ok" and len(steps) == STEPS, log[-4000:]
     sb = summary["shared_base"]
     assert sb["rollout"] == "merged" and sb["restores"] == STEPS and sb["checks"] == STEPS, sb
+    # the tiny job leaves room for the adapted weights' copy on the GPU: from the second step the base comes
+    # back from it (the full checksum at the end still finds every byte of the base as it was shared)
+    assert sb["restore_copy"] == "gpu" and "comes back from a copy in GPU memory" in log, sb
     assert "enable_lora': True" not in log                       # vLLM serves no adapter
     for s in steps:
         # the rollout sampled with the trainer's weights: the merge reached vLLM

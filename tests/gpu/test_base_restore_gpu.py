@@ -1,0 +1,57 @@
+"""A merged rollout's restore source held in GPU memory (colomem.engines.base_restore.BaseRestore.hold_on_device):
+the copy takes the adapted weights' bytes on the base's GPU, and the base comes back from it bit for bit after
+a merge wrote into it, as it does from the host copy.
+
+Run: python -m pytest -m gpu tests/gpu/test_base_restore_gpu.py
+"""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+peft = pytest.importorskip("peft")
+
+
+def _model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    base = Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+
+
+def test_the_base_comes_back_bit_for_bit_from_its_copy_in_gpu_memory():
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.engines.lora import walk_modules
+
+    model = _model()
+    layers = [m for _, m, params in walk_modules(model) if params is None]
+    original = [m.base_layer.weight.detach().clone() for m in layers]
+    r = BaseRestore(model)
+    assert all(not t.is_cuda for t in r.host)            # the first copy is on the host
+    want = r.device_bytes()
+    assert want >= r.nbytes > 0
+    before = torch.cuda.memory_allocated()
+    assert r.hold_on_device() == want and r.on_device
+    assert torch.cuda.memory_allocated() - before >= r.nbytes
+    assert all(t.is_cuda for t in r.source) and r.device_bytes() == 0 and r.hold_on_device() == 0
+    for _ in range(2):                                   # a merge writes the base, the restore gives it back
+        with torch.no_grad():
+            for m in layers:
+                m.base_layer.weight.add_(torch.randn_like(m.base_layer.weight))
+        r.merged = True
+        assert r.restore() >= 0 and not r.merged
+        assert all(torch.equal(m.base_layer.weight, w) for m, w in zip(layers, original))
+    assert r.restores == 2
+
+
+def test_the_copy_moves_only_while_the_base_holds_no_merge():
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.errors import SharedBaseError
+
+    r = BaseRestore(_model())
+    r.merged = True
+    with pytest.raises(SharedBaseError, match="no merge"):
+        r.hold_on_device()
+    assert not r.on_device

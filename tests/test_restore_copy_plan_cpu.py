@@ -1,0 +1,78 @@
+"""A merged rollout's restore source in GPU memory (--shared-base-rollout merged): the planner holds it there
+only where it fits beside the placement and what the memory was already given to, and the runner then hands
+it to the shared base. The copy itself runs on a GPU: tests/gpu/test_base_restore_gpu.py."""
+import json
+
+import pytest
+import torch
+
+from colomem.runner.placement import choose
+from colomem.runner.train_memory_plan import restore_copy_fits
+from fakes.placement import GB, figs
+
+pytest.importorskip("peft")
+
+
+def test_the_copy_is_held_only_where_it_fits_beside_the_placement_and_what_was_given_out():
+    roomy = [figs()]                              # nothing moves: 104 GB of 140 in use
+    p = choose("auto", "auto", roomy, margin=2 * GB)
+    assert p.label == "nothing moves"
+    assert restore_copy_fits(p, roomy, 2 * GB, 0, 13 * GB)
+    assert not restore_copy_fits(p, roomy, 2 * GB, 0, 35 * GB)          # 104 + 2 + 35 > 140
+    assert not restore_copy_fits(p, roomy, 2 * GB, 25 * GB, 13 * GB)    # a trim took most of what was free
+    assert not restore_copy_fits(p, roomy, 2 * GB, 0, 0)                # nothing to hold (a CPU base)
+    # every GPU must hold it
+    assert not restore_copy_fits(p, roomy + [figs(rollout=90)], 2 * GB, 0, 13 * GB)   # 134 + 2 + 13 > 140
+
+
+def test_a_base_on_the_cpu_has_no_copy_to_move_and_still_comes_back_bit_for_bit():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.engines.lora import walk_modules
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    r = BaseRestore(model)
+    assert r.device_bytes() == 0 and r.hold_on_device() == 0 and not r.on_device
+    layers = [m for _, m, params in walk_modules(model) if params is None]
+    original = [m.base_layer.weight.detach().clone() for m in layers]
+    with torch.no_grad():
+        for m in layers:
+            m.base_layer.weight.add_(1.0)
+    r.merged = True
+    r.restore()
+    assert all(torch.equal(m.base_layer.weight, w) for m, w in zip(layers, original))
+
+
+def test_the_runner_holds_the_copy_on_the_gpu_when_the_plan_says_it_fits(job_env, tmp_path, monkeypatch):
+    """The CPU loop with GPU-like figures: the plan weighs the shared base's copy, says so, writes it in the
+    placement event, and the runner asks the shared base to hold it, once, before the next step."""
+    from colomem.runner import train_memory_plan
+    from colomem.runner.job import run_job
+    from colomem.runner.shared_base_job import SharedBase
+    from test_shared_base_job_cpu import job
+
+    held, said = [], []
+    monkeypatch.setattr(train_memory_plan, "figures_from_step", lambda *a, **k: figs())
+    monkeypatch.setattr(SharedBase, "restore_copy_bytes", lambda self: 3 * GB)
+    monkeypatch.setattr(SharedBase, "hold_restore_on_device", lambda self: held.append(1) or 3 * GB)
+    res = run_job(job(tmp_path / "m", shared_base_rollout="merged", placement_margin="2GB"),
+                  print_fn=said.append)
+    assert res.summary["status"] == "ok", res.summary.get("error")
+    assert held == [1]
+    assert any("comes back from a copy in GPU memory" in x for x in said), said
+    lines = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    (plan,) = [x for x in lines if x.get("event") == "placement"]
+    assert plan["restore_copy_bytes"] == 3 * GB
+
+    # the same plan without room for it: not held, and the event says 0
+    held.clear()
+    monkeypatch.setattr(SharedBase, "restore_copy_bytes", lambda self: 60 * GB)
+    res = run_job(job(tmp_path / "n", shared_base_rollout="merged", placement_margin="2GB"),
+                  print_fn=lambda *_: None)
+    assert res.summary["status"] == "ok" and held == []
+    lines = [json.loads(x) for x in (tmp_path / "n" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["restore_copy_bytes"] for x in lines if x.get("event") == "placement"] == [0]
