@@ -186,11 +186,12 @@ def test_a_base_left_merged_is_restored_before_it_is_merged_onto_again(engines):
     shared = e.shared
     shared.merged_rollout = True
 
-    def window():                              # a sync in merged mode: the merged weights land in the base
-        shared.merge_weights(e.trainer)
-        with torch.no_grad():
-            for m in layers:
-                m.base_layer.weight.add_(m.get_delta_weight("default"))
+    def window():                              # a sync in merged mode: the merge is written into the base
+        named = shared.merge_weights(e.trainer)
+        assert [t.data_ptr() for _, t in named] == [m.base_layer.weight.data_ptr() for m in layers]
+        with torch.no_grad():                  # base + delta, as the merged adapter makes it
+            assert all(float((m.base_layer.weight - w - m.get_delta_weight("default")).abs().max()) < 1e-6
+                       for m, w in zip(layers, original))
     window()                                   # its restore never ran (it failed)
     once = [m.base_layer.weight.detach().clone() for m in layers]
     assert shared.restorer.merged and not all(torch.equal(a, b) for a, b in zip(once, original))

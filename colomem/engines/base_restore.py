@@ -2,9 +2,10 @@
 
 With one copy of the base (--shared-base) the rollout engine's weights are the trainer's frozen base. Served as
 an adapter, every adapted linear layer costs vLLM two more kernels (LoRA's shrink and expand) at every decode
-step; from plain weights it decodes as fast as without LoRA. So in this mode the sync writes
-base + scaling * B @ A into the base itself (the trainer's merged weights, loaded as into an engine with
-weights of its own), and after the rollout the adapted weights are written back from a host copy taken once:
+step; from plain weights it decodes as fast as without LoRA. So in this mode the sync adds scaling * B @ A
+into each adapted base weight in place (one fp32 product and one rounding a layer, no merged copy made: the
+rollout's load then finds the merged weights in its own memory), and after the rollout the adapted weights are
+written back from a host copy taken once:
 the base is frozen, so one copy serves the whole run. Subtracting the merge again would not give the base back:
 bf16 rounds (W + D) - D.
 
@@ -66,6 +67,33 @@ class BaseRestore:
             h.copy_(t)
             out.append(h)
         return out
+
+    def merge_in_place(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        """base + scaling * B @ A written into each adapted base weight itself (the tensors the rollout engine
+        reads), with the arithmetic of colomem.engines.lora.merge_adapters: the product in fp32 and one rounding
+        to the weight's dtype. Returns the merged weights as (HF name, the base weight): what the rollout loads,
+        its own memory where the base is shared. Marks the base merged first, so a merge that fails half way is
+        restored too; the caller restores a merge still in the base before this."""
+        from colomem.engines.lora import merged_adapters, walk_modules
+
+        self.merged = True
+        with torch.no_grad():
+            for _, mod, params in walk_modules(model):
+                if params is not None:
+                    continue
+                weight = mod.base_layer.weight
+                delta = None
+                for a in merged_adapters(mod):
+                    d = mod.lora_B[a].weight.float() @ mod.lora_A[a].weight.float()
+                    d = d.T if getattr(mod, "fan_in_fan_out", False) else d
+                    if delta is None:
+                        delta, alpha = d, mod.scaling[a]
+                    else:           # several adapters: summed in fp32, still one rounding of the weight
+                        delta = delta.mul_(alpha).add_(d, alpha=mod.scaling[a])
+                        alpha = 1.0
+                if delta is not None:
+                    weight.add_(delta, alpha=alpha)      # computed in fp32, rounded once to the weight's dtype
+        return list(self.views)
 
     @property
     def on_device(self) -> bool:

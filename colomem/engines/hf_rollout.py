@@ -78,6 +78,9 @@ class HFRollout:
         self._params = (dict(self.model.named_parameters()) if lora is None else
                         {adapter_key(n): p for n, p in self.model.named_parameters() if ".lora_" in n})
         self._expected: dict[str, tuple] = {}
+        # as vLLM's: False once a sleep would have discarded the weights (not keep_weights), until a sync
+        # writes every parameter; while True a sync may write some (a merged shared base: the adapted ones)
+        self._weights_valid = True
         self.check_sample = int(check_sample)
         self.timings: dict[str, float] = {}
         self.last_sync: Optional[SyncStats] = None
@@ -110,6 +113,7 @@ class HFRollout:
         self._require((AWAKE, WEIGHTS_ONLY), "sleep", "the rollout is already asleep")
         t0 = time.perf_counter()
         self._phase = WEIGHTS_ONLY if keep_weights else ASLEEP
+        self._weights_valid = self._weights_valid and keep_weights
         self.timings["sleep_s"] = time.perf_counter() - t0
 
     def wake_need(self, tags: Iterable[str]) -> Optional[int]:
@@ -129,8 +133,9 @@ class HFRollout:
         self.timings["wake_kv_s"] = time.perf_counter() - t0
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> SyncStats:
-        """Copies (HF name, tensor) pairs into the model; every parameter must be written (with an adapter:
-        every adapter tensor, peft names; the base is not the sync's to write)."""
+        """Copies (HF name, tensor) pairs into the model; after a sleep without keep_weights every parameter
+        must be written (with an adapter: every adapter tensor, peft names; the base is not the sync's to
+        write), as vLLM requires after a sleep that discarded its weights."""
         self._require((WEIGHTS_ONLY, AWAKE), "load_weights", "call wake_weights() first")
         if int(version) < self.weight_version:
             raise InvalidArgumentError(f"version {version} is older than the rollout's {self.weight_version}")
@@ -157,9 +162,10 @@ class HFRollout:
         missing = sorted(set(self._params) - written)
         stats.complete = not missing
         stats.nmissing, stats.missing = len(missing), tuple(missing[:4])
-        if missing:
+        if missing and (not self._weights_valid or not written):
             raise WeightCheckError(f"load_weights wrote {len(written)} of {len(self._params)} parameters; "
                                    f"missing e.g. {missing[:4]}")
+        self._weights_valid = True
         names = sorted(written)
         pick = names[:: max(1, len(names) // self.check_sample)][: self.check_sample]
         self._expected = {n: _fingerprint(self._params[n]) for n in pick}

@@ -90,9 +90,11 @@ class SharedBase:
         self.restorer: Any = None
 
     def merge_weights(self, trainer: Any, pool: Any = None) -> Any:
-        """The sync's weights in merged mode: the trainer's merged weights, which the rollout's load writes
-        into the base itself. The adapted weights are copied to the host first (once) and marked as merged
-        before anything is written, so a sync that fails half way is restored too."""
+        """The sync's weights in merged mode: the adapter merged into the shared base in place (the base is
+        the rollout's own weights), then those adapted weights by name for the rollout's load, which finds
+        them in its own memory (its checks and the prefix cache's reset follow the load as for any sync). The
+        adapted weights are copied to the host first (once) and marked as merged before anything is written,
+        so a sync that fails half way is restored too."""
         if self.restorer is None:
             from colomem.engines.base_restore import BaseRestore
 
@@ -100,8 +102,7 @@ class SharedBase:
         # a base still merged (its restore after a failed window failed too) must not be merged onto again:
         # the merge reads the base it writes
         self.restorer.restore()
-        self.restorer.merged = True
-        return trainer.named_weights(merged=True)
+        return self.restorer.merge_in_place(trainer.model)
 
     def after_rollout(self) -> None:
         """In merged mode, once the rollout engine no longer reads the merged weights: the base back as it

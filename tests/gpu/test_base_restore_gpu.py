@@ -1,6 +1,7 @@
-"""A merged rollout's restore source held in GPU memory (colomem.engines.base_restore.BaseRestore.hold_on_device):
-the copy takes the adapted weights' bytes on the base's GPU, and the base comes back from it bit for bit after
-a merge wrote into it, as it does from the host copy.
+"""A merged rollout on the shared base, on a GPU (colomem.engines.base_restore.BaseRestore): the merge written
+into the bf16 base in place equals merge_adapters' out-of-place merge bit for bit; the restore source held in
+GPU memory (hold_on_device) takes the adapted weights' bytes on the base's GPU, and the base comes back from it
+bit for bit after a merge wrote into it, as it does from the host copy.
 
 Run: python -m pytest -m gpu tests/gpu/test_base_restore_gpu.py
 """
@@ -18,7 +19,31 @@ def _model():
     cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     base = Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
-    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():                      # a trained adapter (B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_the_merge_in_place_equals_merge_adapters_bit_for_bit_on_the_gpu():
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.engines.lora import merge_adapters, merged_adapters, walk_modules
+
+    model = _model()
+    layers = [(p, m) for p, m, params in walk_modules(model) if params is None]
+    want = [merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
+                                                    for a in merged_adapters(m)], merged_adapters(m))
+            for _, m in layers]
+    original = [m.base_layer.weight.detach().clone() for _, m in layers]
+    r = BaseRestore(model)
+    named = r.merge_in_place(model)
+    assert all(t.is_cuda and t.dtype == torch.bfloat16 for _, t in named)
+    assert all(torch.equal(t, w) for (_, t), w in zip(named, want))
+    assert all(t.data_ptr() == m.base_layer.weight.data_ptr() for (_, t), (_, m) in zip(named, layers))
+    r.restore()
+    assert all(torch.equal(m.base_layer.weight, w) for (_, m), w in zip(layers, original))
 
 
 def test_the_base_comes_back_bit_for_bit_from_its_copy_in_gpu_memory():

@@ -1,6 +1,7 @@
-"""A merged rollout's restore source in GPU memory (--shared-base-rollout merged): the planner holds it there
-only where it fits beside the placement and what the memory was already given to, and the runner then hands
-it to the shared base. The copy itself runs on a GPU: tests/gpu/test_base_restore_gpu.py."""
+"""A merged rollout on the shared base (--shared-base-rollout merged), colomem.engines.base_restore: the merge
+written into the base in place with merge_adapters' arithmetic; the restore source held in GPU memory only
+where the planner finds it fits beside the placement and what the memory was already given to, and the runner
+then hands it to the shared base. The GPU copy itself runs on a GPU: tests/gpu/test_base_restore_gpu.py."""
 import json
 
 import pytest
@@ -25,16 +26,47 @@ def test_the_copy_is_held_only_where_it_fits_beside_the_placement_and_what_was_g
     assert not restore_copy_fits(p, roomy + [figs(rollout=90)], 2 * GB, 0, 13 * GB)   # 134 + 2 + 13 > 140
 
 
-def test_a_base_on_the_cpu_has_no_copy_to_move_and_still_comes_back_bit_for_bit():
+def _model(dtype=torch.float32):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(Qwen2ForCausalLM(cfg).to(dtype),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():                      # a trained adapter (B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_in_place_is_merge_adapters_bit_for_bit_and_hands_out_the_base_itself(dtype):
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.engines.lora import merge_adapters, merged_adapters, walk_modules
+
+    model = _model(dtype)
+    layers = [(p, m) for p, m, params in walk_modules(model) if params is None]
+    want = {p + "weight": merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
+                                                                 for a in merged_adapters(m)], merged_adapters(m))
+            for p, m in layers}
+    original = {p: m.base_layer.weight.detach().clone() for p, m in layers}
+    r = BaseRestore(model)
+    named = r.merge_in_place(model)
+    assert r.merged and [n for n, _ in named] == list(want)
+    assert all(t.data_ptr() == m.base_layer.weight.data_ptr() for (_, t), (_, m) in zip(named, layers))
+    assert all(torch.equal(t, want[n]) for n, t in named)
+    assert any(not torch.equal(m.base_layer.weight, original[p]) for p, m in layers)
+    r.restore()
+    assert all(torch.equal(m.base_layer.weight, original[p]) for p, m in layers)
+
+
+def test_a_base_on_the_cpu_has_no_copy_to_move_and_still_comes_back_bit_for_bit():
     from colomem.engines.base_restore import BaseRestore
     from colomem.engines.lora import walk_modules
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = _model()
     r = BaseRestore(model)
     assert r.device_bytes() == 0 and r.hold_on_device() == 0 and not r.on_device
     layers = [m for _, m, params in walk_modules(model) if params is None]
