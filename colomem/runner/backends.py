@@ -193,8 +193,11 @@ def build_engines(cfg, backend: str, model_path: str, tokenizer, ranks, *, grad_
 def close_engines(engines: Engines, log_fn: Optional[Callable[[str], None]] = None) -> list[str]:
     """Closes rollout, trainer and pool, each even if another fails; returns the failures as text."""
     errors = []
-    # a trainer whose base is the rollout engine's weights goes first: nothing may read them once it is closed
-    for name in (("trainer", "rollout") if engines.shared is not None else ("rollout", "trainer")):
+    # the trainer goes first when its base is the rollout engine's weights (nothing may read them once the
+    # engine is closed) and when the engine runs in this process: vLLM's shutdown there tears down the default
+    # process group, which DeepSpeed's engine.destroy() still uses
+    first_trainer = engines.shared is not None or bool(getattr(engines.rollout, "engine_in_process", False))
+    for name in (("trainer", "rollout") if first_trainer else ("rollout", "trainer")):
         obj = getattr(engines, name)
         if obj is None:
             continue
