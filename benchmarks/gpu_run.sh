@@ -167,10 +167,10 @@ stage() {  # the stages run in the order given on the command line
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run diag_reload_expandable 150 \
         python3 benchmarks/diag_reload.py --out "$OUT/diag/expandable" ;;
     deepspeed) run ds_tests 360 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_adapter.py \
-      tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
+      tests/gpu/test_deepspeed_optimizer_step.py tests/gpu/test_deepspeed_checkpoint.py ;;  # the runner stage runs the runner tests
     # the optimizer state reloaded inside the optimizer step (optimizer_reload "step"), alone
-    dsstep) run ds_step_tests 240 python3 -m pytest -q -s -rs -m deepspeed tests/gpu/test_deepspeed_adapter.py \
-      -k "optimizer_state_reloaded_inside or moments_sent_out or mapped_moments or reduced_once or compiled" ;;
+    dsstep) run ds_step_tests 240 python3 -m pytest -q -s -rs -m deepspeed tests/gpu/test_deepspeed_optimizer_step.py \
+      tests/gpu/test_deepspeed_adapter.py -k "optimizer_state or deferred_offload or moments or reduced_once or compiled" ;;
     dsckpt) run ds_checkpoint_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_deepspeed_checkpoint.py ;;
     partial) run partial_offload_tests 200 python3 -m pytest -q -rs -x -m deepspeed tests/gpu/test_partial_offload_gpu.py ;;
     realjob) run real_job 420 python3 benchmarks/real_job.py --out "$OUT/realjob" --work /tmp/realjob ;;

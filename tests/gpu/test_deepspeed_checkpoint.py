@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from test_deepspeed_adapter import final_state, make_batch, make_trainer, model_dir, ready, settle  # noqa: F401
+from deepspeed_cases import final_state, make_batch, make_trainer, model_dir, ready, settle  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed, pytest.mark.slow]
 

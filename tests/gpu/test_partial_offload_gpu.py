@@ -7,8 +7,8 @@ Run: python -m pytest -m "gpu and deepspeed" -s tests/gpu/test_partial_offload_g
 import pytest
 import torch
 
-from test_deepspeed_adapter import (MiB, STEPS, baseline, checksum, checksums, final_state, make_batch, make_trainer,
-                                   model_dir, ready, reference_run)  # noqa: F401  (fixtures)
+from deepspeed_cases import (MiB, STEPS, baseline, checksum, checksums, final_state, make_batch, make_trainer,
+                            model_dir, ready, reference_run)  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed, pytest.mark.slow]
 
