@@ -25,18 +25,22 @@ CONFIGS = [pytest.param(2, False, id="zero2-full"), pytest.param(2, True, id="ze
            pytest.param(3, False, id="zero3-full"), pytest.param(3, True, id="zero3-lora")]
 
 
-# ------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def save_qwen2(d, **shape):
+    """A bf16 Qwen2 of `shape` (Qwen2Config's fields) with seeded random weights, saved in `d`; returns d."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    d = tmp_path_factory.mktemp("qwen2-124m")
-    cfg = Qwen2Config(vocab_size=16384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-                      tie_word_embeddings=False, use_sliding_window=False)
+    cfg = Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **shape)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
     return d
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_qwen2(tmp_path_factory.mktemp("qwen2-124m"), vocab_size=16384, hidden_size=1024,
+                      intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                      max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

@@ -51,16 +51,10 @@ WORKER = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from deepspeed_cases import save_qwen2
 
-    d = tmp_path_factory.mktemp("qwen2-tiny")
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, use_sliding_window=False)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
-    return d
+    return save_qwen2(tmp_path_factory.mktemp("qwen2-tiny"), vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
 def _launch(tmp_path, model_dir, name, rows):
