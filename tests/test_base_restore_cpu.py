@@ -62,6 +62,27 @@ def test_the_merge_in_place_is_merge_adapters_bit_for_bit_and_hands_out_the_base
     assert all(torch.equal(m.base_layer.weight, original[p]) for p, m in layers)
 
 
+def test_several_active_adapters_merge_in_place_as_merge_adapters_does():
+    from peft import LoraConfig
+
+    from colomem.engines.base_restore import BaseRestore
+    from colomem.engines.lora import merge_adapters, merged_adapters, walk_modules
+
+    model = _model(torch.bfloat16)
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.base_model.set_adapter(["default", "second"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    layers = [m for _, m, params in walk_modules(model) if params is None]
+    assert all(merged_adapters(m) == ["default", "second"] for m in layers)
+    want = [merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
+                                                    for a in merged_adapters(m)], merged_adapters(m)) for m in layers]
+    named = BaseRestore(model).merge_in_place(model)
+    assert all(torch.equal(t, w) for (_, t), w in zip(named, want))
+
+
 def test_a_base_on_the_cpu_has_no_copy_to_move_and_still_comes_back_bit_for_bit():
     from colomem.engines.base_restore import BaseRestore
     from colomem.engines.lora import walk_modules

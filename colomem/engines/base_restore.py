@@ -61,12 +61,7 @@ class BaseRestore:
             buf = self._staging.buffer(total, pool)
         except ColomemError:          # the pool's cap: torch's pinned memory instead
             buf = self._staging.buffer(total)
-        out = []
-        for t, off in zip(tensors, offsets):
-            h = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            h.copy_(t)
-            out.append(h)
-        return out
+        return _laid_out(tensors, buf, offsets)
 
     def merge_in_place(self, model: Any) -> list[tuple[str, torch.Tensor]]:
         """base + scaling * B @ A written into each adapted base weight itself (the tensors the rollout engine
@@ -74,7 +69,7 @@ class BaseRestore:
         to the weight's dtype. Returns the merged weights as (HF name, the base weight): what the rollout loads,
         its own memory where the base is shared. Marks the base merged first, so a merge that fails half way is
         restored too; the caller restores a merge still in the base before this."""
-        from colomem.engines.lora import merged_adapters, walk_modules
+        from colomem.engines.lora import adapter_delta, merge_adapters, merged_adapters, walk_modules
 
         self.merged = True
         with torch.no_grad():
@@ -82,17 +77,12 @@ class BaseRestore:
                 if params is not None:
                     continue
                 weight = mod.base_layer.weight
-                delta = None
-                for a in merged_adapters(mod):
-                    d = mod.lora_B[a].weight.float() @ mod.lora_A[a].weight.float()
-                    d = d.T if getattr(mod, "fan_in_fan_out", False) else d
-                    if delta is None:
-                        delta, alpha = d, mod.scaling[a]
-                    else:           # several adapters: summed in fp32, still one rounding of the weight
-                        delta = delta.mul_(alpha).add_(d, alpha=mod.scaling[a])
-                        alpha = 1.0
-                if delta is not None:
-                    weight.add_(delta, alpha=alpha)      # computed in fp32, rounded once to the weight's dtype
+                adapters = merged_adapters(mod)
+                factors = [(mod.lora_A[a].weight, mod.lora_B[a].weight) for a in adapters]
+                if len(adapters) == 1:       # fp32 sum, one rounding to the weight's dtype, no fp32 copy of it
+                    weight.add_(adapter_delta(mod, *factors[0]), alpha=mod.scaling[adapters[0]])
+                elif adapters:
+                    weight.copy_(merge_adapters(mod, weight, factors, adapters))
         return list(self.views)
 
     @property
@@ -120,11 +110,7 @@ class BaseRestore:
         device = self.views[0][1].device
         offsets, _ = layout([t.numel() * t.element_size() for t in self.host])
         buf = torch.empty(total, dtype=torch.uint8, device=device)
-        out = []
-        for h, off in zip(self.host, offsets):
-            d = buf[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-            d.copy_(h, non_blocking=True)
-            out.append(d)
+        out = _laid_out(self.host, buf, offsets, non_blocking=True)
         torch.cuda.current_stream(device).synchronize()
         self.source, self._device_buf = out, buf
         return total
@@ -147,6 +133,17 @@ class BaseRestore:
         self.restores += 1
         self.last_restore_s = time.perf_counter() - t0
         return self.last_restore_s
+
+
+def _laid_out(tensors: list[torch.Tensor], buf: torch.Tensor, offsets: list[int],
+              non_blocking: bool = False) -> list[torch.Tensor]:
+    """Copies of `tensors` in the byte buffer `buf`, each at its offset (colomem.mapped.layout), as views of it."""
+    out = []
+    for t, off in zip(tensors, offsets):
+        v = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t, non_blocking=non_blocking)
+        out.append(v)
+    return out
 
 
 __all__ = ["BaseRestore"]

@@ -71,14 +71,19 @@ def detached(params: list) -> Iterator[list]:
     yield [p.detach() for p in params]
 
 
+def adapter_delta(layer: Any, A: "Tensor", B: "Tensor") -> "Tensor":
+    """B @ A in fp32, oriented as the layer's base weight (unscaled)."""
+    delta = B.float() @ A.float()
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
 def merge_adapters(layer: Any, weight: "Tensor", factors: Sequence[tuple["Tensor", "Tensor"]],
                    adapters: Sequence[str]) -> "Tensor":
     """weight + sum of scaling[a] * B @ A over `adapters` ((A, B) in `factors`), in fp32, as weight's dtype.
     A new tensor: never a view of the base weight."""
     acc = weight.float().clone()
     for a, (A, B) in zip(adapters, factors):
-        delta = B.float() @ A.float()
-        acc.add_(delta.T if getattr(layer, "fan_in_fan_out", False) else delta, alpha=layer.scaling[a])
+        acc.add_(adapter_delta(layer, A, B), alpha=layer.scaling[a])
     return acc.to(weight.dtype)
 
 
@@ -175,6 +180,6 @@ def merged_named_weights(model: "Module") -> Iterator[tuple[str, "Tensor"]]:
         yield name, t
 
 
-__all__ = ["DEFAULT_TARGET_MODULES", "build_lora_config", "check_lora_layers", "detached", "is_peft_model",
+__all__ = ["DEFAULT_TARGET_MODULES", "adapter_delta", "build_lora_config", "check_lora_layers", "detached", "is_peft_model",
            "lora_layer_class", "merge_adapters", "merged_adapters", "merged_named_weights", "named_weights",
            "param_groups", "walk_modules", "weight_sizes"]
