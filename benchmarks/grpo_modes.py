@@ -16,6 +16,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
+         # the planner's with vLLM's whole sleep where it sleeps (the default releases only the part of its KV
+         # cache training needs)
+         "wholesleep": ["--switch", "colomem", "--kv-release", "all"],
          # the two above in one process, step by step (what differs between launches is the same for both)
          "alternate": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "alternate"],
          "timesplit": ["--switch", "timesplit"],

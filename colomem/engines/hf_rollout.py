@@ -19,7 +19,7 @@ from torch import Tensor
 
 from colomem.engines.hf_export import adapter_key
 from colomem.engines.hf_model import load_model
-from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_sampling
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_kv_bytes, check_sampling
 from colomem.engines.reports import SyncStats
 from colomem.errors import InvalidArgumentError, PhaseOrderError, PoolClosedError, StaleWeightsError, WeightCheckError
 
@@ -107,11 +107,14 @@ class HFRollout:
             raise PoolClosedError("HFRollout is closed")
         return dict(self._base)
 
-    def sleep(self, keep_weights: bool = False) -> None:
+    def sleep(self, keep_weights: bool = False, kv_bytes: Optional[int] = None) -> None:
         """keep_weights: only the KV cache would go (vLLM's KV-only sleep): the weights stay readable, and
-        the next awake window starts at the sync (no wake_weights)."""
+        the next awake window starts at the sync (no wake_weights). kv_bytes: only that much of it would go
+        (recorded in `timings`, as vLLM's figure of what it released)."""
+        check_kv_bytes(keep_weights, kv_bytes)
         self._require((AWAKE, WEIGHTS_ONLY), "sleep", "the rollout is already asleep")
         t0 = time.perf_counter()
+        self.timings["kv_release_asked_bytes"] = kv_bytes or 0
         self._phase = WEIGHTS_ONLY if keep_weights else ASLEEP
         self._weights_valid = self._weights_valid and keep_weights
         self.timings["sleep_s"] = time.perf_counter() - t0

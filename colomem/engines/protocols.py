@@ -62,9 +62,10 @@ class Rollout(Protocol):
         prompts). top_k None and min_p 0: no such filter; repetition_penalty 1: none."""
         ...
 
-    def sleep(self, keep_weights: bool = False) -> None:
+    def sleep(self, keep_weights: bool = False, kv_bytes: Optional[int] = None) -> None:
         """Frees the GPU: KV cache dropped, weights dropped or kept in host memory. keep_weights: only the KV
-        cache goes, the weights stay mapped where they are (the next awake window starts at the sync)."""
+        cache goes, the weights stay mapped where they are (the next awake window starts at the sync);
+        kv_bytes (with keep_weights): only that much of the KV cache goes, in whole allocations."""
         ...
 
     def wake_weights(self) -> None:
@@ -183,6 +184,20 @@ class Checkpointable(Protocol):
         ...
 
 
+def check_kv_bytes(keep_weights: bool, kv_bytes: Optional[int]) -> None:
+    """InvalidArgumentError unless a sleep's kv_bytes is None, or a positive int with keep_weights (a sleep
+    that drops the weights drops the whole KV cache with them)."""
+    from colomem.errors import InvalidArgumentError
+    if kv_bytes is None:
+        return
+    if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes <= 0:
+        raise InvalidArgumentError(f"kv_bytes={kv_bytes!r}: a positive number of bytes, or None for the whole "
+                                   "KV cache")
+    if not keep_weights:
+        raise InvalidArgumentError("kv_bytes releases part of the KV cache beside weights that stay mapped: it "
+                                   "needs keep_weights=True (a sleep that drops the weights drops the whole cache)")
+
+
 def check_sampling(temperature: float, top_p: float, top_k: Optional[int] = None, min_p: float = 0.0,
                    repetition_penalty: float = 1.0) -> None:
     """InvalidArgumentError unless the sampling knobs a Rollout's generate takes are in range."""
@@ -205,4 +220,4 @@ def check_hold(defer: bool, hold: bool) -> None:
         raise InvalidArgumentError("offload(hold=True) holds back a deferred copy; pass defer=True too")
 
 
-__all__ = ["Checkpointable", "check_hold", "check_sampling", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]
+__all__ = ["Checkpointable", "check_hold", "check_kv_bytes", "check_sampling", "ASLEEP", "AWAKE", "CLOSED", "ROLLOUT_PHASES", "Rollout", "Trainer", "WEIGHTS_ONLY"]

@@ -122,6 +122,10 @@ class RunConfig(_Strict):
                             "more than the sleep and wake, both measured in the first step), always, never (needs offload none or auto), "
                             "alternate (a measurement, with offload none: every other step, so both layouts "
                             "run in one process; each step's metrics say which)")
+    kv_release: Literal["auto", "all"] = Field(
+        "auto", description="colomem switch with rollout_sleep auto, what a sleeping vLLM gives the trainer: auto "
+                            "(only the part of its KV cache training needs, weights and the rest staying mapped: "
+                            "the wake maps back only that part), all (vLLM's whole sleep, weights included)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
                                                               "the larger of 2 GiB and 3 percent of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")

@@ -183,8 +183,12 @@ class PhaseRunner:
             self.trainer.finish_offload(background=True)
 
     def _sleep_rollout(self) -> None:
-        """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base)."""
-        if self.shared is not None:
+        """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base), only
+        the part of it training needs where the plan says so (placement.kv_release), else the whole sleep."""
+        part = self.placement.kv_release
+        if part:
+            self.rollout.sleep(keep_weights=True, kv_bytes=part)
+        elif self.shared is not None:
             self.rollout.sleep(keep_weights=True)
         else:
             self.rollout.sleep()

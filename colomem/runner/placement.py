@@ -55,11 +55,14 @@ class Placement:
     (ALL_CATEGORIES: the trainer never offloads); rollout_sleeps: vLLM sleeps while the trainer trains;
     optim_out: the optimizer state stays in the rollout's memory while it copies to the pool (from the end of
     the rollout's wake on) behind the rollout; training starts once it is out, and it comes back inside the
-    optimizer step."""
+    optimizer step. kv_release (with rollout_sleeps): the rollout releases only this many bytes of its KV
+    cache while the trainer trains, its weights and the rest of the cache staying mapped (0: it sleeps
+    whole)."""
     keep: tuple[str, ...]
     rollout_sleeps: bool
     why: str = ""
     optim_out: bool = False
+    kv_release: int = 0
 
     @property
     def trainer_moves(self) -> bool:
@@ -75,17 +78,19 @@ class Placement:
     def label(self) -> str:
         if not self.trainer_moves and not self.rollout_sleeps:
             return "nothing moves"
+        sleeps = (f"rollout releases {format_bytes(self.kv_release)} of its KV cache" if self.kv_release
+                  else "rollout sleeps")
         if not self.trainer_moves and self.optim_out:
-            return "trainer resident, rollout sleeps, optimizer state out behind the rollout"
+            return f"trainer resident, {sleeps}, optimizer state out behind the rollout"
         if not self.trainer_moves:
-            return "trainer resident, rollout sleeps"
+            return f"trainer resident, {sleeps}"
         if not self.keep:
-            return "trainer offloaded, rollout sleeps"
-        return f"trainer keeps {'+'.join(self.keep)}, rollout sleeps"
+            return f"trainer offloaded, {sleeps}"
+        return f"trainer keeps {'+'.join(self.keep)}, {sleeps}"
 
     def to_dict(self) -> dict:
         return {"label": self.label, "keep": list(self.keep), "rollout_sleeps": self.rollout_sleeps, "why": self.why,
-                "optim_out": self.optim_out}
+                "optim_out": self.optim_out, "kv_release": self.kv_release}
 
 
 EVERYTHING_MOVES = Placement((), True, "everything moves (the first step measures what fits)")
@@ -115,6 +120,8 @@ class MemoryFigures:
     optim_created    bytes of optimizer state that step's optimizer step created (Adam's moments on a first
                      step): absent through most of its training, so not in train_peak
     kv_cache         the rollout engine's KV cache on this GPU (0: unknown)
+    rollout_weights  the rollout engine's weights on this GPU, which a sleep frees and a KV-only sleep keeps
+                     (0: unknown)
     kv_need          the most of it the step's rollout can hold (colomem.runner.kv_need; 0: unknown)
     pre_step_peak    the trainer's allocator peak reserved bytes of the forward and backward, read before the
                      optimizer step (0: unknown); reported with the placement, not needed by it
@@ -129,6 +136,7 @@ class MemoryFigures:
     optim_created: int = 0
     kv_cache: int = 0
     kv_need: int = 0
+    rollout_weights: int = 0
     pre_step_peak: int = 0
     step_start_peak: int = 0
 
@@ -306,6 +314,30 @@ def train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional
     return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
 
 
+def kv_release_fit(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None, taken: int = 0,
+                   weights_stay: bool = False) -> int:
+    """How much of its KV cache a rollout that sleeps with placement p must release for training to have the
+    room the whole sleep gives it (less the margin and `taken` bytes held through training), on the GPU that
+    needs the most; its weights and the rest of the cache then stay mapped, and the wake maps back only that
+    part. Mapping memory back costs time by the byte, so a 112 GiB cache of which training needs 15 GiB
+    wakes several times faster. 0 (the whole sleep) when a figure is unknown or training needs more than the
+    cache holds; at least 1 (one allocation) when it needs none of it. weights_stay: the rollout keeps its
+    weights through its sleep anyway (a shared base), so the measured training had them beside it."""
+    if not p.rollout_sleeps or not figures:
+        return 0
+    at_step = reload_at_step(p, figures, margin)[0]
+    most = 0
+    for f in figures:
+        if f.kv_cache <= 0 or (not weights_stay and f.rollout_weights <= 0):
+            return 0
+        spare = f.total - train_need(f, at_step) - _margin(f, margin) - taken
+        short = (0 if weights_stay else f.rollout_weights) + f.kv_cache - spare
+        if short > f.kv_cache:
+            return 0
+        most = max(most, short)
+    return max(most, 1)
+
+
 def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
             margin: Optional[int] = None, taken: int = 0) -> str:
     """What the memory left free would buy the rollout: a larger --gpu-memory-utilization (more KV cache) with
@@ -463,5 +495,5 @@ __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", 
            "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step", "fits",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
-           "kv_hint", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
+           "kv_hint", "kv_release_fit", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
            "needs_measuring", "sync_bucket", "sync_bucket_target"]

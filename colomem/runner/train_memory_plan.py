@@ -10,7 +10,7 @@ the runner keeps what later steps read. Every rank sees every rank's figures, so
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from colomem.engines.recompute import set_checkpointed
@@ -19,7 +19,7 @@ from colomem.units import format_bytes, parse_bytes
 from .batch_width import widened
 from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .loop_memory import grow_sync_bucket
-from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint,
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint, kv_release_fit,
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         fits, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
@@ -94,6 +94,7 @@ def step_figures(cfg: Any, trainer: Any, rollout: Any, world_size: int, rec: Ste
                              step_start_peak=int(rec.metrics.get("train/reserved_at_step_start_max") or 0))
     if mine is not None:
         mine.kv_cache, mine.kv_need = kv_figures(cfg, rollout, world_size)
+        mine.rollout_weights = int(getattr(rollout, "weights_bytes", None) or 0)
         mine = widened(mine, train_width, width)
     return mine
 
@@ -172,6 +173,8 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
         if c.grow_micro_batch:
             micro_hint, grown_micro = grow_micro_batch(c, trainer, placement, figs, rows, margin, taken, rec.step + 2,
                                                        unit_extra)
+        if not grown_micro:      # a grown micro-batch's bytes are not counted in `taken`: the whole sleep then
+            placement = partial_release(c, placement, figs, margin, taken)
         # a grown micro-batch takes the free memory the KV cache and recompute hints would offer; trimmed
         # recompute takes what the KV cache hint would offer
         if not grown_micro:
@@ -224,6 +227,21 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
              "restore_copy_bytes": restore_bytes if restore_on_device else 0,
              "figures": figures}
     return LaterPlan(placement, event, restore_on_device)
+
+
+def partial_release(cfg: Any, placement: Placement, figs: list, margin: Optional[int], taken: int) -> Placement:
+    """--kv-release auto: a rollout the planner puts to sleep for training releases only the part of its KV
+    cache training needs (placement.kv_release_fit), with what else the plan gave out (`taken`) counted."""
+    if cfg.kv_release != "auto" or cfg.rollout_sleep != "auto" or not placement.rollout_sleeps:
+        return placement
+    part = kv_release_fit(placement, figs, margin, taken, weights_stay=bool(cfg.shared_base))
+    if not part:
+        return placement
+    cache = max(f.kv_cache for f in figs)
+    why = (f"{placement.why}; while training it releases {format_bytes(part)} of its "
+           f"{format_bytes(cache)} KV cache, what training needs beside the margin, and keeps its weights and the "
+           "rest mapped (--kv-release all: the whole sleep)")
+    return replace(placement, kv_release=part, why=why)
 
 
 def choose_optimizer_reload(cfg: Any, trainer: Any, placement: Placement, figs: list,
@@ -336,5 +354,5 @@ def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int
 
 
 __all__ = ["LaterPlan", "RecomputeLine", "asleep_line", "choose_optimizer_reload", "grow_micro_batch", "kv_figures",
-           "optim_out_allowed", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
+           "optim_out_allowed", "partial_release", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
            "recompute_probe", "step_figures"]

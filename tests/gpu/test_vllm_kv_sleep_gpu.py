@@ -106,3 +106,30 @@ def test_vllms_own_sleep_while_the_cache_is_released_then_a_plain_cycle(engine, 
     r.wake()
     r.check()
     assert [c.token_ids for c in greedy(r, prompts)] == before
+
+
+def test_a_partial_release_frees_only_its_allocations_and_greedy_tokens_come_back(engine, tiny):
+    """sleep(keep_weights=True, kv_bytes=N): the fewest KV allocations holding N bytes go back to the driver
+    (vLLM has one a layer), the rest stays mapped, and the tokens after the wake are those before."""
+    r = engine
+    _, prompts = tiny
+    before = [c.token_ids for c in greedy(r, prompts)]
+    state = r.rpc("colomem_kv_state")[0]
+    sizes = sorted((n for _, n, _ in state["kv_cache"]), reverse=True)
+    assert len(sizes) >= 2, f"vLLM allocated its KV cache in {len(sizes)} piece(s): nothing to release part of"
+    ask = sizes[0] + 1                                         # more than the largest: two allocations go
+    want = sizes[0] + sizes[1]
+    for cycle in range(2):
+        awake = driver_free()
+        r.sleep(keep_weights=True, kv_bytes=ask)
+        freed = driver_free() - awake
+        assert r.timings["kv_released_bytes"] == want
+        assert 0.95 * want <= freed <= want + 512 * MiB, (
+            f"cycle {cycle}: freed {freed / MiB:.0f} MiB for a release of {want / MiB:.0f} MiB")
+        mapped = [m for _, _, m in r.rpc("colomem_kv_state")[0]["kv_cache"]]
+        assert mapped.count(False) == 2 and mapped.count(True) == len(sizes) - 2
+        r.check()
+        asleep = driver_free()
+        r.wake_kv()
+        assert asleep - driver_free() >= 0.95 * want and r.timings["kv_mapped_bytes"] == want
+        assert [c.token_ids for c in greedy(r, prompts)] == before, f"cycle {cycle}: other tokens after the wake"

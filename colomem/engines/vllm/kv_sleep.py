@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError, PhaseOrderError
 from colomem.units import format_bytes
@@ -64,15 +64,16 @@ class KvSleep:
     def _call(self, fn, what: str):
         return self._calls.call(fn, self.timeout_s, what)
 
-    def release(self, already_out: bool = False) -> dict:
-        """Pauses vLLM's scheduling and releases the KV cache. Returns the timings' figures (zero bytes when
-        the cache is out already)."""
+    def release(self, already_out: bool = False, nbytes: Optional[int] = None) -> dict:
+        """Pauses vLLM's scheduling and releases the KV cache: at least nbytes of it on every worker, in
+        whole allocations (None: all of it). Returns the timings' figures (zero bytes when the cache is out
+        already)."""
         self.check_available()
         if already_out:
             return {"kv_released_bytes": 0, "kv_freed_bytes": 0, "kv_release_s": 0.0}
         self._call(lambda llm: llm.sleep(level=0), "sleep(level=0)")
         try:
-            r = self._rpc("colomem_kv_release")
+            r = self._rpc("colomem_kv_release", None if nbytes is None else int(nbytes))
         except ColomemError:
             if not self._calls.broken:   # stuck or dead (timed out, engine gone): nothing more to ask it
                 self._undo_release()

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from colomem._torch import driver_memory, hold_cublas_workspaces, let_go_cublas_workspaces
-from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_sampling
+from colomem.engines.protocols import ASLEEP, AWAKE, CLOSED, WEIGHTS_ONLY, check_kv_bytes, check_sampling
 from colomem.engines.reports import SyncStats
 from colomem.errors import (ColomemError, InvalidArgumentError, PhaseOrderError, PoolClosedError,
                             StaleWeightsError, WeightCheckError)
@@ -243,15 +243,18 @@ class VLLMRollout:
         return completions(outs, logprobs)
 
     # ---------------------------------------------------------------------------------------- sleep / wake
-    def sleep(self, keep_weights: bool = False) -> None:
+    def sleep(self, keep_weights: bool = False, kv_bytes: Optional[int] = None) -> None:
         """Frees the GPU: KV cache dropped; weights kept in host memory (level 1 / pool) or dropped (level 2).
 
         keep_weights=True releases the KV cache only (kv_sleep.py): the weights stay mapped where they are,
         untouched (for a trainer whose base parameters view them), and the rollout is left WEIGHTS_ONLY, so
-        the next window syncs, checks and calls wake_kv() without wake_weights().
+        the next window syncs, checks and calls wake_kv() without wake_weights(). kv_bytes (with
+        keep_weights): release only that much of the KV cache, in whole allocations (vLLM has one per
+        attention layer), when training needs no more of its memory: the wake then maps back only those.
         """
         if not isinstance(keep_weights, bool):
             raise InvalidArgumentError(f"keep_weights must be True or False, got {keep_weights!r}")
+        check_kv_bytes(keep_weights, kv_bytes)
         self._require((AWAKE, WEIGHTS_ONLY), "sleep", "vLLM is already asleep")
         if keep_weights:
             self._kv.check_available()
@@ -261,7 +264,7 @@ class VLLMRollout:
         if keep and not self._weight_check.recorded:
             self._weight_check.snapshot("before sleep", self.check_sample)  # what check() must find after the wake
         if keep_weights:  # from WEIGHTS_ONLY the cache is out already (released here or by vLLM's sleep)
-            self.timings.update(self._kv.release(already_out=self._phase == WEIGHTS_ONLY))
+            self.timings.update(self._kv.release(already_out=self._phase == WEIGHTS_ONLY, nbytes=kv_bytes))
             self._phase = WEIGHTS_ONLY
             self.timings["sleep_s"] = time.perf_counter() - t0
             return
@@ -321,6 +324,13 @@ class VLLMRollout:
     def kv_cache_bytes(self) -> Optional[int]:
         """The KV cache vLLM allocated on this GPU (its allocations tagged kv_cache); None when unknown."""
         n = self._tag_wake.tag_bytes.get("kv_cache")
+        return int(n) if n else None
+
+    @property
+    def weights_bytes(self) -> Optional[int]:
+        """vLLM's weights on this GPU (its allocations tagged weights): what a sleep frees beyond the KV cache
+        and sleep(keep_weights=True) leaves mapped; None when unknown."""
+        n = self._tag_wake.tag_bytes.get("weights")
         return int(n) if n else None
 
     @property

@@ -252,9 +252,10 @@ class ColomemWorkerExtension:
 
     # -- the KV cache alone (sleep(keep_weights=True)) --------------------------------------------------------
     @rpc_method
-    def colomem_kv_release(self) -> dict:
-        """Unmaps vLLM's "kv_cache" allocations and frees their memory; the weights stay mapped, untouched."""
-        return kv_release.release(self)
+    def colomem_kv_release(self, nbytes: Optional[int] = None) -> dict:
+        """Unmaps vLLM's "kv_cache" allocations (the fewest holding at least nbytes; None: all) and frees their
+        memory; the weights stay mapped, untouched."""
+        return kv_release.release(self, nbytes)
 
     @rpc_method
     def colomem_kv_map(self) -> dict:

@@ -3,8 +3,10 @@
 vLLM's sleep levels both unmap the weights (level 1 copies them to host memory first). When the trainer's
 frozen base parameters are views of those weights, they must stay mapped, at their addresses, byte for byte,
 while the trainer trains; only the KV cache may go. vLLM's CuMemAllocator keeps one entry per allocation
-(address, size, tag, the driver handle): `release` unmaps the entries tagged "kv_cache" and hands their
-physical memory back to the driver, touching no "weights" entry; `map_back` creates new physical memory
+(address, size, tag, the driver handle): `release` unmaps the entries tagged "kv_cache" (all of them, or the
+fewest that hold the bytes the caller asks for: training may need only part of a large cache's memory, and
+mapping back costs time by the byte) and hands their physical memory back to the driver, touching no
+"weights" entry; `map_back` creates new physical memory
 and maps it at the same virtual addresses. Every tensor that views the cache (the model runner's kv_caches,
 the attention layers' bound caches, CUDA graphs captured over them) keeps its data_ptr, so nothing is
 rebuilt; only the bytes are new (undefined). Hence the caller resets the prefix cache after `map_back`,
@@ -32,12 +34,13 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from colomem._torch import mem_get_info
-from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError, PhaseOrderError, is_oom
+from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
+                            PhaseOrderError, is_oom)
 from colomem.units import format_bytes
 
 from .state import synchronize
@@ -81,20 +84,43 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def release(worker: "ColomemWorkerExtension") -> dict:
-    """Unmaps every "kv_cache" allocation and frees its physical memory; the "weights" ones stay as they are.
+def chosen(sizes: list[tuple[int, int]], nbytes: Optional[int]) -> list[int]:
+    """The allocations a release of at least `nbytes` unmaps, from (address, bytes) pairs: the fewest, the
+    largest first (vLLM allocates one per attention layer, all of one size), by address among equals; every
+    one when nbytes is None or not less than their sum."""
+    if nbytes is None or nbytes >= sum(n for _, n in sizes):
+        return [ptr for ptr, _ in sizes]
+    out, got = [], 0
+    for ptr, n in sorted(sizes, key=lambda pn: (-pn[1], pn[0])):
+        if got >= nbytes:
+            break
+        out.append(ptr)
+        got += n
+    return out
+
+
+def release(worker: "ColomemWorkerExtension", nbytes: Optional[int] = None) -> dict:
+    """Unmaps "kv_cache" allocations and frees their physical memory; the "weights" ones stay as they are.
+    nbytes: release at least that many bytes of the cache, in whole allocations (the fewest that hold them),
+    the others staying mapped with their contents; None: all of it.
 
     The caller paused vLLM's scheduling first: nothing may run on the cache while it is unmapped.
     """
+    if nbytes is not None and int(nbytes) <= 0:
+        raise InvalidArgumentError(f"nbytes={nbytes}: release a positive number of bytes, or None for the "
+                                   "whole KV cache")
     st = worker._colomem().kv
     if st.released or st.lent:
         raise PhaseOrderError("vLLM's KV cache is already released; map it back (colomem_kv_map) first")
     api = worker._colomem_cumem()
     kv = [(int(ptr), data) for ptr, data in api.allocator.pointer_to_data.items() if data.tag == KV_TAG]
+    if kv:
+        picked = set(chosen([(ptr, int(data.handle[1])) for ptr, data in kv], nbytes))
+        kv = [(ptr, data) for ptr, data in kv if ptr in picked]
     if not kv:
         raise NotAvailableError("vLLM's allocator holds no allocation tagged 'kv_cache' (an engine without "
                                 "a KV cache, or a vLLM version that tags it otherwise)")
-    unmapped = [hex(ptr) for ptr, _ in kv if not worker._colomem_is_mapped(ptr)]
+    unmapped = [hex(ptr) for ptr, _ in kv if not worker._colomem_is_mapped(ptr)]   # of those chosen
     if unmapped:
         raise PhaseOrderError(f"{len(unmapped)} of vLLM's {len(kv)} KV-cache allocations are not mapped (e.g. "
                               f"{unmapped[:2]}): vLLM's own sleep released them; wake it first")
@@ -195,4 +221,4 @@ def state(worker: "ColomemWorkerExtension") -> dict:
             "released_bytes": st.nbytes}
 
 
-__all__ = ["KV_TAG", "cumem_api", "lend", "map_back", "release", "state", "take_back"]
+__all__ = ["KV_TAG", "chosen", "cumem_api", "lend", "map_back", "release", "state", "take_back"]
