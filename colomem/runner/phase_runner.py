@@ -139,7 +139,8 @@ class PhaseRunner:
         """After a failure while vLLM may be awake: sleep again so its memory is free. Returns a note."""
         if not self.rollout_awake:
             return None
-        if self.rollout.phase == ASLEEP or (self.shared is not None and self.rollout.phase == WEIGHTS_ONLY):
+        keeps_weights = self.shared is not None or bool(self.placement.kv_release)   # its sleep leaves them mapped
+        if self.rollout.phase == ASLEEP or (keeps_weights and self.rollout.phase == WEIGHTS_ONLY):
             self.rollout_awake = False
             return "the rollout engine was already asleep"
         try:
