@@ -10,7 +10,7 @@ host views (SwapSet.host_view), as the DeepSpeed adapter's resolve_sync hands th
 process maps the bridge's buffers and copies every bucket out along raw ranges (BridgeImporter.copy_out, what
 vLLM's worker does from its third sync on) on its default stream, then ACKs over the socket (the listener
 transport). Bucket sizes: `loop` is the one `--bucket-bytes auto` grows to for a sync from host copies
-(colomem.runner.placement.sync_bucket_target: a few buckets, so copies pipeline with the consumer), the others
+(colomem.runner.sync_bucket_plan.sync_bucket_target: a few buckets, so copies pipeline with the consumer), the others
 as given; two buffers each. The same sync from the
 tensors reloaded to the GPU is timed beside (`resident`), for what reading host memory costs.
 
@@ -88,8 +88,8 @@ def consumer(address: str) -> None:
 # -- the producer ----------------------------------------------------------------------------------------------
 def loop_bucket(nbytes: int) -> int:
     """The bucket `--bucket-bytes auto` grows to for a sync read from the pool's host copies when the placement
-    leaves the memory (colomem.runner.placement.sync_bucket_target)."""
-    from colomem.runner.placement import sync_bucket_target
+    leaves the memory (colomem.runner.sync_bucket_plan.sync_bucket_target)."""
+    from colomem.runner.sync_bucket_plan import sync_bucket_target
 
     return sync_bucket_target(nbytes, from_host=True)
 

@@ -14,10 +14,10 @@ from colomem.errors import ConfigError
 from colomem.runner import run_job
 from colomem.runner.config import config_from_dict
 from colomem.runner.loop_memory import grow_sync_bucket
+from colomem.runner.sync_bucket_plan import sync_bucket, sync_bucket_target
 from colomem.units import format_bytes
 from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFigures, alternate, candidates, choose,
-                                      Placement, sync_bucket, sync_bucket_target,
-                                      figures_from_step, kv_hint, micro_batch_fit, micro_batch_hint,
+                                      Placement, figures_from_step, kv_hint, micro_batch_fit, micro_batch_hint,
                                       micro_batch_tokens_fit, micro_batch_tokens_hint,
                                       needs_measuring, reload_at_step, state_to_plan, train_need)
 from colomem.errors import InvalidArgumentError

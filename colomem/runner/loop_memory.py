@@ -8,7 +8,8 @@ from typing import Callable, Optional
 from colomem.errors import CudaOutOfMemoryError, oom_advice_replaced
 from colomem.units import format_bytes
 
-from .placement import EVERYTHING_MOVES, Placement, choose, needs_measuring, sync_bucket
+from .placement import EVERYTHING_MOVES, Placement, choose, needs_measuring
+from .sync_bucket_plan import sync_bucket
 
 
 def first_placement(c) -> Placement:

@@ -269,7 +269,7 @@ def fits(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] =
     both (the buffers of a weight-bridge bucket grown for another placement)."""
     if not figures or not all(_fits(p, f, margin) for f in figures):
         return False
-    return not taken or min(_spare(p, figures, margin, taken), train_spare(p, figures, margin, taken)) >= 0
+    return not taken or min(rollout_spare(p, figures, margin, taken), train_spare(p, figures, margin, taken)) >= 0
 
 
 def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
@@ -301,7 +301,7 @@ def choose(offload: str, rollout_sleep: str, figures: Sequence[MemoryFigures],
     raise AssertionError("unreachable")
 
 
-def _spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
+def rollout_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
     """The smallest head room over the GPUs with placement p while the rollout runs, less `taken`."""
     return -max(_short(p, f, margin) for f in figures) - taken
 
@@ -309,7 +309,7 @@ def _spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int]
 def train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int], taken: int) -> int:
     """The smallest head room over the GPUs while training with placement p, less `taken`."""
     if not p.rollout_sleeps:
-        return _spare(p, figures, margin, taken)
+        return rollout_spare(p, figures, margin, taken)
     at_step = reload_at_step(p, figures, margin)[0]
     return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
 
@@ -348,12 +348,12 @@ def kv_hint(p: Placement, figures: Sequence[MemoryFigures], utilization: float,
         return ""
     total = min(f.total for f in figures)
     parts = []
-    here = _spare(p, figures, margin, taken)
+    here = rollout_spare(p, figures, margin, taken)
     if here >= 1 << 30:
         parts.append(f"{format_bytes(here)} stays free with this placement: --gpu-memory-utilization up to "
                      f"{min(0.99, utilization + here / total):.2f} (now {utilization:.2f}) would give vLLM that "
                      "much more KV cache")
-    moved = _spare(EVERYTHING_MOVES, figures, margin, taken)
+    moved = rollout_spare(EVERYTHING_MOVES, figures, margin, taken)
     if p != EVERYTHING_MOVES and moved - max(here, 0) >= 1 << 30:
         parts.append(f"with --offload all --rollout-sleep always, up to "
                      f"{min(0.99, utilization + moved / total):.2f} (each step then moves the trainer's state)")
@@ -424,46 +424,6 @@ def micro_batch_tokens_hint(p: Placement, figures: Sequence[MemoryFigures], toke
             "and the update stays the same up to rounding. The KV cache hint above counts the same free memory")
 
 
-# The largest bucket the planner grows the weight bridge to: beyond it a sync gains nothing measurable (a 7B
-# model syncs fastest with 4 GiB buckets), while each buffer of it stays allocated for the whole job.
-MAX_SYNC_BUCKET = 4 << 30
-_BUCKET_ROUND = 64 << 20
-# When the sync reads the pool's host copies (the bf16 weights were offloaded), a bucket's H2D copy overlaps
-# the worker's load of the one before only if a sync has several: one bucket leaves the worker's load and ack
-# after the whole copy. So such a sync keeps about this many buckets, none below the smallest size given
-# here (benchmarks/bench_sync_inloop.py measures both against the H2D link).
-HOST_SYNC_BUCKETS = 6
-_MIN_HOST_BUCKET = 512 << 20
-
-
-def sync_bucket_target(sync_bytes: int, from_host: bool) -> int:
-    """The bucket a sync of sync_bytes runs fastest with, memory permitting: all of it in one bucket when it
-    reads GPU tensors, about HOST_SYNC_BUCKETS of them when it reads host copies; 64 MiB multiples, at most
-    MAX_SYNC_BUCKET."""
-    want = max(-(-sync_bytes // HOST_SYNC_BUCKETS), min(sync_bytes, _MIN_HOST_BUCKET)) if from_host else sync_bytes
-    return min(MAX_SYNC_BUCKET, -(-want // _BUCKET_ROUND) * _BUCKET_ROUND)
-
-
-def sync_bucket(p: Placement, figures: Sequence[MemoryFigures], sync_bytes: int, current: int, buffers: int,
-                margin: Optional[int] = None) -> Optional[int]:
-    """A larger weight-bridge bucket when placement p leaves the GPU memory for it, else None. Each bucket of
-    a sync costs a round trip to vLLM's worker, so from GPU tensors one bucket holding all sync_bytes is
-    fastest; from the pool's host copies (p offloads the bf16 weights) a few buckets pipeline the copy with the
-    worker (sync_bucket_target). The bridge holds `buffers` of them for the whole job, so the growth must fit
-    in what p leaves free, keeping 1 GiB beside the margin. Halved until it fits; None when no larger bucket
-    does."""
-    if not figures or sync_bytes <= current:
-        return None
-    # the buffers stay through training too
-    spare = min(_spare(p, figures, margin, 0), train_spare(p, figures, margin, 0)) - (1 << 30)
-    target = sync_bucket_target(sync_bytes, from_host="params" not in p.keep)
-    while target > current:
-        if buffers * (target - current) <= spare:
-            return target
-        target = -(-(target // 2) // _BUCKET_ROUND) * _BUCKET_ROUND
-    return None
-
-
 def state_to_plan(offloaded: dict, now: dict) -> dict:
     """The trainer's state bytes by category for the plan: the larger of what the measuring step's offload
     moved and what the trainer holds after that step's training. The offload runs before the first
@@ -492,8 +452,8 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
 
 
 __all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "HOST_SYNC_BUCKETS", "MAX_SYNC_BUCKET", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
+           "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step", "fits",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
            "kv_hint", "kv_release_fit", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
-           "needs_measuring", "sync_bucket", "sync_bucket_target"]
+           "needs_measuring", "rollout_spare"]
