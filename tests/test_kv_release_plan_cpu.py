@@ -84,6 +84,8 @@ def test_the_runner_asks_the_rollout_for_that_part_and_says_so(job_env, tmp_path
     assert any("releases 32.60 GiB of its 74.51 GiB KV cache" in x for x in said), said
     # the first step measured with the whole sleep; every later one released only that part
     assert [s.get("rollout/kv_release_asked_bytes") for s in steps] == [0, 35 * GB, 35 * GB]
+    # the weights wake after the measuring step's whole sleep only; no step reports an earlier step's wake
+    assert ["rollout/wake_weights_s" in s for s in steps] == [True, True, False]
 
 
 def test_kv_release_all_keeps_the_whole_sleep(job_env, tmp_path, gpu_like):

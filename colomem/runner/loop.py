@@ -41,7 +41,8 @@ from .placement import alternate
 from .ranks import Ranks
 from .reporters import Reporter
 from .scoring import encode, run_bounded, score_step
-from .timeline import MetricsWriter, StepRecord, host_usage, peak_reserved, reset_peak, settle, switch_metrics
+from .timeline import (MetricsWriter, StepRecord, drop_step_timings, host_usage, peak_reserved, reset_peak, settle,
+                       switch_metrics)
 
 
 def rollout_seed(seed: int, step: int, rollout_group: int, seeding: str) -> Optional[int]:
@@ -125,6 +126,7 @@ class ColocatedRunner(PhaseRunner):
         train_idx = ranks.train_groups(n_groups)
         prompt_ids = [self._encode(samples[i].prompt) for i in gen_idx]
         self._moved = set()
+        drop_step_timings(self.rollout)
         if cfg.switch == "colomem" and cfg.rollout_sleep == "alternate":
             self.placement = alternate(self.placement, k)
             rec.metrics["placement/rollout_sleeps"] = int(self.placement.rollout_sleeps)

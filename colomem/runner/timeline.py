@@ -114,6 +114,15 @@ def gpu_free(device: Optional[int]) -> Optional[int]:
     return mem[0] if mem is not None else None
 
 
+def drop_step_timings(rollout: Any) -> None:
+    """Forgets the last step's sleep and wake figures in rollout.timings (its start-up's stay): a step that
+    skips a phase (no weights' wake after a sleep that kept them) must not report the last one's."""
+    timings = getattr(rollout, "timings", None)
+    if isinstance(timings, dict):
+        for k in [k for k in timings if k != "start_s"]:
+            del timings[k]
+
+
 def switch_metrics(sync: Any, trainer: Any, rollout: Any, moved: Collection[str]) -> dict:
     """The step's switch as metrics: the sync's sizes and time, and the reports of what moved in this step
     only (`moved`: offload, reload, rollout; a placement that keeps things in place moves nothing)."""
