@@ -114,6 +114,22 @@ def test_the_runner_gives_its_own_flags_in_place_of_the_rollouts_advice():
     assert "needs 135.00 GiB but 129.00 GiB is free" in msg and "The rollout engine was put back to sleep" in msg
 
 
+def test_oom_in_training_after_a_partial_kv_release_names_the_whole_release():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from colomem.runner.loop_memory import oom_error
+    from colomem.runner.placement import ALL_CATEGORIES, Placement
+
+    c = SimpleNamespace(gpu_memory_utilization=0.3, max_model_len=256, switch="colomem", micro_batch=8)
+    p = replace(Placement(ALL_CATEGORIES, True), kv_release=6 << 30)
+    msg = str(oom_error(c, p, "train", 3, torch.OutOfMemoryError("oom"), None))
+    assert "--micro-batch (now 8)" in msg and "released only 6.00 GiB of its KV cache" in msg
+    assert "--kv-release all" in msg
+    # a rollout phase's shortage is the KV cache's own: the release while training is not the knob there
+    assert "--kv-release" not in str(oom_error(c, p, "rollout", 3, torch.OutOfMemoryError("oom"), None))
+
+
 def test_oom_in_training_names_micro_batch(cache_env, tmp_path):
     held = {}
     with pytest.raises(CudaOutOfMemoryError, match=r"'train'.*--micro-batch \(now 8\)"):

@@ -52,6 +52,9 @@ def oom_error(c, placement: Placement, phase: str, step: int, e: BaseException,
         knob = (f"lower --micro-batch (now {c.micro_batch}), turn on --gradient-checkpointing, or lower "
                 f"--gpu-memory-utilization (now {c.gpu_memory_utilization}) so vLLM's sleeping leftovers are "
                 "smaller; `python -m colomem.budget` estimates what fits")
+    if placement.kv_release and phase not in ("wake_kv", "rollout", "eval"):
+        knob += (f"; vLLM released only {format_bytes(placement.kv_release)} of its KV cache while training, "
+                 "what the first step's figures said training needs: --kv-release all frees all of it")
     if placement.keep and c.switch == "colomem":
         knob += (f" (the placement was {placement.label!r}: --offload all --rollout-sleep always moves "
                  "everything)")
