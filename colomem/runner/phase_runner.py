@@ -275,7 +275,8 @@ class PhaseRunner:
             defer = p.optim_out or (self.cfg.overlap_offload and not self._plan_after_step)
             # optim_out: nothing waits for that copy before training, so it starts once the rollout is awake
             # (_start_deferred_offload): fresh memory mapped beside it ran ~10x slower
-            self.trainer.offload(keep=p.offload_keep, defer=defer, hold=p.optim_out)
+            part = {"keep_part": p.keep_part} if p.keep_part[1] else {}   # a trainer that can keep a part
+            self.trainer.offload(keep=p.offload_keep, defer=defer, hold=p.optim_out, **part)
             self._moved.add("offload")
             self._measure_at_step()
         elif self.placement.rollout_sleeps:       # resident: its cached activations would crowd vLLM's wake

@@ -57,12 +57,14 @@ class Placement:
     the rollout's wake on) behind the rollout; training starts once it is out, and it comes back inside the
     optimizer step. kv_release (with rollout_sleeps): the rollout releases only this many bytes of its KV
     cache while the trainer trains, its weights and the rest of the cache staying mapped (0: it sleeps
-    whole)."""
+    whole). keep_part (category, bytes): of the first category the trainer moves, whole tensors up to that
+    many bytes stay too (("", 0): none; keep_part_fit)."""
     keep: tuple[str, ...]
     rollout_sleeps: bool
     why: str = ""
     optim_out: bool = False
     kv_release: int = 0
+    keep_part: tuple[str, int] = ("", 0)
 
     @property
     def trainer_moves(self) -> bool:
@@ -84,13 +86,15 @@ class Placement:
             return f"trainer resident, {sleeps}, optimizer state out behind the rollout"
         if not self.trainer_moves:
             return f"trainer resident, {sleeps}"
-        if not self.keep:
+        part = f"up to {format_bytes(self.keep_part[1])} of {self.keep_part[0]}" if self.keep_part[1] else ""
+        kept = " and ".join(x for x in ("+".join(self.keep), part) if x)
+        if not kept:
             return f"trainer offloaded, {sleeps}"
-        return f"trainer keeps {'+'.join(self.keep)}, {sleeps}"
+        return f"trainer keeps {kept}, {sleeps}"
 
     def to_dict(self) -> dict:
         return {"label": self.label, "keep": list(self.keep), "rollout_sleeps": self.rollout_sleeps, "why": self.why,
-                "optim_out": self.optim_out, "kv_release": self.kv_release}
+                "optim_out": self.optim_out, "kv_release": self.kv_release, "keep_part": list(self.keep_part)}
 
 
 EVERYTHING_MOVES = Placement((), True, "everything moves (the first step measures what fits)")
@@ -197,7 +201,7 @@ def _need(p: Placement, fig: MemoryFigures) -> int:
     """The rollout phase's need (with nothing moving, the rollout stays awake through training: that too)."""
     if not p.rollout_sleeps:
         return fig.rollout_used - fig.trainer_left + fig.train_peak + fig.optim_created
-    return fig.rollout_used + fig.kept_bytes(p.keep)
+    return fig.rollout_used + fig.kept_bytes(p.keep) + p.keep_part[1]
 
 
 def train_need(fig: MemoryFigures, at_step: bool) -> int:
@@ -312,6 +316,26 @@ def train_spare(p: Placement, figures: Sequence[MemoryFigures], margin: Optional
         return rollout_spare(p, figures, margin, taken)
     at_step = reload_at_step(p, figures, margin)[0]
     return min(f.total - train_need(f, at_step) - _margin(f, margin) for f in figures) - taken
+
+
+MIN_KEPT_PART = 1 << 30      # less than this kept of a category saves too little of a copy to plan for
+
+
+def keep_part_fit(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None) -> tuple[str, int]:
+    """Of the first category placement p moves (the next group of KEEP_ORDER, when it is one category), the
+    bytes that fit on every GPU beside the awake rollout and what p keeps: whole tensors of it up to that many
+    bytes can stay through the rollout, so less crosses the link each way (Adam's moments are a few large
+    tensors under ZeRO). ("", 0) when less than MIN_KEPT_PART fits, when p keeps everything or sends the
+    optimizer state out behind the rollout, or when the state comes back inside the optimizer step (what
+    stays would then sit through training's peak too, where the measured step had none of it)."""
+    if not figures or not p.rollout_sleeps or not p.trainer_moves or p.optim_out or p.keep_part[1]:
+        return ("", 0)
+    groups = next((i for i in range(len(KEEP_ORDER)) if set(_kept_first(i)) == set(p.keep)), None)
+    if groups is None or len(KEEP_ORDER[groups]) != 1 or reload_at_step(p, figures, margin)[0]:
+        return ("", 0)
+    cat = KEEP_ORDER[groups][0]
+    room = min(min(f.total - _margin(f, margin) - _need(p, f), int(f.state.get(cat, 0))) for f in figures)
+    return (cat, room) if room >= MIN_KEPT_PART else ("", 0)
 
 
 def kv_release_fit(p: Placement, figures: Sequence[MemoryFigures], margin: Optional[int] = None, taken: int = 0,
@@ -451,9 +475,9 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
                          step_start_peak=int(step_start_peak or 0))
 
 
-__all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MemoryFigures", "OFFLOAD_MODES", "Placement",
+__all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MIN_KEPT_PART", "MemoryFigures", "OFFLOAD_MODES", "Placement",
            "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
            "figures_from_step", "fits",
            "reload_at_step", "state_to_plan", "train_need", "train_spare",
-           "kv_hint", "kv_release_fit", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
+           "keep_part_fit", "kv_hint", "kv_release_fit", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
            "needs_measuring", "rollout_spare"]

@@ -19,7 +19,8 @@ from colomem.units import format_bytes, parse_bytes
 from .batch_width import widened
 from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .loop_memory import grow_sync_bucket
-from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, kv_hint, kv_release_fit,
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, keep_part_fit, kv_hint,
+                        kv_release_fit,
                         micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         fits, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
@@ -133,7 +134,8 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
         figs = [MemoryFigures(**f) for f in every]
         margin = parse_bytes(c.placement_margin) if c.placement_margin else None
         optim_out = optim_out_allowed(c, trainer)
-        placement = choose(c.offload, c.rollout_sleep, figs, margin, optim_out)
+        placement = with_kept_part(c, trainer, choose(c.offload, c.rollout_sleep, figs, margin, optim_out), figs,
+                                   margin)
         figures = every
         grown = grow_sync_bucket(c, rollout, placement, figs, int(rec.metrics.get("sync/nbytes") or 0), margin, say)
         pr = recompute_probe(c, trainer, train_width, width) if c.trims_recompute else None
@@ -227,6 +229,21 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
              "restore_copy_bytes": restore_bytes if restore_on_device else 0,
              "figures": figures}
     return LaterPlan(placement, event, restore_on_device)
+
+
+def with_kept_part(cfg: Any, trainer: Any, placement: Placement, figs: list, margin: Optional[int]) -> Placement:
+    """--offload auto: of the first category the placement moves, the whole tensors that fit beside the awake
+    rollout stay on the GPU too (placement.keep_part_fit), where the trainer can keep part of a category (its
+    colomem offload; not Adam's moments in memory colomem maps itself, which move whole)."""
+    if cfg.offload != "auto" or not getattr(trainer, "keeps_part", False):
+        return placement
+    cat, nbytes = keep_part_fit(placement, figs, margin)
+    if not nbytes or (cat == "optim" and cfg.optimizer_state_memory == "mapped"):
+        return placement
+    whole = max(int(f.state.get(cat, 0)) for f in figs)
+    why = (f"{placement.why}; of its {format_bytes(whole)} of {cat}, whole tensors up to {format_bytes(nbytes)} "
+           "stay too, the room beside the awake rollout, so less crosses the link each way")
+    return replace(placement, keep_part=(cat, nbytes), why=why)
 
 
 def partial_release(cfg: Any, placement: Placement, figs: list, margin: Optional[int], taken: int) -> Placement:
@@ -354,5 +371,5 @@ def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int
 
 
 __all__ = ["LaterPlan", "RecomputeLine", "asleep_line", "choose_optimizer_reload", "grow_micro_batch", "kv_figures",
-           "optim_out_allowed", "partial_release", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
+           "optim_out_allowed", "partial_release", "with_kept_part", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
            "recompute_probe", "step_figures"]

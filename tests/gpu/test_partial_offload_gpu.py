@@ -52,3 +52,39 @@ def test_kept_state_stays_the_rest_moves_and_training_matches(model_dir, ready, 
     assert pool.stats()["in_use_bytes"] == 0
     pool.close()
     baseline()
+
+
+def test_part_of_the_moments_stays_the_rest_moves_and_training_matches(model_dir, ready):  # noqa: F811
+    """offload(keep=..., keep_part=("optim", n)): whole moment tensors up to n bytes stay on the GPU, the
+    others move and their memory goes to the driver, and training matches the never-offloaded engine."""
+    import colomem
+
+    ref_losses, ref_state = reference_run(model_dir, 2, False)
+    pool = colomem.PinnedPool(0)
+    t = make_trainer(model_dir, 2, False, pool=pool)
+    keep = ("params", "other", "grads", "master")
+    try:
+        losses = [t.train_step(make_batch(0))["loss"]]
+        storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes()
+                    for _, m in t.state().groups["optim"]}
+        moments = sorted(storages.values(), reverse=True)
+        assert len(moments) >= 2, "a ZeRO-2 engine keeps exp_avg and exp_avg_sq apart"
+        part = moments[0]                                  # room for the largest alone
+        for step in range(1, STEPS):
+            before = checksums(t)
+            free0 = torch.cuda.mem_get_info()[0]
+            t.offload(keep=keep, keep_part=("optim", part))
+            rep = t.last_offload
+            assert rep.moved_bytes == sum(moments) - part
+            assert torch.cuda.mem_get_info()[0] - free0 >= rep.moved_bytes - 64 * MiB
+            t.reload()
+            t.wait_reload()
+            assert checksums(t) == before
+            losses.append(t.train_step(make_batch(step))["loss"])
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
+        assert final_state(t) == ref_state
+    finally:
+        t.close()
+    assert pool.stats()["in_use_bytes"] == 0
+    pool.close()
+    baseline()

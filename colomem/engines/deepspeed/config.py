@@ -73,6 +73,22 @@ def check_offload_args(method: str, keep: tuple, defer: bool, categories: Sequen
     return keep
 
 
+def check_keep_part(part: tuple, keep: tuple, method: str, categories: Sequence[str]) -> tuple[str, int]:
+    """An offload's keep_part (category, bytes) checked (InvalidArgumentError): the colomem method, a known
+    category not kept whole and a byte count >= 0; ("", 0) for none."""
+    if not part or not part[1]:
+        return ("", 0)
+    cat, nbytes = part
+    if method != "colomem":
+        raise InvalidArgumentError(f"keep_part={tuple(part)} needs the colomem offload method (not {method!r})")
+    if cat not in categories or cat in keep:
+        raise InvalidArgumentError(f"keep_part={tuple(part)}: name a category that is not kept whole: "
+                                   f"{', '.join(c for c in categories if c not in keep)}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidArgumentError(f"keep_part={tuple(part)}: the bytes must be a whole number >= 0")
+    return (str(cat), int(nbytes))
+
+
 # ------------------------------------------------------------------------------------- distributed setup
 def _free_port() -> int:
     with socket.socket() as s:

@@ -92,6 +92,21 @@ class ScratchBuffers:
             st.resize_(0)
 
 
+def kept_part(items: Iterable[tuple[str, Tensor]], budget: int) -> set:
+    """The storages of `items` (one category's) that stay on the GPU within `budget` bytes: whole ones, the
+    largest first (ZeRO keeps a few large flat tensors: the most bytes that fit stay), by order among
+    equals."""
+    sizes: dict = {}
+    for _, t in items:
+        sizes.setdefault(storage_key(t), storage_nbytes(t))
+    stay, used = set(), 0
+    for key, n in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        if n and used + n <= budget:
+            stay.add(key)
+            used += n
+    return stay
+
+
 class ColomemOffload:
     """Two SwapSets over what the engine holds (re-collected at each offload) + dropped scratch: what the
     forward and backward read, and what only the optimizer step reads (LATE: fp32 masters, Adam moments),
@@ -109,6 +124,7 @@ class ColomemOffload:
         self._scratch = ScratchBuffers()
         self._timeout = timeout_s
         self._keep: tuple[str, ...] = ()     # categories the next offload leaves on the GPU
+        self._keep_part: tuple[str, int] = ("", 0)   # and of this category, whole tensors up to these bytes
         # Adam's moments in memory colomem maps itself (mapped_moments.py): they move with the LATE part but
         # not in its SwapSet
         self.moments = moments
@@ -119,6 +135,9 @@ class ColomemOffload:
                 if self._state is None:
                     return []
                 out = self._state.swap_items([c for c in cats if c not in self.keep])
+                if self._keep_part[0] in cats:
+                    stay = kept_part(self._state.groups.get(self._keep_part[0], ()), self._keep_part[1])
+                    out = [(n, t) for n, t in out if storage_key(t) not in stay]
                 if self.moments is not None:
                     mapped = self.moments.storages()
                     out = [(n, t) for n, t in out if storage_key(t) not in mapped]
@@ -148,6 +167,20 @@ class ColomemOffload:
             self.swapset.release_kept_blocks()
             self.late.release_kept_blocks()
         self._keep = keep
+
+    @property
+    def keep_part(self) -> tuple[str, int]:
+        return self._keep_part
+
+    @keep_part.setter
+    def keep_part(self, part: tuple[str, int]) -> None:
+        """(category, bytes): of a category not kept whole, whole tensors up to `bytes` stay on the GPU too
+        (("", 0): none). A new part moves other tensors, so the kept blocks go back first, as for keep."""
+        part = (str(part[0]), int(part[1])) if part and part[1] > 0 else ("", 0)
+        if part != self._keep_part:
+            self.swapset.release_kept_blocks()
+            self.late.release_kept_blocks()
+        self._keep_part = part
 
     @property
     def pending_bytes(self) -> int:

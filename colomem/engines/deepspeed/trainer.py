@@ -31,8 +31,8 @@ from colomem.engines.reports import SwitchReport
 from colomem.errors import ColomemError, InvalidArgumentError, NotAvailableError, PhaseOrderError
 from colomem.swap import PendingReloads
 
-from .config import (TESTED_DEEPSPEED, DeepSpeedConfig, check_lora_spec, check_offload_args, import_deepspeed,
-                     init_distributed)
+from .config import (TESTED_DEEPSPEED, DeepSpeedConfig, check_keep_part, check_lora_spec, check_offload_args,
+                     import_deepspeed, init_distributed)
 from .process_group import DEFAULT_GROUP
 from .state import (CATEGORIES, FUNCTIONAL_LINEAR, EngineState, collect_engine_state, left_behind,
                     release_cached_memory, trim_module_stack, worth_naming, zero3_global_holders)
@@ -57,8 +57,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         trainer). grpo: the GRPOConfig of the loss (default GRPOConfig()).
 
     Multi-GPU: start with torchrun (data parallel over all ranks); every rank calls every method. On ZeRO-3
-    with several ranks, offload(prepare_sync=True) and named_weights() gather parameters collectively.
-    """
+    with several ranks, offload(prepare_sync=True) and named_weights() gather parameters collectively."""
     # one gradient reduction a step (DeepSpeed's coalesce_grad_reduction) instead of one a micro-batch: set
     # from DeepSpeedConfig.grad_reduction when the engine is built
     reduce_per_step = False
@@ -284,29 +283,30 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         return s
 
     def offload(self, *, prepare_sync: bool = True, merged: bool = True, method: Optional[str] = None,
-                keep: Collection[str] = (), defer: bool = False, hold: bool = False) -> None:
+                keep: Collection[str] = (), defer: bool = False, hold: bool = False,
+                keep_part: tuple[str, int] = ("", 0)) -> None:
         """Moves the engine's GPU state out (see DeepSpeedConfig.offload) and returns the memory to the
-        driver. prepare_sync: keep the named weights readable for the weight sync while offloaded (host views
-        of the pool copy where possible, staged host copies otherwise); merged: as in named_weights().
-        method: another offload method for this cycle (benchmarks). keep: state categories (state.CATEGORIES)
-        that stay on the GPU, colomem method only; with "params" kept the sync reads the weights there.
-        defer (colomem method only): the fp32 masters and Adam moments are still copying on return, read by
-        nobody before the next optimizer step; finish_offload() waits and frees their memory. hold (with
-        defer): that copy starts at start_offload() (or finish_offload()), not beside the rollout's wake that
-        comes first (its mapping of fresh memory ran ~10x slower beside the copy). The report is in
-        `last_offload`."""
+        driver. prepare_sync: the named weights stay readable for the sync while offloaded (host views of the
+        pool copy, else staged host copies); merged: as in named_weights(); method: another offload method
+        for this cycle (benchmarks). Colomem method only: keep, state categories (state.CATEGORIES) left on
+        the GPU (with "params" the sync reads the weights there); keep_part (category, bytes), of a category
+        not kept, whole tensors up to that many bytes left too; defer, the fp32 masters and Adam moments
+        still copying on return (read by no one before the next optimizer step; finish_offload() waits and
+        frees their memory); hold (with defer), that copy starting at start_offload() (or finish_offload()),
+        not beside the rollout's wake (its mapping of fresh memory ran ~10x slower beside it). Report: `last_offload`."""
         self._check_resident("offload()")
         self._writes.wait(self.timeout_s)      # a checkpoint write still reading the copies this rewrites
         self.finish_offload()                  # a background end of the last offload, if one still runs
         self.wait_reload()                     # reloaded, never trained on: let the late copies finish first
         method = method or self.offload_method
         keep = check_offload_args(method, tuple(keep), defer, CATEGORIES)
+        keep_part = check_keep_part(keep_part, keep, method, CATEGORIES)
         check_hold(defer, hold)
         if self.shared is not None:            # the adapter (a few MB) stays with the base it adapts
             keep = tuple(dict.fromkeys((*keep, "params", "other")))
         strategy = self._strategy(method)
         if isinstance(strategy, ColomemOffload):
-            strategy.keep = keep
+            strategy.keep, strategy.keep_part = keep, keep_part
         self._params_kept = "params" in keep
         if self._params_kept:
             prepare_sync = False               # named_weights() reads them where they are
@@ -349,7 +349,7 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         # A gc scan of live tensors costs about a second in a big process: name what stayed once, not on every
         # step's offload (the timed switch of a baseline would carry it every step), and only what stayed
         # beyond the categories kept and the part still copying out, which stay by design.
-        diagnose = worth_naming(left, state.sizes, keep, pending) and not self._left_behind_named
+        diagnose = worth_naming(left, state.sizes, keep, pending + keep_part[1]) and not self._left_behind_named
         self._left_behind_named |= diagnose
         self.last_offload = SwitchReport(
             method, "offload", time.perf_counter() - t0, moved_bytes=move.nbytes, freed_bytes=free1 - free0,
@@ -361,9 +361,10 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
 
     @property
     def defers_offload(self) -> bool:
-        """Whether offload(defer=True) is possible (the colomem method): the planner may then send the
-        optimizer state out behind the rollout."""
+        """offload(defer=True) is possible (the colomem method): the planner may send moments out behind the rollout."""
         return self.offload_method == "colomem"
+
+    keeps_part = defers_offload       # offload(keep_part=...) needs the same: the colomem method
 
     def reload(self) -> None:
         """Brings the state back (the same tensor objects with colomem); training can continue."""
