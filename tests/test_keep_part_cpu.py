@@ -52,14 +52,17 @@ def test_nothing_is_kept_of_a_category_where_it_would_not_pay_or_not_fit():
 def test_the_plan_keeps_a_part_only_for_a_trainer_that_can_and_says_so():
     f = figs(rollout=100, peak=90)
     p = choose("auto", "auto", [f], margin=2 * GB)
-    cfg = SimpleNamespace(offload="auto", optimizer_state_memory="torch")
+    cfg = SimpleNamespace(offload="auto", optimizer_state_memory="torch", optimizer_reload="auto")
     kept = with_kept_part(cfg, SimpleNamespace(keeps_part=True), p, [f], 2 * GB)
     assert kept.keep_part == ("optim", 17 * GB) and "whole tensors up to 15.83 GiB stay too" in kept.why
     assert with_kept_part(cfg, SimpleNamespace(), p, [f], 2 * GB) is p                  # the CPU stand-in
-    assert with_kept_part(SimpleNamespace(offload="auto", optimizer_state_memory="mapped"),
-                          SimpleNamespace(keeps_part=True), p, [f], 2 * GB) is p        # mapped moments move whole
-    assert with_kept_part(SimpleNamespace(offload="optimizer", optimizer_state_memory="torch"),
-                          SimpleNamespace(keeps_part=True), p, [f], 2 * GB) is p        # the user chose what moves
+    can = SimpleNamespace(keeps_part=True)
+
+    def but(**kw):
+        return SimpleNamespace(**{**vars(cfg), **kw})
+    assert with_kept_part(but(optimizer_state_memory="mapped"), can, p, [f], 2 * GB) is p   # moments move whole
+    assert with_kept_part(but(offload="optimizer"), can, p, [f], 2 * GB) is p     # the user chose what moves
+    assert with_kept_part(but(optimizer_reload="step"), can, p, [f], 2 * GB) is p   # back inside the step
 
 
 def test_the_colomem_offload_leaves_the_kept_tensors_and_round_trips_the_rest():

@@ -234,8 +234,10 @@ def plan_later_steps(cfg: Any, *, trainer: Any, rollout: Any, ranks: Ranks, rec:
 def with_kept_part(cfg: Any, trainer: Any, placement: Placement, figs: list, margin: Optional[int]) -> Placement:
     """--offload auto: of the first category the placement moves, the whole tensors that fit beside the awake
     rollout stay on the GPU too (placement.keep_part_fit), where the trainer can keep part of a category (its
-    colomem offload; not Adam's moments in memory colomem maps itself, which move whole)."""
-    if cfg.offload != "auto" or not getattr(trainer, "keeps_part", False):
+    colomem offload; not Adam's moments in memory colomem maps itself, which move whole). Not where the job
+    brings the optimizer state back inside the optimizer step (--optimizer-reload step): what stayed would sit
+    through training's peak."""
+    if cfg.offload != "auto" or cfg.optimizer_reload == "step" or not getattr(trainer, "keeps_part", False):
         return placement
     cat, nbytes = keep_part_fit(placement, figs, margin)
     if not nbytes or (cat == "optim" and cfg.optimizer_state_memory == "mapped"):
