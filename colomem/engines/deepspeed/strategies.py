@@ -160,12 +160,10 @@ class ColomemOffload:
 
     @keep.setter
     def keep(self, keep: tuple[str, ...]) -> None:
-        """A new placement: both sets move other tensors from now on, so the blocks they kept for the old
-        layout go back to the pool first (the first set's offload would otherwise grow the pool beside them)."""
+        """A new placement: the kept blocks of the old layout go back first (_new_layout)."""
         keep = tuple(keep)
         if set(keep) != set(self._keep):
-            self.swapset.release_kept_blocks()
-            self.late.release_kept_blocks()
+            self._new_layout()
         self._keep = keep
 
     @property
@@ -175,12 +173,17 @@ class ColomemOffload:
     @keep_part.setter
     def keep_part(self, part: tuple[str, int]) -> None:
         """(category, bytes): of a category not kept whole, whole tensors up to `bytes` stay on the GPU too
-        (("", 0): none). A new part moves other tensors, so the kept blocks go back first, as for keep."""
+        (("", 0): none). A new part is a new layout, as a new keep is (_new_layout)."""
         part = (str(part[0]), int(part[1])) if part and part[1] > 0 else ("", 0)
         if part != self._keep_part:
-            self.swapset.release_kept_blocks()
-            self.late.release_kept_blocks()
+            self._new_layout()
         self._keep_part = part
+
+    def _new_layout(self) -> None:
+        """Both sets move other tensors from now on: the blocks they kept for the old layout go back to the
+        pool first (the first set's offload would otherwise grow the pool beside them)."""
+        self.swapset.release_kept_blocks()
+        self.late.release_kept_blocks()
 
     @property
     def pending_bytes(self) -> int:
