@@ -7,7 +7,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import colomem
 from colomem.errors import InvalidArgumentError
@@ -15,7 +14,7 @@ from colomem.grpo.config import LoraSpec
 from colomem.runner import run_job
 from colomem.runner.placement import MIN_KEPT_PART, Placement, choose, fits, keep_part_fit
 from colomem.runner.train_memory_plan import with_kept_part
-from fakes.deepspeed import bare_trainer, zero2_offload
+from fakes.deepspeed import bare_trainer, unchanged, zero2_swap
 from fakes.models import lora_model
 from fakes.placement import GB, figs, job
 
@@ -66,9 +65,7 @@ def test_the_plan_keeps_a_part_only_for_a_trainer_that_can_and_says_so():
 
 
 def test_the_colomem_offload_leaves_the_kept_tensors_and_round_trips_the_rest():
-    pool = colomem.PinnedPool("1MiB", pin=False)
-    try:
-        s, (master, weight, moments), before = zero2_offload(pool)
+    with zero2_swap() as (_, s, (master, weight, moments), before):
         assert len(moments) >= 2
         one = moments[0].untyped_storage().nbytes()
         s.keep, s.keep_part = MOVES_MOMENTS, ("optim", one)
@@ -77,17 +74,13 @@ def test_the_colomem_offload_leaves_the_kept_tensors_and_round_trips_the_rest():
         assert len(stayed) == 1 and stayed[0].untyped_storage().nbytes() <= one
         assert master.untyped_storage().nbytes() > 0 and weight.untyped_storage().nbytes() > 0
         s.reload()
-        for t, b in zip((master, weight, *moments), before):
-            assert torch.equal(t, b), "bytes changed over a swap that kept part of the moments"
+        assert unchanged((master, weight, *moments), before), "bytes changed over a swap that kept part of the moments"
         s.keep_part = ("", 0)                        # a new layout: every moment moves again
         s.offload()
         assert all(m.untyped_storage().nbytes() == 0 for m in moments)
         s.reload()
-        for t, b in zip((master, weight, *moments), before):
-            assert torch.equal(t, b)
+        assert unchanged((master, weight, *moments), before)
         s.close()
-    finally:
-        pool.close(force=True)
 
 
 def test_the_trainer_refuses_a_part_it_cannot_keep():

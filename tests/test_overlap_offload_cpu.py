@@ -174,14 +174,11 @@ def test_the_timesplit_baseline_refuses_an_overlapped_offload(tmp_path):
 def test_the_deepspeed_offload_defers_the_optimizer_state():
     """ColomemOffload (the DeepSpeed trainer's offload) on a ZeRO-2-shaped engine of real tensors: the fp32
     masters and Adam moments still copying on return, the rest gone; finish_late() ends it; bytes round-trip."""
-    import colomem
     from colomem.engines import deepspeed as dsa
     from colomem.engines.deepspeed.state import LATE_CATEGORIES
-    from fakes.deepspeed import zero2_offload
+    from fakes.deepspeed import unchanged, zero2_swap
 
-    pool = colomem.PinnedPool("1MiB", pin=False)
-    try:
-        s, (master, weight, moments), before = zero2_offload(pool)
+    with zero2_swap() as (pool, s, (master, weight, moments), before):
         for _ in range(2):
             move = s.offload(defer_late=True)
             assert weight.untyped_storage().nbytes() == 0                    # the forward's state: gone
@@ -191,9 +188,7 @@ def test_the_deepspeed_offload_defers_the_optimizer_state():
             assert s.finish_late() == late and s.pending_bytes == 0 and s.finish_late() == 0
             assert master.untyped_storage().nbytes() == 0 and all(m.untyped_storage().nbytes() == 0 for m in moments)
             s.reload()
-            assert all(torch.equal(t, b) for t, b in zip((master, weight, *moments), before))
+            assert unchanged((master, weight, *moments), before)
         s.offload(defer_late=True)
         s.close()                                   # closing waits for the deferred part, then frees its blocks
         assert pool.stats()["in_use_bytes"] == 0
-    finally:
-        pool.close(force=True)

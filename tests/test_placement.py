@@ -22,7 +22,7 @@ from colomem.runner.placement import (ALL_CATEGORIES, EVERYTHING_MOVES, MemoryFi
                                       needs_measuring, reload_at_step, state_to_plan, train_need)
 from colomem.errors import InvalidArgumentError
 from colomem.grpo.config import LoraSpec
-from fakes.deepspeed import bare_trainer, zero2_offload
+from fakes.deepspeed import bare_trainer, unchanged, zero2_swap
 from fakes.models import lora_model
 from fakes.placement import GB, figs, job, seven_b
 from fakes.vllm import make, trainer_weights
@@ -296,9 +296,7 @@ def test_the_runner_grows_the_buckets_only_when_asked_auto_and_says_so():
 
 # ------------------------------------------------------------------------------ partial offload, moved
 def test_a_partial_colomem_offload_moves_only_what_is_not_kept():
-    pool = colomem.PinnedPool("1MiB", pin=False)
-    try:
-        s, (master, weight, moments), before = zero2_offload(pool)
+    with zero2_swap() as (_, s, (master, weight, moments), before):
         for keep in [("params", "other", "grads", "master"), ("params", "other", "grads"), ()]:
             s.keep = keep
             move = s.offload()
@@ -309,11 +307,8 @@ def test_a_partial_colomem_offload_moves_only_what_is_not_kept():
             if "params" in keep:
                 assert s.host_view(weight) is None          # not moved: the sync reads it on the GPU
             s.reload()
-            for t, b in zip((master, weight, *moments), before):
-                assert torch.equal(t, b), "bytes changed over a partial swap"
+            assert unchanged((master, weight, *moments), before), "bytes changed over a partial swap"
         s.close()
-    finally:
-        pool.close(force=True)
 
 
 def test_weights_kept_on_the_device_are_read_there_while_the_rest_is_offloaded():

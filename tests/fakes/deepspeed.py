@@ -1,6 +1,7 @@
 """A DeepSpeed engine without DeepSpeed: ZeRO-2- and ZeRO-3-shaped stand-ins with the attribute names the
 adapter reads (DeepSpeed 0.19), on real torch tensors, an engine behind the methods train_step calls, and
 DeepSpeedTrainer shells around such engines (built without DeepSpeed or a GPU)."""
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -131,6 +132,24 @@ def zero2_offload(pool):
     strategy = ColomemOffload(lambda: dsa.collect_engine_state(eng, CPU), pool, CPU, 30.0)
     master, weight, moments = zero2_tensors(eng)
     return strategy, (master, weight, moments), [t.clone() for t in (master, weight, *moments)]
+
+
+@contextlib.contextmanager
+def zero2_swap():
+    """(pool, strategy, (master, weight, moments), clones) of zero2_offload in a fresh unpinned pool, which is
+    closed afterwards (forced: a failed test may leave copies in it)."""
+    import colomem
+
+    pool = colomem.PinnedPool("1MiB", pin=False)
+    try:
+        yield (pool, *zero2_offload(pool))
+    finally:
+        pool.close(force=True)
+
+
+def unchanged(tensors, before) -> bool:
+    """Whether every tensor holds the bytes of its clone in `before`."""
+    return all(torch.equal(t, b) for t, b in zip(tensors, before))
 
 
 def bare_trainer(model, lora, pool=None):
