@@ -28,6 +28,8 @@ class Target:
     source: str                   # a result file, relative to benchmarks/results/
     read: Callable[[Any], Optional[float]]
     what: str
+    more: tuple = ()              # further result files of the same measurement (other rounds): the figure is
+    #                               the median of every file's, each file's own figure listed beside it
 
 
 def key(name: str) -> Callable[[Any], Optional[float]]:
@@ -53,6 +55,8 @@ def ratio_of(figure: str, over: str, under: str) -> Callable[[Any], Optional[flo
 # result files several targets read
 LORA7B_RUN = "2026-12-07-h100/call8/grpobench/grpo_bench.json"
 FULL_RUN = "2026-12-07-h100b/call1/grpobench/grpo_bench.json"
+# the same comparison again, two rounds in two calls on another H100 (round 1: colomem first, round 2: TRL first)
+FULL_RUN_MORE = ("2026-12-07-h100c/call1/grpobench/grpo_bench.json", "2026-12-07-h100c/call3/grpobench/grpo_bench.json")
 WALL_RUN = "2026-12-05-h200/call1/wall/transfer.json"
 
 
@@ -60,11 +64,13 @@ TARGETS = [
     Target("speedup_vs_trl", ">=", 1.8, FULL_RUN, ratio_of("step_s_by_mode", "trl", "colomem"),
            "1.5B full fine-tune, CUDA graphs, each tool in the config's setting: TRL 1.16 GRPOTrainer colocate's "
            "step over colomem's default (the planner's placement with vLLM releasing only the part of its KV "
-           "cache training needs, vLLM in the trainer's process); the medians of steps 2-4, one round in one "
-           "call (colomem, colomem with vLLM in a process of its own, TRL), one H100"),
+           "cache training needs, vLLM in the trainer's process), each round's ratio of the medians of steps "
+           "2-4 measured in one call; the median of three rounds: one on one H100, two on another (slower and "
+           "noisier: its rollout of the same work took 2.1-3.8 s)", more=FULL_RUN_MORE),
     Target("whole_run_speedup_vs_trl", ">=", None, FULL_RUN, ratio_of("wall_s_by_mode_warm", "trl", "colomem"),
            "the same runs as what a caller waits for: TRL's run over colomem's, each process from launch to exit, "
-           "start-up and 4 steps; colomem ran first and filled vLLM's compile cache in its run"),
+           "start-up and 4 steps; the first run of each call filled vLLM's compile cache (colomem in two "
+           "rounds, one of them the fresh machine's first run, TRL in the third)", more=FULL_RUN_MORE),
     Target("speedup_vs_trl_both_recompute", ">=", 1.8, "2026-12-06-h100/call4/grpobench/grpo_bench.json",
            key("speedup_vs_trl"),
            "the same job with colomem recomputing every layer too (as the default did before the trim); one "
@@ -131,10 +137,11 @@ def evaluate(results: Path = RESULTS) -> dict:
     out: dict = {}
     detail: dict = {}
     for t in TARGETS:
-        path = results / t.source
-        value, error = None, None
+        value, error, each = None, None, []
         try:
-            value = t.read(json.loads(path.read_text()))
+            each = [t.read(json.loads((results / s).read_text())) for s in (t.source, *t.more)]
+            found = [v for v in each if v is not None]
+            value = (found[0] if len(each) == 1 else statistics.median(found)) if found else None
         except (OSError, ValueError, KeyError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"
         met = None
@@ -143,6 +150,8 @@ def evaluate(results: Path = RESULTS) -> dict:
         out[t.key] = value
         detail[t.key] = {"value": value, "target": None if t.target is None else f"{t.op} {t.target}", "met": met,
                          "source": f"benchmarks/results/{t.source}", "what": t.what,
+                         **({"rounds": {f"benchmarks/results/{s}": v for s, v in zip((t.source, *t.more), each)}}
+                            if t.more else {}),
                          **({"error": error} if error else {})}
     out["detail"] = detail
     return out
@@ -154,7 +163,9 @@ def markdown(report: dict) -> str:
         v = d["value"]
         shown = "-" if v is None else f"{v:.4g}"
         met = {True: "yes", False: "no", None: "-"}[d["met"]]
-        rows.append(f"| `{k}` | {shown} | {d['target'] or '-'} | {met} | `{d['source']}` |")
+        where = "<br>".join(f"`{src}` ({'-' if x is None else f'{x:.4g}'})" for src, x in d["rounds"].items()) \
+            if "rounds" in d else f"`{d['source']}`"
+        rows.append(f"| `{k}` | {shown} | {d['target'] or '-'} | {met} | {where} |")
     return "\n".join(rows) + "\n"
 
 
