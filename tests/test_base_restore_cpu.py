@@ -26,7 +26,9 @@ def test_the_copy_is_held_only_where_it_fits_beside_the_placement_and_what_was_g
     assert not restore_copy_fits(p, roomy + [figs(rollout=90)], 2 * GB, 0, 13 * GB)   # 134 + 2 + 13 > 140
 
 
-def _model(dtype=torch.float32):
+def _model(dtype=torch.float32, adapters=None):
+    """peft keeps a bf16 base's adapters in fp32 (its autocast); adapters=bf16 casts them as DeepSpeed's bf16
+    engine does, which the merge then does in one GEMM."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -34,6 +36,8 @@ def _model(dtype=torch.float32):
                       num_attention_heads=4, num_key_value_heads=2)
     model = get_peft_model(Qwen2ForCausalLM(cfg).to(dtype),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    if adapters is not None:
+        model.to(adapters)
     with torch.no_grad():                      # a trained adapter (B starts at zero)
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -41,12 +45,14 @@ def _model(dtype=torch.float32):
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_merge_in_place_is_merge_adapters_bit_for_bit_and_hands_out_the_base_itself(dtype):
+@pytest.mark.parametrize("dtype,adapters", [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "bf16-base-fp32-adapters", "bf16"])
+def test_the_merge_in_place_is_merge_adapters_bit_for_bit_and_hands_out_the_base_itself(dtype, adapters):
     from colomem.engines.base_restore import BaseRestore
     from colomem.engines.lora import merge_adapters, merged_adapters, walk_modules
 
-    model = _model(dtype)
+    model = _model(dtype, adapters)
     layers = [(p, m) for p, m, params in walk_modules(model) if params is None]
     want = {p + "weight": merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
                                                                  for a in merged_adapters(m)], merged_adapters(m))

@@ -1,8 +1,9 @@
 """peft LoRA for every Trainer: the adapter config from a LoraSpec, the layers the merge supports, and the
 merge itself (base + scaling * B @ A under the base's HF names), which is what the rollout engine loads.
 
-The merge never touches the model (no merge_and_unload: no rounding drift across steps) and runs in fp32
-with one rounding to the weight's dtype. A trainer whose parameters are partitioned (ZeRO-3) passes `full`,
+The merge never touches the model (no merge_and_unload: no rounding drift across steps) and sums in fp32
+with one rounding to the weight's dtype: one adapter whose factors have the weight's dtype in one GEMM
+(fused_merge), anything else in an fp32 copy of the weight. A trainer whose parameters are partitioned (ZeRO-3) passes `full`,
 a context manager that hands out the complete tensors of a module's parameters while they are read.
 
 Nothing here imports torch or peft at module level (DeepSpeedConfig imports build_lora_config).
@@ -77,10 +78,48 @@ def adapter_delta(layer: Any, A: "Tensor", B: "Tensor") -> "Tensor":
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
 
+@contextlib.contextmanager
+def exact_matmul() -> Iterator[None]:
+    """cuBLAS without its reduced-precision shortcuts (TF32 inputs, split-K sums kept in bf16 / fp16) while a
+    merge runs, so its product is the fp32 one. The flags are the process's: set back after."""
+    import torch
+
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    m.allow_tf32 = m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
+
+
+def fused_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling: float,
+                in_place: bool) -> Optional["Tensor"]:
+    """weight + scaling * B @ A as one GEMM (addmm: the product summed in fp32, added to the weight and
+    rounded once to its dtype), into `weight` itself (in_place) or a new tensor. It reads the weight once and
+    writes it once, where the fp32 path writes and reads an fp32 product and an fp32 sum of the weight's size
+    too. None, nothing written, where the factors' dtype is not the weight's (addmm takes one dtype: peft's
+    fp32 adapters on a bf16 base go the fp32 path)."""
+    import torch
+
+    if A.dtype != weight.dtype or B.dtype != weight.dtype or not weight.is_floating_point():
+        return None
+    m1, m2 = (A.T, B.T) if getattr(layer, "fan_in_fan_out", False) else (B, A)
+    with torch.no_grad(), exact_matmul():
+        if in_place:
+            return weight.addmm_(m1, m2, alpha=scaling)
+        return torch.addmm(weight, m1, m2, alpha=scaling)
+
+
 def merge_adapters(layer: Any, weight: "Tensor", factors: Sequence[tuple["Tensor", "Tensor"]],
                    adapters: Sequence[str]) -> "Tensor":
-    """weight + sum of scaling[a] * B @ A over `adapters` ((A, B) in `factors`), in fp32, as weight's dtype.
-    A new tensor: never a view of the base weight."""
+    """weight + sum of scaling[a] * B @ A over `adapters` ((A, B) in `factors`), summed in fp32, as weight's
+    dtype (one rounding). A new tensor: never a view of the base weight. One adapter of the weight's dtype
+    is one GEMM (fused_merge); several, or fp32 factors, are summed in an fp32 copy of the weight."""
+    if len(adapters) == 1:
+        out = fused_merge(layer, weight, *factors[0], layer.scaling[adapters[0]], in_place=False)
+        if out is not None:
+            return out
     acc = weight.float().clone()
     for a, (A, B) in zip(adapters, factors):
         acc.add_(adapter_delta(layer, A, B), alpha=layer.scaling[a])
@@ -180,6 +219,6 @@ def merged_named_weights(model: "Module") -> Iterator[tuple[str, "Tensor"]]:
         yield name, t
 
 
-__all__ = ["DEFAULT_TARGET_MODULES", "adapter_delta", "build_lora_config", "check_lora_layers", "detached", "is_peft_model",
-           "lora_layer_class", "merge_adapters", "merged_adapters", "merged_named_weights", "named_weights",
-           "param_groups", "walk_modules", "weight_sizes"]
+__all__ = ["DEFAULT_TARGET_MODULES", "adapter_delta", "build_lora_config", "check_lora_layers", "detached",
+           "exact_matmul", "fused_merge", "is_peft_model", "lora_layer_class", "merge_adapters", "merged_adapters",
+           "merged_named_weights", "named_weights", "param_groups", "walk_modules", "weight_sizes"]

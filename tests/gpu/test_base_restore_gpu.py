@@ -12,7 +12,9 @@ pytestmark = [pytest.mark.gpu]
 peft = pytest.importorskip("peft")
 
 
-def _model():
+def _model(bf16_adapters=False):
+    """peft keeps the adapters of a bf16 base in fp32; bf16_adapters casts them as DeepSpeed's bf16 engine does
+    (the merge is then one GEMM a layer)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -20,6 +22,8 @@ def _model():
                       num_attention_heads=4, num_key_value_heads=2)
     base = Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    if bf16_adapters:
+        model.to(torch.bfloat16)
     with torch.no_grad():                      # a trained adapter (B starts at zero)
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -27,15 +31,22 @@ def _model():
     return model
 
 
-def test_the_merge_in_place_equals_merge_adapters_bit_for_bit_on_the_gpu():
+@pytest.mark.parametrize("bf16_adapters", [False, True], ids=["fp32-adapters", "bf16-adapters"])
+def test_the_merge_in_place_equals_merge_adapters_bit_for_bit_on_the_gpu(bf16_adapters):
     from colomem.engines.base_restore import BaseRestore
     from colomem.engines.lora import merge_adapters, merged_adapters, walk_modules
 
-    model = _model()
+    model = _model(bf16_adapters)
     layers = [(p, m) for p, m, params in walk_modules(model) if params is None]
     want = [merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
                                                     for a in merged_adapters(m)], merged_adapters(m))
             for _, m in layers]
+    # every path is the fp32 sum rounded once: within one bf16 step of it (cuBLAS may sum in another order)
+    for (_, m), w in zip(layers, want):
+        (a,) = merged_adapters(m)
+        ref = (m.base_layer.weight.float() + m.scaling[a] * (m.lora_B[a].weight.float()
+                                                             @ m.lora_A[a].weight.float())).to(torch.bfloat16)
+        assert torch.all((w.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs())
     original = [m.base_layer.weight.detach().clone() for _, m in layers]
     r = BaseRestore(model)
     named = r.merge_in_place(model)
