@@ -23,7 +23,7 @@ class CudaError(ColomemError):
 class CudaOutOfMemoryError(CudaError, MemoryError): ...
 class PeerError(ColomemError): ...
 
-__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'MappedRange', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'store_words', 'unpin_range']
+__all__: list[str] = ['ColomemError', 'CopyEngine', 'CudaError', 'CudaOutOfMemoryError', 'DoubleReleaseError', 'ExportableBuffer', 'HostPool', 'ImportedBuffer', 'InvalidArgumentError', 'IpcBuffer', 'MappedRange', 'NotAvailableError', 'PeerError', 'PoolBusyError', 'PoolClosedError', 'PoolExhaustedError', 'Transfer', 'TransferTimeoutError', 'UnixConnection', 'UnixServer', 'build_info', 'checksum', 'checksum_buffer', 'checksum_into', 'checksum_many_into', 'copy_ranges', 'device_by_uuid', 'device_count', 'device_uuid', 'ipc_granularity', 'pin_range', 'store_words', 'unpin_range']
 class HostPool:
     """
     Pinned (or plain) host memory, sub-allocated.
@@ -263,6 +263,10 @@ def checksum(ptr: int, nbytes: int, stride_words: int = 1, stream: int = 0, devi
 def checksum_buffer(data: typing.Any, stride_words: int = 1) -> int:
     """
     The checksum of a bytes-like object (host memory).
+    """
+def checksum_many_into(descs: int, n: int, out: int, stream: int, device: int, host_out: int = 0) -> None:
+    """
+    The checksums of n windows at once. descs: the address of n * 3 uint64 (a window's address, nbytes, stride_words), page-locked host memory for a GPU (the kernels read it: keep it unchanged until the stream passed them). device=-1: host memory, computed now into the n words at host_out (out unused). Else asynchronous on `stream` of that GPU, three launches in all: the values land at device address `out` (n words) and at host_out (page-locked) too when it is not 0.
     """
 def checksum_into(ptr: int, nbytes: int, stride_words: int, out: int, stream: int, device: int, host_out: int = 0) -> None:
     """

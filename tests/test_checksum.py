@@ -137,6 +137,36 @@ def test_checksum_timeout_is_optional_and_checked():
             _C.checksum(ptr, len(data), 1, 0, -1, timeout_s=bad)
 
 
+def _descs(windows):
+    """(ctypes buffer of the windows' (address, nbytes, stride) words, its address) for checksum_many_into."""
+    words = (ctypes.c_uint64 * (3 * max(1, len(windows))))(*[v for w in windows for v in w])
+    return words, ctypes.addressof(words)
+
+
+def test_a_batch_of_windows_gives_each_windows_own_checksum():
+    data = os.urandom(10_000)
+    buf = ctypes.create_string_buffer(data, len(data))
+    base = ctypes.addressof(buf)
+    spans = [(0, 0, 1), (0, 10_000, 1), (3, 17, 1), (8, 4096, 7), (1000, 8001, 64), (9999, 1, 1), (16, 800, 1000)]
+    words, addr = _descs([(base + off, n, stride) for off, n, stride in spans])
+    out = (ctypes.c_uint64 * len(spans))()
+    _C.checksum_many_into(addr, len(spans), 0, 0, -1, ctypes.addressof(out))
+    assert list(out) == [reference(data[off:off + n], stride) for off, n, stride in spans]
+    _C.checksum_many_into(addr, 0, 0, 0, -1, ctypes.addressof(out))      # an empty batch writes nothing
+    assert list(out) == [reference(data[off:off + n], stride) for off, n, stride in spans]
+
+
+def test_a_batch_refuses_a_bad_window_and_a_missing_output():
+    data = ctypes.create_string_buffer(64)
+    words, addr = _descs([(ctypes.addressof(data), 64, 0)])
+    out = (ctypes.c_uint64 * 1)()
+    with pytest.raises(InvalidArgumentError, match="stride"):
+        _C.checksum_many_into(addr, 1, 0, 0, -1, ctypes.addressof(out))
+    words, addr = _descs([(ctypes.addressof(data), 64, 1)])
+    with pytest.raises(InvalidArgumentError, match="host_out"):
+        _C.checksum_many_into(addr, 1, 0, 0, -1, 0)
+
+
 def test_host_only_build_refuses_device_checksum():
     if _C.build_info()["cuda"] and _C.device_count() > 0:
         pytest.skip("CUDA build with a device: covered by tests/gpu/test_bridge_ipc.py")
@@ -144,3 +174,6 @@ def test_host_only_build_refuses_device_checksum():
 
     with pytest.raises(NotAvailableError):
         _C.checksum(4096, 64, 1, 0, 0)
+    words, addr = _descs([(4096, 64, 1)])
+    with pytest.raises(NotAvailableError):
+        _C.checksum_many_into(addr, 1, 4096, 0, 0)

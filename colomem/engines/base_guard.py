@@ -6,8 +6,9 @@ Each tensor's bytes are split into `parts` pieces whose checksums (the core's, `
 sample of every tensor (about `sample_words` words spread over it, the first and last included) plus one
 piece per tensor that rotates with each call, so `parts` consecutive calls have read every byte once.
 `full()` reads every piece of every tensor. A difference raises BaseWrittenError naming the tensor and its
-byte range. On the GPU the checksums of one call are queued on a side stream (ordered after the current
-stream's work) and come back in one copy, waited for with a bound.
+byte range. The windows of one call are one batch of the core's checksum; on the GPU it is queued on a side
+stream (ordered after the current stream's work), stored by its kernel into page-locked memory, and waited
+for with a bound.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class BaseChecksum:
             self._parts.append(_split(name, n, parts))
         self.calls = 0
         self._side: Any = None
+        self._in_flight: list = []          # (descriptors, host values, device values, done event) of a batch
         self._ref = {w: v for w, v in zip(self._all(), self._compute(self._all()))}
 
     @property
@@ -101,23 +103,32 @@ class BaseChecksum:
                     "change; look for an optimizer, a weight load or an in-place op that reaches the base")
 
     def _compute(self, windows: list[_Window]) -> list[int]:
+        """The windows' checksums in one batch (the core's checksum_many_into: three kernel launches on a GPU
+        whatever their number, where one call a window launched three each)."""
         ptrs = {name: t.data_ptr() for name, t in self._tensors.items()}
-        if self.device.type != "cuda":
-            return [_C.checksum(ptrs[w.name] + w.offset, w.nbytes, w.stride, 0, -1) & U64
-                    for w in windows]
+        cuda = self.device.type == "cuda"
+        n = len(windows)
+        descs = torch.tensor([v for w in windows for v in (ptrs[w.name] + w.offset, w.nbytes, w.stride)],
+                             dtype=torch.int64)
+        host = torch.empty(n, dtype=torch.int64)
+        if not cuda:
+            _C.checksum_many_into(descs.data_ptr(), n, 0, 0, -1, host.data_ptr())
+            return [int(v) & U64 for v in host.tolist()]
         dev = self.device
         if self._side is None:
             self._side = torch.cuda.Stream(dev)
         side = self._side
+        # the kernels read the descriptors and store the values in page-locked memory where they run: those
+        # buffers stay referenced until their batch is known done, even past a wait that timed out
+        self._in_flight = [b for b in self._in_flight if not b[-1].query()]
+        descs, host = descs.pin_memory(), host.pin_memory()
         side.wait_stream(torch.cuda.current_stream(dev))       # the writes queued so far come first
-        out = torch.empty(len(windows), dtype=torch.int64, device=dev)
-        host = torch.empty(len(windows), dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(side):
-            for i, w in enumerate(windows):   # each sum stored into `host` by its kernel: no copy engine
-                _C.checksum_into(ptrs[w.name] + w.offset, w.nbytes, w.stride, out[i:i + 1].data_ptr(),
-                                 side.cuda_stream, dev.index, host[i:i + 1].data_ptr())
+            out = torch.empty(n, dtype=torch.int64, device=dev)
+            _C.checksum_many_into(descs.data_ptr(), n, out.data_ptr(), side.cuda_stream, dev.index, host.data_ptr())
             done = torch.cuda.Event()
             done.record(side)
+        self._in_flight.append((descs, host, out, done))
         wait_event(done, self.timeout_s, "the shared-base checksum")
         return [int(v) & U64 for v in host.tolist()]
 

@@ -146,6 +146,25 @@ void register_checksum(py::module_& m) {
       "`host_out` (page-locked host memory, e.g. a pinned tensor's data_ptr()) too when it is not 0: stored "
       "by the kernel, so reading it back never queues behind a copy in flight on a copy engine.");
   m.def(
+      "checksum_many_into",
+      [](uintptr_t descs, size_t n, uintptr_t out, uintptr_t stream, int device, uintptr_t host_out) {
+        py::gil_scoped_release nogil;
+        if (device < 0) {
+          require(host_out != 0 && host_out % 8 == 0,
+                  "checksum_many_into on host memory (device=-1) writes its values at `host_out`: pass an 8-byte "
+                  "aligned host address of n words");
+          host_checksum_many(reinterpret_cast<const uint64_t*>(descs), n, reinterpret_cast<uint64_t*>(host_out));
+          return;
+        }
+        device_checksum_many_into(descs, n, out, stream, device, host_out);
+      },
+      py::arg("descs"), py::arg("n"), py::arg("out"), py::arg("stream"), py::arg("device"), py::arg("host_out") = 0,
+      "The checksums of n windows at once. descs: the address of n * 3 uint64 (a window's address, nbytes, "
+      "stride_words), page-locked host memory for a GPU (the kernels read it: keep it unchanged until the "
+      "stream passed them). device=-1: host memory, computed now into the n words at host_out (out unused). "
+      "Else asynchronous on `stream` of that GPU, three launches in all: the values land at device address "
+      "`out` (n words) and at host_out (page-locked) too when it is not 0.");
+  m.def(
       "checksum_buffer",
       [](const py::object& obj, size_t stride_words) -> uint64_t {
         Py_buffer view;

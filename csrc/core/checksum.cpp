@@ -31,4 +31,13 @@ uint64_t host_checksum(const void* ptr, size_t nbytes, size_t stride_words) {
   return finish(sum, nbytes, stride_words);
 }
 
+void host_checksum_many(const uint64_t* descs, size_t n, uint64_t* out) {
+  require(n == 0 || (descs != nullptr && out != nullptr), "checksum_many: null descriptors or output");
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t* d = descs + i * kChecksumDescWords;
+    out[i] = host_checksum(reinterpret_cast<const void*>(static_cast<uintptr_t>(d[0])), static_cast<size_t>(d[1]),
+                           static_cast<size_t>(d[2]));
+  }
+}
+
 }  // namespace colomem

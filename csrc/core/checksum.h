@@ -47,4 +47,11 @@ COLOMEM_HD bool last_word_extra(uint64_t n_words, uint64_t stride_words) {
 // stride_words >= 1 (1 = every word). Any alignment of ptr.
 uint64_t host_checksum(const void* ptr, size_t nbytes, size_t stride_words);
 
+// A batch of windows: kChecksumDescWords uint64 each, (address, nbytes, stride_words), the layout the GPU's
+// batched checksum reads too.
+constexpr size_t kChecksumDescWords = 3;
+
+// The checksums of n windows of host memory described by `descs` (n * kChecksumDescWords words), into out[0..n).
+void host_checksum_many(const uint64_t* descs, size_t n, uint64_t* out);
+
 }  // namespace colomem

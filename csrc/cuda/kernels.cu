@@ -65,6 +65,56 @@ __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned c
   }
 }
 
+// The batched checksum: window blockIdx.y of `descs` (address, nbytes, stride_words), its sampled words summed
+// by gridDim.x blocks into out[blockIdx.y]; blocks past a window's samples add nothing.
+__global__ void checksum_many_sum_kernel(const uint64_t* __restrict__ descs, unsigned long long* out) {
+  const uint64_t* d = descs + static_cast<uint64_t>(blockIdx.y) * kChecksumDescWords;
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(d[0]);
+  const uint64_t n_words = d[1] / 8, stride = d[2];
+  const uint64_t n_samples = n_words == 0 ? 0 : (n_words - 1) / stride + 1;
+  uint64_t sum = 0;
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_samples; k += step)
+    sum += checksum_detail::term(k * stride, words[k * stride]);
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+  __shared__ uint64_t warp_sums[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    sum = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+    if (lane == 0 && sum != 0) atomicAdd(out + blockIdx.y, static_cast<unsigned long long>(sum));
+  }
+}
+
+__global__ void checksum_many_zero_kernel(unsigned long long* out, uint64_t n) {
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) out[i] = 0;
+}
+
+// One thread a window: the off-grid last word and the tail, the finish, the store to the host when asked.
+__global__ void checksum_many_finish_kernel(const uint64_t* __restrict__ descs, unsigned long long* out, uint64_t n,
+                                            unsigned long long* host_out) {
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t w = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < n; w += step) {
+    const uint64_t* d = descs + w * kChecksumDescWords;
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(d[0]);
+    const uint64_t nbytes = d[1], stride = d[2], n_words = nbytes / 8;
+    uint64_t sum = out[w];
+    if (checksum_detail::last_word_extra(n_words, stride))
+      sum += checksum_detail::term(n_words - 1, reinterpret_cast<const uint64_t*>(base)[n_words - 1]);
+    if (const uint64_t tail = nbytes % 8) {
+      uint64_t v = 0;
+      for (uint64_t b = 0; b < tail; ++b) v |= static_cast<uint64_t>(base[n_words * 8 + b]) << (8 * b);
+      sum += checksum_detail::term(n_words, v);
+    }
+    out[w] = checksum_detail::finish(sum, nbytes, stride);
+    if (host_out) host_out[w] = out[w];
+  }
+  if (host_out) __threadfence_system();
+}
+
 // Copies n 8-byte words from device memory to mapped page-locked host memory, the SMs storing over the bus.
 __global__ void store_words_kernel(const unsigned long long* __restrict__ src, uint64_t n,
                                    unsigned long long* __restrict__ dst) {
@@ -138,15 +188,15 @@ cudaStream_t readback_stream(int device) {
 }
 
 // The device's address of page-locked host memory (the same address under unified addressing).
-unsigned long long* mapped_host_word(uintptr_t host_out) {
-  require(host_out != 0 && host_out % 8 == 0, "`host_out` must be an 8-byte aligned host address");
+unsigned long long* mapped_host_word(uintptr_t host_out, const char* what = "host_out") {
+  require(host_out != 0 && host_out % 8 == 0, cat("`", what, "` must be an 8-byte aligned host address"));
   void* dev = nullptr;
   cudaError_t err = cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(host_out), 0);
   if (err != cudaSuccess || dev == nullptr) {
     (void)cudaGetLastError();
-    throw InvalidArgument(cat("host_out ", hex(host_out), " is not page-locked host memory mapped for "
+    throw InvalidArgument(cat(what, " ", hex(host_out), " is not page-locked host memory mapped for "
                               "the device (", cudaGetErrorName(err), "); pass a pinned tensor's address "
-                              "(pin_memory()) or 0"));
+                              "(pin_memory())", std::string(what) == "host_out" ? " or 0" : ""));
   }
   return static_cast<unsigned long long*>(dev);
 }
@@ -179,6 +229,46 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
   }
   checksum_finish_kernel<<<1, 1, 0, s>>>(result, reinterpret_cast<const unsigned char*>(ptr), nbytes,
                                          stride_words, host_word);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr_t stream, int device,
+                               uintptr_t host_out) {
+  if (n == 0) return;
+  require(descs != 0 && descs % 8 == 0, "checksum_many: `descs` must be an 8-byte aligned host address");
+  require(out != 0 && out % 8 == 0, "checksum_many: `out` must be an 8-byte aligned device address");
+  require_device(device);
+  DeviceGuard guard(device);
+  // every window checked before anything is queued: a bad address would poison the context
+  const auto* host_descs = reinterpret_cast<const uint64_t*>(descs);
+  uint64_t most = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t* d = host_descs + i * kChecksumDescWords;
+    require(d[2] >= 1, cat("checksum_many: window ", i, ": stride_words must be >= 1, got ", d[2]));
+    require(d[0] % 8 == 0, cat("checksum_many: window ", i, ": the GPU needs an 8-byte aligned address, got ",
+                               hex(d[0])));
+    check_device_pointer(static_cast<uintptr_t>(d[0]), static_cast<size_t>(d[1]), device);
+    const uint64_t n_words = d[1] / 8;
+    most = std::max(most, n_words == 0 ? uint64_t{0} : (n_words - 1) / d[2] + 1);
+  }
+  const auto* dev_descs = reinterpret_cast<const uint64_t*>(mapped_host_word(descs, "descs"));
+  unsigned long long* host_words = host_out ? mapped_host_word(host_out) : nullptr;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto* result = reinterpret_cast<unsigned long long*>(out);
+  const unsigned int spread = static_cast<unsigned int>(std::min<uint64_t>(std::max<uint64_t>(n / kThreads, 1), 64));
+  checksum_many_zero_kernel<<<spread, kThreads, 0, s>>>(result, n);
+  COLOMEM_CUDA_CHECK(cudaGetLastError());
+  if (most > 0) {
+    const unsigned int per_window = static_cast<unsigned int>(std::min<uint64_t>((most + kThreads - 1) / kThreads, 64));
+    constexpr size_t kMaxGridY = 65535;
+    for (size_t first = 0; first < n; first += kMaxGridY) {
+      const unsigned int rows = static_cast<unsigned int>(std::min(n - first, kMaxGridY));
+      checksum_many_sum_kernel<<<dim3(per_window, rows), kThreads, 0, s>>>(dev_descs + first * kChecksumDescWords,
+                                                                          result + first);
+      COLOMEM_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+  checksum_many_finish_kernel<<<spread, kThreads, 0, s>>>(dev_descs, result, n, host_words);
   COLOMEM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -23,6 +23,15 @@ uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uint
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
                           int device, uintptr_t host_out);
 
+// The checksums of n windows in one batch (three kernel launches whatever n is, where one call a window
+// launches three each). descs: page-locked host memory of n * kChecksumDescWords uint64 (core/checksum.h:
+// address, nbytes, stride_words a window), read by the kernels where they run, so it must stay as it is until
+// `stream` passed them. The n values land at the device address `out` (n words) and at the page-locked host
+// words `host_out` too when it is not 0 (stored by the kernel). Every window is checked as device_checksum_into
+// checks one before anything is queued.
+void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr_t stream, int device,
+                               uintptr_t host_out);
+
 // Most words device_store_words moves: it is for small results (checksums, flags), not for data.
 constexpr size_t kStoreWordsMax = 1 << 20;
 

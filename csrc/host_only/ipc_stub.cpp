@@ -32,6 +32,10 @@ void device_checksum_into(uintptr_t, size_t, size_t, uintptr_t, uintptr_t, int, 
   unavailable("checksum on a CUDA device");
 }
 
+void device_checksum_many_into(uintptr_t, size_t, uintptr_t, uintptr_t, int, uintptr_t) {
+  unavailable("checksum on a CUDA device");
+}
+
 void device_store_words(uintptr_t, size_t, uintptr_t, uintptr_t, int) { unavailable("store_words on a CUDA device"); }
 
 void device_exponential_rows(uintptr_t, int64_t, int64_t, int64_t, uintptr_t, int64_t, uintptr_t, int) {

@@ -66,6 +66,50 @@ def test_gpu_checksum_equals_host_checksum(n, stride):
         assert int(host[0]) & ((1 << 64) - 1) == want == int(out.item()) & ((1 << 64) - 1)
 
 
+def test_a_batch_of_gpu_windows_gives_each_windows_own_checksum():
+    """Windows of several tensors, of every size class (empty, a tail only, sampled, more than 65,535 windows
+    across launches), in one batch: each value is the host checksum of its bytes."""
+    a = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8)
+    b = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    da, db = a.cuda(), b.cuda()
+    spans = [(da, a, 0, 0, 1), (da, a, 8, 7, 1), (da, a, 0, 3 * MiB + 5, 1), (da, a, 64, 2 * MiB, 5),
+             (da, a, 1024, MiB, 4096), (db, b, 0, 4096, 1), (db, b, 8, 4000, 3)]
+    spans += [(db, b, 8 * (i % 500), 8, 1) for i in range(70_000)]     # a second launch of the sum kernel
+    n = len(spans)
+    descs = torch.tensor([v for d, _, off, size, stride in spans for v in (d.data_ptr() + off, size, stride)],
+                         dtype=torch.int64).pin_memory()
+    host = torch.full((n,), -1, dtype=torch.int64).pin_memory()
+    out = torch.zeros(n, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream()
+    _C.checksum_many_into(descs.data_ptr(), n, out.data_ptr(), stream.cuda_stream, 0, host.data_ptr())
+    stream.synchronize()
+    want_of = {}
+    for _, h, off, size, stride in spans:
+        key = (h.data_ptr(), off, size, stride)
+        if key not in want_of:
+            want_of[key] = _C.checksum_buffer(h[off:off + size].numpy().tobytes(), stride)
+    want = [want_of[(h.data_ptr(), off, size, stride)] for _, h, off, size, stride in spans]
+    mask = (1 << 64) - 1
+    assert [int(v) & mask for v in host.tolist()] == want
+    assert [int(v) & mask for v in out.cpu().tolist()] == want
+
+
+def test_a_gpu_batch_is_refused_before_anything_runs_when_a_window_or_its_descriptors_are_wrong():
+    dev = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    plain = torch.tensor([dev.data_ptr(), 64, 1], dtype=torch.int64)        # pageable: the kernels cannot read it
+    with pytest.raises(InvalidArgumentError, match="descs"):
+        _C.checksum_many_into(plain.data_ptr(), 1, out.data_ptr(), 0, 0)
+    host = torch.zeros(64, dtype=torch.uint8)
+    bad = torch.tensor([dev.data_ptr(), 64, 1, host.data_ptr(), 64, 1], dtype=torch.int64).pin_memory()
+    with pytest.raises(InvalidArgumentError, match="not CUDA memory"):
+        _C.checksum_many_into(bad.data_ptr(), 2, out.data_ptr(), 0, 0)
+    odd = torch.tensor([dev.data_ptr() + 4, 16, 1], dtype=torch.int64).pin_memory()
+    with pytest.raises(InvalidArgumentError, match="aligned"):
+        _C.checksum_many_into(odd.data_ptr(), 1, out.data_ptr(), 0, 0)
+    torch.cuda.synchronize()                   # nothing was queued that could fault
+
+
 def test_gpu_checksum_on_a_vmm_buffer_and_bad_pointers():
     buf = _C.ExportableBuffer(0, 3 * MiB)
     assert buf.nbytes % _C.ipc_granularity(0) == 0 and buf.nbytes >= 3 * MiB
