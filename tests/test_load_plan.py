@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from colomem.bridge.buckets import Entry, Reassembler, entry_view, pack_bucket, plan_buckets
 from colomem.engines.vllm.worker.load_plan import LoadPlan, VersionRecord
@@ -127,6 +128,42 @@ def test_replay_writes_exactly_what_load_weights_writes(bucket_bytes):
         assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
         assert torch.equal(m.embed[V:], torch.zeros(PAD - V, H))   # the padding fill is replayed too
     assert lp.recorded_calls == 1
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copies a replay makes."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_source_that_is_the_parameters_own_memory_is_not_copied_onto_itself():
+    m = VllmLike()
+    lp = LoadPlan(m)
+    load(m, lp, hf_weights(0))
+    # the weights handed back as views of the model's own parameters (a shared base, merged in place)
+    own = [("q", m.qkv.data[:H]), ("k", m.qkv.data[H:2 * H]), ("v", m.qkv.data[2 * H:]),
+           ("gate", m.gate_up.data[:2 * H]), ("up", m.gate_up.data[2 * H:]), ("down", m.down.data)]
+    with torch.no_grad():
+        for _, t in own:
+            t.mul_(3.0)                                  # what a merge in place writes
+    want = state(m)
+    with _Copies() as counted:
+        for name, t in own:
+            e = Entry(name, "float32", tuple(t.shape), 0, t.numel() * t.element_size())
+            assert lp.can_replay(e)
+            assert lp.replay(e, t) <= {"qkv", "gate_up", "down"}
+    assert counted.n == 0
+    assert all(torch.equal(v, want[n]) for n, v in state(m).items())
+    # another tensor of the same name is still copied in
+    fresh = torch.full((H, H), 7.0)
+    with _Copies() as counted:
+        lp.replay(Entry("q", "float32", (H, H), 0, fresh.numel() * 4), fresh)
+    assert counted.n == 1 and torch.equal(m.qkv[:H], fresh)
 
 
 @pytest.mark.parametrize("cast", ["scale", "temp", "const"])

@@ -269,15 +269,19 @@ class LoadPlan:
 
     def replay(self, e: Entry, view: torch.Tensor) -> set:
         """Does for one bucket entry (a whole tensor, or a part of a split one) what load_weights did for it:
-        copies (on the current stream) and, with the entry holding the tensor's start, the fills. Returns
-        the parameters written."""
+        copies (on the current stream) and, with the entry holding the tensor's start, the fills. A copy whose
+        source already is its destination's memory is skipped (it would write every byte onto itself).
+        Returns the parameters written."""
         plan = self.plans[e.name]
         flat = view.reshape(-1)
         p0, p1 = (e.part[0], e.part[1]) if e.part is not None else (0, flat.numel())
         for c in plan.copies:
             lo, hi = max(c.src_offset, p0), min(c.src_offset + c.numel, p1)
             if lo < hi:
-                c.dst[lo - c.src_offset:hi - c.src_offset].copy_(flat[lo - p0:hi - p0], non_blocking=True)
+                dst, src = c.dst[lo - c.src_offset:hi - c.src_offset], flat[lo - p0:hi - p0]
+                if dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype:
+                    continue     # the source is the parameter's own memory (a shared base merged in place)
+                dst.copy_(src, non_blocking=True)
         if p0 == 0:
             for t, value in plan.fills:
                 t.fill_(value)
