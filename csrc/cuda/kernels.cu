@@ -20,15 +20,19 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Sums term(i, w[i]) over the sampled words i = k * stride (k < n_samples) into *out (atomically, per block).
-__global__ void checksum_sum_kernel(const uint64_t* __restrict__ words, uint64_t n_samples, uint64_t stride,
-                                    unsigned long long* out) {
+// This thread's share of term(i, w[i]) over the sampled words i = k * stride (k < n_samples): the grid's
+// x dimension strides over them.
+__device__ __forceinline__ uint64_t sampled_sum(const uint64_t* __restrict__ words, uint64_t n_samples,
+                                                uint64_t stride) {
   uint64_t sum = 0;
   const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_samples; k += step) {
-    const uint64_t i = k * stride;
-    sum += checksum_detail::term(i, words[i]);
-  }
+  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_samples; k += step)
+    sum += checksum_detail::term(k * stride, words[k * stride]);
+  return sum;
+}
+
+// The block's threads' sums added to *out (atomically: several blocks share a value); every thread calls it.
+__device__ __forceinline__ void block_sum_into(uint64_t sum, unsigned long long* out) {
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
   __shared__ uint64_t warp_sums[kThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -37,8 +41,29 @@ __global__ void checksum_sum_kernel(const uint64_t* __restrict__ words, uint64_t
   if (warp == 0) {
     sum = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0;
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
-    if (lane == 0) atomicAdd(out, static_cast<unsigned long long>(sum));
+    if (lane == 0 && sum != 0) atomicAdd(out, static_cast<unsigned long long>(sum));
   }
+}
+
+// A window's value from the sum of its sampled words: the off-grid last word and the zero-padded tail
+// added, then finished (core/checksum.h).
+__device__ __forceinline__ uint64_t finished_value(uint64_t sum, const unsigned char* base, uint64_t nbytes,
+                                                   uint64_t stride) {
+  const uint64_t n_words = nbytes / 8;
+  if (checksum_detail::last_word_extra(n_words, stride))
+    sum += checksum_detail::term(n_words - 1, reinterpret_cast<const uint64_t*>(base)[n_words - 1]);
+  if (const uint64_t tail = nbytes % 8) {
+    uint64_t w = 0;
+    for (uint64_t b = 0; b < tail; ++b) w |= static_cast<uint64_t>(base[n_words * 8 + b]) << (8 * b);
+    sum += checksum_detail::term(n_words, w);
+  }
+  return checksum_detail::finish(sum, nbytes, stride);
+}
+
+// Sums term(i, w[i]) over the sampled words i = k * stride (k < n_samples) into *out (atomically, per block).
+__global__ void checksum_sum_kernel(const uint64_t* __restrict__ words, uint64_t n_samples, uint64_t stride,
+                                    unsigned long long* out) {
+  block_sum_into(sampled_sum(words, n_samples, stride), out);
 }
 
 // One thread: the sum's start. A kernel, not cudaMemsetAsync: a memset may run on a copy engine, and there it
@@ -49,16 +74,7 @@ __global__ void checksum_zero_kernel(unsigned long long* out) { *out = 0; }
 // stores it into page-locked host memory when host_out is set: a store over the bus, no copy engine).
 __global__ void checksum_finish_kernel(unsigned long long* out, const unsigned char* base, uint64_t nbytes,
                                        uint64_t stride, unsigned long long* host_out) {
-  const uint64_t n_words = nbytes / 8;
-  uint64_t sum = *out;
-  if (checksum_detail::last_word_extra(n_words, stride))
-    sum += checksum_detail::term(n_words - 1, reinterpret_cast<const uint64_t*>(base)[n_words - 1]);
-  if (const uint64_t tail = nbytes % 8) {
-    uint64_t w = 0;
-    for (uint64_t b = 0; b < tail; ++b) w |= static_cast<uint64_t>(base[n_words * 8 + b]) << (8 * b);
-    sum += checksum_detail::term(n_words, w);
-  }
-  *out = checksum_detail::finish(sum, nbytes, stride);
+  *out = finished_value(*out, base, nbytes, stride);
   if (host_out) {
     *host_out = *out;
     __threadfence_system();
@@ -71,21 +87,7 @@ __global__ void checksum_many_sum_kernel(const uint64_t* __restrict__ descs, uns
   const uint64_t* d = descs + static_cast<uint64_t>(blockIdx.y) * kChecksumDescWords;
   const uint64_t* words = reinterpret_cast<const uint64_t*>(d[0]);
   const uint64_t n_words = d[1] / 8, stride = d[2];
-  const uint64_t n_samples = n_words == 0 ? 0 : (n_words - 1) / stride + 1;
-  uint64_t sum = 0;
-  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_samples; k += step)
-    sum += checksum_detail::term(k * stride, words[k * stride]);
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
-  __shared__ uint64_t warp_sums[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_sums[warp] = sum;
-  __syncthreads();
-  if (warp == 0) {
-    sum = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0;
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
-    if (lane == 0 && sum != 0) atomicAdd(out + blockIdx.y, static_cast<unsigned long long>(sum));
-  }
+  block_sum_into(sampled_sum(words, n_words == 0 ? 0 : (n_words - 1) / stride + 1, stride), out + blockIdx.y);
 }
 
 __global__ void checksum_many_zero_kernel(unsigned long long* out, uint64_t n) {
@@ -99,17 +101,7 @@ __global__ void checksum_many_finish_kernel(const uint64_t* __restrict__ descs, 
   const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t w = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < n; w += step) {
     const uint64_t* d = descs + w * kChecksumDescWords;
-    const unsigned char* base = reinterpret_cast<const unsigned char*>(d[0]);
-    const uint64_t nbytes = d[1], stride = d[2], n_words = nbytes / 8;
-    uint64_t sum = out[w];
-    if (checksum_detail::last_word_extra(n_words, stride))
-      sum += checksum_detail::term(n_words - 1, reinterpret_cast<const uint64_t*>(base)[n_words - 1]);
-    if (const uint64_t tail = nbytes % 8) {
-      uint64_t v = 0;
-      for (uint64_t b = 0; b < tail; ++b) v |= static_cast<uint64_t>(base[n_words * 8 + b]) << (8 * b);
-      sum += checksum_detail::term(n_words, v);
-    }
-    out[w] = checksum_detail::finish(sum, nbytes, stride);
+    out[w] = finished_value(out[w], reinterpret_cast<const unsigned char*>(d[0]), d[1], d[2]);
     if (host_out) host_out[w] = out[w];
   }
   if (host_out) __threadfence_system();
