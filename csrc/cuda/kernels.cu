@@ -231,7 +231,9 @@ void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr
   require(out != 0 && out % 8 == 0, "checksum_many: `out` must be an 8-byte aligned device address");
   require_device(device);
   DeviceGuard guard(device);
-  // every window checked before anything is queued: a bad address would poison the context
+  // page-locked host memory first (a device address would fault this thread's reads below), then every
+  // window checked before anything is queued: a bad address would poison the context
+  const auto* dev_descs = reinterpret_cast<const uint64_t*>(mapped_host_word(descs, "descs"));
   const auto* host_descs = reinterpret_cast<const uint64_t*>(descs);
   uint64_t most = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -243,7 +245,6 @@ void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr
     const uint64_t n_words = d[1] / 8;
     most = std::max(most, n_words == 0 ? uint64_t{0} : (n_words - 1) / d[2] + 1);
   }
-  const auto* dev_descs = reinterpret_cast<const uint64_t*>(mapped_host_word(descs, "descs"));
   unsigned long long* host_words = host_out ? mapped_host_word(host_out) : nullptr;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* result = reinterpret_cast<unsigned long long*>(out);

@@ -100,6 +100,9 @@ def test_a_gpu_batch_is_refused_before_anything_runs_when_a_window_or_its_descri
     plain = torch.tensor([dev.data_ptr(), 64, 1], dtype=torch.int64)        # pageable: the kernels cannot read it
     with pytest.raises(InvalidArgumentError, match="descs"):
         _C.checksum_many_into(plain.data_ptr(), 1, out.data_ptr(), 0, 0)
+    on_gpu = plain.cuda()                                                   # nor one on the GPU, read here
+    with pytest.raises(InvalidArgumentError, match="descs"):
+        _C.checksum_many_into(on_gpu.data_ptr(), 1, out.data_ptr(), 0, 0)
     host = torch.zeros(64, dtype=torch.uint8)
     bad = torch.tensor([dev.data_ptr(), 64, 1, host.data_ptr(), 64, 1], dtype=torch.int64).pin_memory()
     with pytest.raises(InvalidArgumentError, match="not CUDA memory"):
