@@ -31,6 +31,7 @@ from colomem.errors import StaleWeightsError, is_oom
 from .batch_width import widest_row
 from .checkpoints import Checkpointer
 from .evaluation import Evaluator
+from .gc_pauses import PAUSES
 from .heap_profile import HeapProfile
 from .history import StepHistory, read_step_records
 from .inrank import check_group_agrees, rollout_digest
@@ -200,6 +201,7 @@ class ColocatedRunner(PhaseRunner):
         if self.shared is not None:
             rec.metrics.update(self.shared.metrics())
         rec.metrics.update(host_usage())
+        rec.metrics.update(PAUSES.take())
         if alarm:
             rec.metrics["memory_alarm"] = alarm
         if shown:
@@ -291,6 +293,8 @@ class ColocatedRunner(PhaseRunner):
             except ImportError:
                 bar = None
         say = (bar.write if bar is not None else self.print) if self.ranks.is_main else (lambda *_: None)
+        PAUSES.install()
+        PAUSES.take()                     # the steps count only their own pauses
         try:
             self.checkpointer = checkpointer
             say(f"[colomem] placement: {self.placement.label} ({self.placement.why})")
@@ -326,6 +330,7 @@ class ColocatedRunner(PhaseRunner):
             if self.checkpointer is not None:
                 self.checkpointer.join()
         finally:
+            PAUSES.remove()
             if bar is not None:
                 bar.close()
             self._end_write(say)

@@ -19,6 +19,7 @@ from colomem.engines.protocols import ASLEEP, WEIGHTS_ONLY, Rollout, Trainer
 from colomem.engines.reports import SyncStats
 from colomem.errors import is_oom
 
+from .gc_pauses import PAUSES
 from .loop_memory import first_placement, oom_error
 from .phases import PhaseMachine, PhaseTimeoutError, Watchdog
 from .placement import Placement
@@ -28,6 +29,12 @@ from .timeline import MemoryAlarm, MetricsWriter, StepRecord, gpu_free, memory_s
 from .train_memory_plan import plan_later_steps
 
 log = logging.getLogger(__name__)
+
+
+def _gc_in_phase(rec: StepRecord, name: str, gc0: float) -> None:
+    """What the collector held the process for inside a phase that began when PAUSES.total was gc0."""
+    if PAUSES.total > gc0:
+        rec.metrics[f"gc/{name}_s"] = rec.metrics.get(f"gc/{name}_s", 0.0) + PAUSES.total - gc0
 
 
 class PhaseRunner:
@@ -86,6 +93,7 @@ class PhaseRunner:
             self.status.phase(rec.step, name)
         self.watchdog.start(f"phase {name!r} of step {rec.step}")
         t0 = time.perf_counter()
+        gc0 = PAUSES.total
         ok = False
         try:
             yield
@@ -99,6 +107,7 @@ class PhaseRunner:
         finally:
             self.watchdog.stop()
             rec.phase_s[name] = time.perf_counter() - t0
+            _gc_in_phase(rec, name, gc0)
             self.machine.leave(ok)
             rec.memory[name] = self._memory()
 
@@ -107,10 +116,12 @@ class PhaseRunner:
         if self.status is not None:
             self.status.phase(rec.step, name)
         t0 = time.perf_counter()
+        gc0 = PAUSES.total
         try:
             yield
         finally:
             rec.phase_s[name] = time.perf_counter() - t0
+            _gc_in_phase(rec, name, gc0)
 
     @contextlib.contextmanager
     def layer_timing(self, rec: StepRecord):
