@@ -168,6 +168,7 @@ def test_a_merged_rollout_reads_the_merged_base_and_the_base_comes_back_bit_for_
     lines = [json.loads(x) for x in (tmp_path / "merged" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "reward_mean" in x]
     assert all(x["shared_base/restore_bytes"] > 0 and x["shared_base/restore_s"] >= 0 for x in steps)
+    assert all(x["shared_base/merge_s"] > 0 for x in steps)           # each step's merge, timed on its own
     # the rollout sampled with the weights the trainer had: its log-probabilities are the trainer's
     assert all(x["train/rollout_logprob_gap"] < 1e-4 for x in steps), [x["train/rollout_logprob_gap"] for x in steps]
 

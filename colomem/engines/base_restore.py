@@ -48,6 +48,7 @@ class BaseRestore:
         self.merged = False                 # the base holds merged weights: restore() before anyone trains on it
         self.last_restore_s = 0.0
         self.restores = 0
+        self._merge_timer: Any = None
 
     def _host_copies(self, pool: Any) -> list[torch.Tensor]:
         """The adapted weights on the host, pinned where the base is on a GPU (the copy back then runs at the
@@ -72,6 +73,7 @@ class BaseRestore:
         from colomem.engines.lora import adapter_delta, fused_merge, merge_adapters, merged_adapters, walk_modules
 
         self.merged = True
+        timer = _GpuTimer(self.views[0][1].device)
         with torch.no_grad():
             for _, mod, params in walk_modules(model):
                 if params is not None:
@@ -84,7 +86,15 @@ class BaseRestore:
                         weight.add_(adapter_delta(mod, *factors[0]), alpha=mod.scaling[adapters[0]])
                 elif adapters:
                     weight.copy_(merge_adapters(mod, weight, factors, adapters))
+        timer.stop()
+        self._merge_timer = timer
         return list(self.views)
+
+    @property
+    def last_merge_s(self) -> float:
+        """How long the last merge_in_place ran: on a GPU its kernels' time between two events (read once the
+        sync that follows waited for them, so reading it adds no wait of its own); else its wall time."""
+        return self._merge_timer.seconds() if self._merge_timer is not None else 0.0
 
     @property
     def on_device(self) -> bool:
@@ -134,6 +144,31 @@ class BaseRestore:
         self.restores += 1
         self.last_restore_s = time.perf_counter() - t0
         return self.last_restore_s
+
+
+class _GpuTimer:
+    """The time between its making and stop(): CUDA events on the device's current stream (the GPU's time for
+    the work queued in between, read without a wait of its own once that work is done), else the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self._device = device if device.type == "cuda" else None
+        self._t0, self._wall = time.perf_counter(), 0.0
+        self._events: Any = None
+        if self._device is not None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record(torch.cuda.current_stream(self._device))
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self._device))
+        self._wall = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._wall
+        start, end = self._events
+        end.synchronize()                   # done already: the sync after the merge waited for the device
+        return start.elapsed_time(end) / 1e3
 
 
 def _laid_out(tensors: list[torch.Tensor], buf: torch.Tensor, offsets: list[int],

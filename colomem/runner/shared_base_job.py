@@ -147,7 +147,8 @@ class SharedBase:
         out = {"shared_base/bytes": self.nbytes, "shared_base/check_s": self.last_check_s}
         if self.restorer is not None:
             out.update({"shared_base/restore_s": self.restorer.last_restore_s,
-                        "shared_base/restore_bytes": self.restorer.nbytes})
+                        "shared_base/restore_bytes": self.restorer.nbytes,
+                        "shared_base/merge_s": self.restorer.last_merge_s})
         return out
 
     def summary(self) -> dict:

@@ -50,6 +50,8 @@ def test_the_merge_in_place_equals_merge_adapters_bit_for_bit_on_the_gpu(bf16_ad
     original = [m.base_layer.weight.detach().clone() for _, m in layers]
     r = BaseRestore(model)
     named = r.merge_in_place(model)
+    torch.cuda.synchronize()
+    assert r.last_merge_s > 0                          # the merge's kernels, timed by events on the GPU
     assert all(t.is_cuda and t.dtype == torch.bfloat16 for _, t in named)
     assert all(torch.equal(t, w) for (_, t), w in zip(named, want))
     assert all(t.data_ptr() == m.base_layer.weight.data_ptr() for (_, t), (_, m) in zip(named, layers))
