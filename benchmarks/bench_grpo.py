@@ -225,6 +225,14 @@ def analyse(out_dir: Path) -> dict:
         "samples_per_step": steps[-1].get("samples_total"),
         "completion_len_mean": _median([r.get("completion_len_mean") for r in warm]),
         "shared_base": summary.get("shared_base"),
+        # a merged shared base's merge (GPU time) and restore, and the garbage collector's pauses (a phase it
+        # interrupted is not a slow phase)
+        "shared_base_merge_s": _median([r.get("shared_base/merge_s") for r in warm]),
+        "shared_base_restore_s": _median([r.get("shared_base/restore_s") for r in warm]),
+        "gc_s": _median([r.get("host/gc_s") for r in warm]),
+        "gc_max_s": max([r["host/gc_max_s"] for r in steps if r.get("host/gc_max_s") is not None], default=None),
+        "gc_phase_s": {k[3:-2]: _median([r.get(k, 0.0) for r in warm])
+                       for k in sorted({k for r in warm for k in r if k.startswith("gc/")})},
         # each checkpoint: what the run waited for it (gathering the state, and any wait for its write at the
         # next step) against the write itself, which runs beside the next step with --save-background
         "checkpoints": [{"step": r["checkpoint/step"], "seconds": r.get("checkpoint/seconds"),
