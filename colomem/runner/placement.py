@@ -334,7 +334,7 @@ def keep_part_fit(p: Placement, figures: Sequence[MemoryFigures], margin: Option
     if groups is None or len(KEEP_ORDER[groups]) != 1 or reload_at_step(p, figures, margin)[0]:
         return ("", 0)
     cat = KEEP_ORDER[groups][0]
-    room = min(min(f.total - _margin(f, margin) - _need(p, f), int(f.state.get(cat, 0))) for f in figures)
+    room = min(rollout_spare(p, figures, margin, 0), min(int(f.state.get(cat, 0)) for f in figures))
     return (cat, room) if room >= MIN_KEPT_PART else ("", 0)
 
 
@@ -475,9 +475,8 @@ def figures_from_step(memory: dict, by_category: dict, total: int, optim_created
                          step_start_peak=int(step_start_peak or 0))
 
 
-__all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MIN_KEPT_PART", "MemoryFigures", "OFFLOAD_MODES", "Placement",
-           "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
-           "figures_from_step", "fits",
-           "reload_at_step", "state_to_plan", "train_need", "train_spare",
-           "keep_part_fit", "kv_hint", "kv_release_fit", "micro_batch_fit", "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint",
-           "needs_measuring", "rollout_spare"]
+__all__ = ["ALL_CATEGORIES", "EVERYTHING_MOVES", "KEEP_ORDER", "MIN_KEPT_PART", "MemoryFigures", "OFFLOAD_MODES",
+           "Placement", "SLEEP_MODES", "alternate", "candidates", "choose", "default_margin", "early_reload_room",
+           "figures_from_step", "fits", "keep_part_fit", "kv_hint", "kv_release_fit", "micro_batch_fit",
+           "micro_batch_hint", "micro_batch_tokens_fit", "micro_batch_tokens_hint", "needs_measuring",
+           "reload_at_step", "rollout_spare", "state_to_plan", "train_need", "train_spare"]
