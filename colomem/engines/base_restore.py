@@ -67,8 +67,9 @@ class BaseRestore:
     def merge_in_place(self, model: Any) -> list[tuple[str, torch.Tensor]]:
         """base + scaling * B @ A written into each adapted base weight itself (the tensors the rollout engine
         reads), with the arithmetic of colomem.engines.lora.merge_adapters: the product summed in fp32 and one
-        rounding to the weight's dtype (one adapter: one GEMM into the weight, no fp32 temporary of its size). Returns the merged weights as (HF name, the base weight): what the rollout loads,
-        its own memory where the base is shared. Marks the base merged first, so a merge that fails half way is
+        rounding to the weight's dtype (one adapter: one GEMM into the weight, no fp32 temporary of its size).
+        Returns the merged weights as (HF name, the base weight): what the rollout loads, its own memory where
+        the base is shared. Marks the base merged first, so a merge that fails half way is
         restored too; the caller restores a merge still in the base before this."""
         from colomem.engines.lora import adapter_delta, fused_merge, merge_adapters, merged_adapters, walk_modules
 

@@ -19,9 +19,8 @@ from colomem.units import format_bytes, parse_bytes
 from .batch_width import widened
 from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .loop_memory import grow_sync_bucket
-from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, keep_part_fit, kv_hint,
-                        kv_release_fit,
-                        micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, keep_part_fit,
+                        kv_hint, kv_release_fit, micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
                         fits, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
 from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
@@ -373,5 +372,5 @@ def asleep_line(cfg: Any, placement: Placement, figs: list, margin: Optional[int
 
 
 __all__ = ["LaterPlan", "RecomputeLine", "asleep_line", "choose_optimizer_reload", "grow_micro_batch", "kv_figures",
-           "optim_out_allowed", "partial_release", "with_kept_part", "plan_later_steps", "planned_width", "recompute_line", "recompute_line_of",
-           "recompute_probe", "step_figures"]
+           "optim_out_allowed", "partial_release", "plan_later_steps", "planned_width", "recompute_line",
+           "recompute_line_of", "recompute_probe", "step_figures", "with_kept_part"]

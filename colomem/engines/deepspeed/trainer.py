@@ -293,7 +293,8 @@ class DeepSpeedTrainer(AtStepReload, DeferredOffload):
         not kept, whole tensors up to that many bytes left too; defer, the fp32 masters and Adam moments
         still copying on return (read by no one before the next optimizer step; finish_offload() waits and
         frees their memory); hold (with defer), that copy starting at start_offload() (or finish_offload()),
-        not beside the rollout's wake (its mapping of fresh memory ran ~10x slower beside it). Report: `last_offload`."""
+        not beside the rollout's wake (its mapping of fresh memory ran ~10x slower beside it). Report:
+        `last_offload`."""
         self._check_resident("offload()")
         self._writes.wait(self.timeout_s)      # a checkpoint write still reading the copies this rewrites
         self.finish_offload()                  # a background end of the last offload, if one still runs
