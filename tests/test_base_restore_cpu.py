@@ -89,6 +89,31 @@ def test_several_active_adapters_merge_in_place_as_merge_adapters_does():
     assert all(torch.equal(t, w) for (_, t), w in zip(named, want))
 
 
+def test_later_merges_read_the_trained_adapters_without_walking_the_model_again(monkeypatch):
+    """The layers are walked once, at construction; each merge reads the adapters' values then, also after
+    training changed them in place or an offload gave a parameter other storage (param.data replaced)."""
+    import colomem.engines.lora as lora
+    from colomem.engines.base_restore import BaseRestore
+
+    model = _model(torch.bfloat16, torch.bfloat16)
+    layers = [m for _, m, params in lora.walk_modules(model) if params is None]
+    r = BaseRestore(model)
+    monkeypatch.setattr(lora, "walk_modules", lambda *a, **k: pytest.fail("the merge walked the model again"))
+    for step in range(3):
+        with torch.no_grad():
+            for m in layers:
+                if step == 1:
+                    m.lora_B["default"].weight.add_(0.01)
+                elif step == 2:                  # other storage for the same parameter
+                    m.lora_A["default"].weight.data = m.lora_A["default"].weight.detach().clone() * 2
+        want = [lora.merge_adapters(m, m.base_layer.weight,
+                                    [(m.lora_A["default"].weight, m.lora_B["default"].weight)], ["default"])
+                for m in layers]
+        named = r.merge_in_place(model)
+        assert all(torch.equal(t, w) for (_, t), w in zip(named, want))
+        r.restore()
+
+
 def test_a_base_on_the_cpu_has_no_copy_to_move_and_still_comes_back_bit_for_bit():
     from colomem.engines.base_restore import BaseRestore
     from colomem.engines.lora import walk_modules

@@ -87,3 +87,23 @@ def test_the_reduced_precision_flags_are_off_inside_and_come_back_after_even_on_
         assert m.allow_tf32 and m.allow_bf16_reduced_precision_reduction and m.allow_fp16_reduced_precision_reduction
     finally:
         m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
+
+
+def test_a_nested_exact_matmul_leaves_the_flags_off_until_the_outer_one_ends():
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    try:
+        m.allow_tf32 = m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = True
+        with exact_matmul():
+            with exact_matmul():
+                assert not m.allow_tf32
+            assert not (m.allow_tf32 or m.allow_bf16_reduced_precision_reduction)   # the inner one set nothing back
+        assert m.allow_tf32 and m.allow_bf16_reduced_precision_reduction and m.allow_fp16_reduced_precision_reduction
+        with exact_matmul():                     # and an error inside an inner one still ends the outer one right
+            with pytest.raises(RuntimeError):
+                with exact_matmul():
+                    raise RuntimeError("inside")
+            assert not m.allow_tf32
+        assert m.allow_tf32
+    finally:
+        m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved

@@ -18,6 +18,7 @@ device-to-device copy (milliseconds); the host copy stays, the one the first mer
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -32,11 +33,12 @@ class BaseRestore:
     once; `restore()` writes them back after a merged rollout."""
 
     def __init__(self, model: Any, pool: Any = None):
-        from colomem.engines.lora import walk_modules
-
-        self.views: list[tuple[str, torch.Tensor]] = [
-            (prefix + "weight", mod.base_layer.weight) for prefix, mod, params in walk_modules(model)
-            if params is None]
+        # the LoRA layers, walked once: a walk of a 7B model's modules costs more host time than its merge's
+        # kernels take on the GPU (merge_in_place walks again only for another model)
+        self._model = weakref.ref(model)
+        self._layers = _lora_layers(model)
+        self.views: list[tuple[str, torch.Tensor]] = [(prefix + "weight", mod.base_layer.weight)
+                                                      for prefix, mod in self._layers]
         if not self.views:
             raise SharedBaseError("a merged rollout on the shared base needs LoRA layers, and the trainer's model "
                                   "has none")
@@ -71,14 +73,14 @@ class BaseRestore:
         Returns the merged weights as (HF name, the base weight): what the rollout loads, its own memory where
         the base is shared. Marks the base merged first, so a merge that fails half way is
         restored too; the caller restores a merge still in the base before this."""
-        from colomem.engines.lora import adapter_delta, fused_merge, merge_adapters, merged_adapters, walk_modules
+        from colomem.engines.lora import adapter_delta, exact_matmul, fused_merge, merge_adapters, merged_adapters
 
         self.merged = True
+        layers = self._layers if self._model() is model else _lora_layers(model)
         timer = _GpuTimer(self.views[0][1].device)
-        with torch.no_grad():
-            for _, mod, params in walk_modules(model):
-                if params is not None:
-                    continue
+        # one exact_matmul around the loop, not one a layer: the merge's time is the host's launches
+        with torch.no_grad(), exact_matmul():
+            for _, mod in layers:
                 weight = mod.base_layer.weight
                 adapters = merged_adapters(mod)
                 factors = [(mod.lora_A[a].weight, mod.lora_B[a].weight) for a in adapters]
@@ -145,6 +147,13 @@ class BaseRestore:
         self.restores += 1
         self.last_restore_s = time.perf_counter() - t0
         return self.last_restore_s
+
+
+def _lora_layers(model: Any) -> list[tuple[str, Any]]:
+    """(prefix, layer) of each peft LoRA layer of `model`, in HF order."""
+    from colomem.engines.lora import walk_modules
+
+    return [(prefix, mod) for prefix, mod, params in walk_modules(model) if params is None]
 
 
 class _GpuTimer:

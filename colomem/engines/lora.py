@@ -79,18 +79,27 @@ def adapter_delta(layer: Any, A: "Tensor", B: "Tensor") -> "Tensor":
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
 
+_EXACT_DEPTH = [0]     # exact_matmul's nesting: an inner one (a merge a layer inside a loop's) sets nothing
+
+
 @contextlib.contextmanager
 def exact_matmul() -> Iterator[None]:
     """cuBLAS without its reduced-precision shortcuts (TF32 inputs, split-K sums kept in bf16 / fp16) while a
-    merge runs, so its product is the fp32 one. The flags are the process's: set back after."""
+    merge runs, so its product is the fp32 one. The flags are the process's: set back after. Nested inside
+    another it does nothing (a merge of many layers sets the flags once around them all)."""
     import torch
 
+    if _EXACT_DEPTH[0]:
+        yield
+        return
     m = torch.backends.cuda.matmul
     saved = (m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
     m.allow_tf32 = m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+    _EXACT_DEPTH[0] += 1
     try:
         yield
     finally:
+        _EXACT_DEPTH[0] -= 1
         m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
 
 

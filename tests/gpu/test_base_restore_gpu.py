@@ -41,12 +41,16 @@ def test_the_merge_in_place_equals_merge_adapters_bit_for_bit_on_the_gpu(bf16_ad
     want = [merge_adapters(m, m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight)
                                                     for a in merged_adapters(m)], merged_adapters(m))
             for _, m in layers]
-    # every path is the fp32 sum rounded once: within one bf16 step of it (cuBLAS may sum in another order)
+    # every path is the fp32 sum rounded once: within one bf16 step of the reference, plus what summing the
+    # K + 1 terms in another order may change in fp32 (cuBLAS's order is not torch's: where the terms nearly
+    # cancel, that part is larger than a bf16 step of the tiny result)
     for (_, m), w in zip(layers, want):
         (a,) = merged_adapters(m)
-        ref = (m.base_layer.weight.float() + m.scaling[a] * (m.lora_B[a].weight.float()
-                                                             @ m.lora_A[a].weight.float())).to(torch.bfloat16)
-        assert torch.all((w.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs())
+        W, A, B = (t.float() for t in (m.base_layer.weight, m.lora_A[a].weight, m.lora_B[a].weight))
+        ref = (W + m.scaling[a] * (B @ A)).to(torch.bfloat16).float()
+        terms = W.abs() + abs(m.scaling[a]) * (B.abs() @ A.abs())
+        order = (A.shape[0] + 2) * 2 ** -24 * terms
+        assert torch.all((w.float() - ref).abs() <= 2 ** -7 * torch.maximum(w.float().abs(), ref.abs()) + order)
     original = [m.base_layer.weight.detach().clone() for _, m in layers]
     r = BaseRestore(model)
     named = r.merge_in_place(model)
