@@ -8,7 +8,7 @@
 # swap's release and re-growth time goes), slab (GPU tests of small storages packed onto shared slabs),
 # ipc (bridge tests), vllm (adapter tests), runner (GPU tests of the GRPO runner), deepspeed, dsstep (its tests of
 # the optimizer state reloaded inside the optimizer step, and sent out behind the training for it), dsckpt, partial
-# (offload(keep=...) tests), syncbench,
+# (offload(keep=...) tests), mergerounding (how the shared base's merge rounds), syncbench,
 # dsbench, cudawaits (bounded CUDA waits, alone), faults1 / faults2 (the default job under faults; faults: the
 # chain FAULTS_LIST names), soak
 # (SOAK_S seconds of the default job), inrank / inranktest (the in-rank vLLM engine against the cross-process one: bench, GPU tests),
@@ -134,6 +134,8 @@ stage() {  # the stages run in the order given on the command line
     diagbehind) run diag_behind 300 python3 benchmarks/diag_behind.py --out "$OUT/diag_behind" ;;
     # memory filled right after another process (or this one) gave it back: the switch's handovers
     diaghandover) run diag_handover 200 python3 benchmarks/diag_handover.py --out "$OUT/diag_handover" ${DIAGHANDOVER_ARGS:-} ;;
+    # how the shared base's merge rounds on this GPU: the fused GEMM and the fp32 path against the exact sum
+    mergerounding) run merge_rounding 90 python3 benchmarks/diag_merge_rounding.py --out "$OUT/merge_rounding" ;;
     slab) run swap_slab_tests 120 python3 -m pytest -q -rs tests/gpu/test_swap_slab_gpu.py ;;
     ipc) run ipc_tests 100 python3 -m pytest -q -rs -m ipc tests ;;
     vllm) run vllm_tests 360 python3 -m pytest -q -rs -x -m vllm tests/gpu/test_vllm_adapter.py \
