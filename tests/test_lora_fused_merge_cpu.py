@@ -1,6 +1,6 @@
-"""colomem.engines.lora.fused_merge: one adapter whose factors have the weight's dtype is merged in one GEMM
-(addmm: the product summed in fp32, added to the weight, rounded once), in place or into a new tensor; other
-dtypes are left to the fp32 path; cuBLAS's reduced-precision shortcuts are off while it runs and the process's
+"""colomem.engines.lora.fused_merge: on the CPU one adapter whose factors have the weight's dtype is merged in
+one GEMM (addmm: the product summed in fp32, added to the weight, rounded once), in place or into a new tensor;
+other dtypes, and weights on a GPU (whose bf16 GEMM rounds the product first), are left to the fp32 path; cuBLAS's reduced-precision shortcuts are off while it runs and the process's
 flags come back after."""
 import types
 
@@ -107,3 +107,11 @@ def test_a_nested_exact_matmul_leaves_the_flags_off_until_the_outer_one_ends():
         assert m.allow_tf32
     finally:
         m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
+
+
+def test_a_weight_off_the_cpu_is_left_to_the_fp32_path():
+    """cuBLAS's bf16 GEMM rounds the product before adding the weight (two roundings), so a weight on any
+    device but the CPU takes the fp32 path: fused_merge declines it and writes nothing."""
+    w, A, B = (t.to("meta") for t in _factors())
+    assert fused_merge(_layer(), w, A, B, 2.0, in_place=True) is None
+    assert fused_merge(_layer(), w, A, B, 2.0, in_place=False) is None

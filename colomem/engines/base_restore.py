@@ -69,7 +69,8 @@ class BaseRestore:
     def merge_in_place(self, model: Any) -> list[tuple[str, torch.Tensor]]:
         """base + scaling * B @ A written into each adapted base weight itself (the tensors the rollout engine
         reads), with the arithmetic of colomem.engines.lora.merge_adapters: the product summed in fp32 and one
-        rounding to the weight's dtype (one adapter: one GEMM into the weight, no fp32 temporary of its size).
+        rounding to the weight's dtype (one adapter on the CPU: one GEMM into the weight, no fp32 temporary of
+        its size; on a GPU an fp32 product added in place, as cuBLAS's bf16 GEMM would round twice).
         Returns the merged weights as (HF name, the base weight): what the rollout loads, its own memory where
         the base is shared. Marks the base merged first, so a merge that fails half way is
         restored too; the caller restores a merge still in the base before this."""
@@ -84,7 +85,7 @@ class BaseRestore:
                 weight = mod.base_layer.weight
                 adapters = merged_adapters(mod)
                 factors = [(mod.lora_A[a].weight, mod.lora_B[a].weight) for a in adapters]
-                if len(adapters) == 1:       # one GEMM into the weight; fp32 factors: an fp32 product added
+                if len(adapters) == 1:       # one GEMM into the weight (CPU), else an fp32 product added
                     if fused_merge(mod, weight, *factors[0], mod.scaling[adapters[0]], in_place=True) is None:
                         weight.add_(adapter_delta(mod, *factors[0]), alpha=mod.scaling[adapters[0]])
                 elif adapters:

@@ -2,8 +2,8 @@
 merge itself (base + scaling * B @ A under the base's HF names), which is what the rollout engine loads.
 
 The merge never touches the model (no merge_and_unload: no rounding drift across steps) and sums in fp32
-with one rounding to the weight's dtype: one adapter whose factors have the weight's dtype in one GEMM
-(fused_merge), anything else in an fp32 copy of the weight. A trainer whose parameters are partitioned
+with one rounding to the weight's dtype: on the CPU one adapter whose factors have the weight's dtype in one
+GEMM (fused_merge), anything else (and everything on a GPU, whose GEMM rounds twice) in fp32. A trainer whose parameters are partitioned
 (ZeRO-3) passes `full`, a context manager that hands out the complete tensors of a module's parameters while
 they are read.
 
@@ -107,12 +107,16 @@ def fused_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling:
                 in_place: bool) -> Optional["Tensor"]:
     """weight + scaling * B @ A as one GEMM (addmm: the product summed in fp32, added to the weight and
     rounded once to its dtype), into `weight` itself (in_place) or a new tensor. It reads the weight once and
-    writes it once, where the fp32 path writes and reads an fp32 product and an fp32 sum of the weight's size
-    too. None, nothing written, where the factors' dtype is not the weight's (addmm takes one dtype: peft's
-    fp32 adapters on a bf16 base go the fp32 path)."""
+    writes it once, where the fp32 path writes and reads an fp32 product of the weight's size too. None,
+    nothing written, where that one rounding is not what the GEMM does: factors of another dtype than the
+    weight's (addmm takes one dtype: peft's fp32 adapters on a bf16 base), or a weight on a GPU, where
+    cuBLAS's reduced-precision GEMM rounds the product to the weight's dtype before it adds the weight, whatever
+    the precision flags say (two roundings: up to 256 bf16 steps from the exact sum where the terms nearly
+    cancel; benchmarks/diag_merge_rounding.py shows it). The caller then takes the fp32 path."""
     import torch
 
-    if A.dtype != weight.dtype or B.dtype != weight.dtype or not weight.is_floating_point():
+    if A.dtype != weight.dtype or B.dtype != weight.dtype or not weight.is_floating_point() \
+            or weight.device.type != "cpu":
         return None
     m1, m2 = (A.T, B.T) if getattr(layer, "fan_in_fan_out", False) else (B, A)
     with torch.no_grad(), exact_matmul():
@@ -125,7 +129,7 @@ def merge_adapters(layer: Any, weight: "Tensor", factors: Sequence[tuple["Tensor
                    adapters: Sequence[str]) -> "Tensor":
     """weight + sum of scaling[a] * B @ A over `adapters` ((A, B) in `factors`), summed in fp32, as weight's
     dtype (one rounding). A new tensor: never a view of the base weight. One adapter of the weight's dtype
-    is one GEMM (fused_merge); several, or fp32 factors, are summed in an fp32 copy of the weight."""
+    on the CPU is one GEMM (fused_merge); anything else is summed in an fp32 copy of the weight."""
     if len(adapters) == 1:
         out = fused_merge(layer, weight, *factors[0], layer.scaling[adapters[0]], in_place=False)
         if out is not None:
