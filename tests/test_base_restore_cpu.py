@@ -28,7 +28,7 @@ def test_the_copy_is_held_only_where_it_fits_beside_the_placement_and_what_was_g
 
 def _model(dtype=torch.float32, adapters=None):
     """peft keeps a bf16 base's adapters in fp32 (its autocast); adapters=bf16 casts them as DeepSpeed's bf16
-    engine does, which the merge then does in one GEMM."""
+    engine does, which the merge then does in one GEMM on the CPU."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

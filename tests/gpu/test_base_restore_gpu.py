@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 
 def _model(bf16_adapters=False):
     """peft keeps the adapters of a bf16 base in fp32; bf16_adapters casts them as DeepSpeed's bf16 engine does
-    (the merge is then one GEMM a layer)."""
+    (on a GPU the merge still goes through fp32: cuBLAS's bf16 GEMM would round twice)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
