@@ -1,7 +1,7 @@
 """colomem.engines.lora.fused_merge: on the CPU one adapter whose factors have the weight's dtype is merged in
 one GEMM (addmm: the product summed in fp32, added to the weight, rounded once), in place or into a new tensor;
-other dtypes, and weights on a GPU (whose bf16 GEMM rounds the product first), are left to the fp32 path; cuBLAS's reduced-precision shortcuts are off while it runs and the process's
-flags come back after."""
+other dtypes, and weights on a GPU (whose bf16 GEMM rounds the product first), are left to the fp32 path;
+cuBLAS's reduced-precision shortcuts are off while it runs and the process's flags come back after."""
 import types
 
 import pytest

@@ -3,9 +3,9 @@ merge itself (base + scaling * B @ A under the base's HF names), which is what t
 
 The merge never touches the model (no merge_and_unload: no rounding drift across steps) and sums in fp32
 with one rounding to the weight's dtype: on the CPU one adapter whose factors have the weight's dtype in one
-GEMM (fused_merge), anything else (and everything on a GPU, whose GEMM rounds twice) in fp32. A trainer whose parameters are partitioned
-(ZeRO-3) passes `full`, a context manager that hands out the complete tensors of a module's parameters while
-they are read.
+GEMM (fused_merge), anything else (and everything on a GPU, whose bf16 GEMM rounds twice) in fp32. A trainer
+whose parameters are partitioned (ZeRO-3) passes `full`, a context manager that hands out the complete
+tensors of a module's parameters while they are read.
 
 Nothing here imports torch or peft at module level (DeepSpeedConfig imports build_lora_config).
 """
