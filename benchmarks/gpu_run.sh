@@ -52,6 +52,13 @@ python3 -c "import colomem; print(colomem.build_info())" || exit 1
 # only figures of one machine compare
 timeout 120 python3 benchmarks/host_speed.py --out "$OUT" --label start 2> "$OUT/host_speed.log" \
   || echo "[gpu_run] host_speed failed: see host_speed.log"
+# WARM_IMPORTS=1: the kit's packages imported once in the background from here on (a fresh machine compiles
+# their Python files and DeepSpeed's FusedAdam: about a minute), beside the first stages, so a later bench's
+# own warm-up takes seconds. Off by default: started after host_speed so it cannot slow that measurement, but
+# whether an import touches the GPU (a context beside a test that reads the device's free memory) is unproven
+if [ "${WARM_IMPORTS:-0}" = 1 ]; then
+  python3 benchmarks/warm_imports.py > "$OUT/warm_imports_background.json" 2> "$OUT/warm_imports_background.log" &
+fi
 # CALL_S: the device call's own limit. A stage is cut before it (its bound shrinks to what the call has
 # left, minus time to pack), so a stage that runs long loses itself, never the call's earlier results.
 CALL_S=${CALL_S:-600}
