@@ -115,3 +115,22 @@ def test_a_weight_off_the_cpu_is_left_to_the_fp32_path():
     w, A, B = (t.to("meta") for t in _factors())
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=True) is None
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=False) is None
+
+
+def test_the_fp32_path_computes_its_product_without_tf32_even_where_the_job_turned_it_on(monkeypatch):
+    """A job may turn TF32 on for its training: the merge's fp32 product still runs without it (on a GPU
+    TF32 rounds the factors to 10 bits), and the job's setting comes back after."""
+    import colomem.engines.lora as lora
+
+    m = torch.backends.cuda.matmul
+    seen = []
+    real = lora.adapter_delta
+    monkeypatch.setattr(lora, "adapter_delta", lambda *a: seen.append(m.allow_tf32) or real(*a))
+    saved = m.allow_tf32
+    try:
+        m.allow_tf32 = True
+        w, A, B = _factors(dtype=torch.float32)
+        merge_adapters(_layer(), w.to(torch.bfloat16), [(A, B)], ["default"])    # fp32 factors: the fp32 path
+        assert seen == [False] and m.allow_tf32
+    finally:
+        m.allow_tf32 = saved

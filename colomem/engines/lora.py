@@ -135,8 +135,9 @@ def merge_adapters(layer: Any, weight: "Tensor", factors: Sequence[tuple["Tensor
         if out is not None:
             return out
     acc = weight.float().clone()
-    for a, (A, B) in zip(adapters, factors):
-        acc.add_(adapter_delta(layer, A, B), alpha=layer.scaling[a])
+    with exact_matmul():           # the fp32 product in fp32, even where the job turned TF32 on
+        for a, (A, B) in zip(adapters, factors):
+            acc.add_(adapter_delta(layer, A, B), alpha=layer.scaling[a])
     return acc.to(weight.dtype)
 
 
