@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""How the shared base's merge rounds on this GPU: W + s * B @ A into a bf16 weight, by the fused path (one
-addmm with bf16 factors, colomem.engines.lora.fused_merge) and by the fp32 path (fp32 product and sum, one
-rounding), each against the exact sum (float64) rounded once to bf16.
+"""How the shared base's merge rounds on this GPU: W + s * B @ A into a bf16 weight, each path against the
+exact sum (float64) rounded once to bf16.
 
     python3 benchmarks/diag_merge_rounding.py --out DIR
 
-For each path: how many elements differ from the exact sum rounded once, the largest difference in units of
-the last place (ulp) of that value, how many lie outside what an fp32 sum in any order rounded once allows;
-and, where rounding the product to bf16 before the add (two roundings) gives another value than one rounding,
-which of the two each path gave: that tells a kernel that rounds the product first from one that does not.
+The paths: the one bf16 GEMM (`addmm`, with the reduced-precision flags off and on), the fp32 path (an fp32
+product and sum, one rounding), and on a GPU the core's one-rounding kernel
+(colomem.engines.lora_merge_kernel), with each in-place merge's GPU time. For each path: how many elements
+differ from the exact sum rounded once, the largest difference in units of the last place (ulp) of that value,
+how many lie outside what an fp32 sum in any order rounded once allows; and, where rounding the product to
+bf16 before the add (two roundings) gives another value than one rounding, which of the two each path gave:
+that tells a kernel that rounds the product first from one that does not.
 Weights, factors and scaling are a Qwen2-7B layer's shapes with a trained adapter's magnitudes (B ~ N(0,
 0.05)). Writes DIR/merge_rounding.json.
 """
@@ -18,6 +20,7 @@ import argparse
 import importlib
 import json
 import os
+import statistics
 
 import torch
 
@@ -45,8 +48,37 @@ def compare(got: torch.Tensor, exact: torch.Tensor, twice: torch.Tensor, terms: 
             "elements": got.numel()}
 
 
+def timings(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float, layer) -> dict:
+    """Each in-place merge's GPU time (CUDA events, median of 10 after 2 warm-ups), and the weight's bytes
+    read and written over that time: the one GEMM, the fp32 path (an fp32 product added in place), the
+    core's kernel."""
+    from colomem.engines.lora import exact_matmul
+    from colomem.engines.lora_merge_kernel import kernel_merge
+
+    work = W.clone()
+    paths = {"gemm": lambda: work.addmm_(B, A, alpha=s),
+             "fp32": lambda: work.add_(B.float() @ A.float(), alpha=s),
+             "kernel": lambda: kernel_merge(layer, work, A, B, s, in_place=True)}
+    out = {}
+    with exact_matmul():
+        for name, run in paths.items():
+            times = []
+            for i in range(12):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                run()
+                t1.record()
+                t1.synchronize()
+                if i >= 2:
+                    times.append(t0.elapsed_time(t1))
+            ms = statistics.median(times)
+            out[name] = {"ms": ms, "weight_gbs": 2 * W.numel() * W.element_size() / ms / 1e6}
+    return out
+
+
 def main() -> None:
-    from colomem.engines.lora import exact_matmul, fused_merge
+    from colomem.engines.lora import exact_matmul
+    from colomem.engines.lora_merge_kernel import kernel_merge
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -74,16 +106,19 @@ def main() -> None:
         terms = W.double().abs() + s * (B.double().abs() @ A.double().abs())
         row = {}
         with exact_matmul():
-            fused = fused_merge(layer, W, A, B, s, in_place=False)
+            gemm = torch.addmm(W, B, A, alpha=s)
             fp32 = (W.float() + s * (B.float() @ A.float())).to(torch.bfloat16)
             inplace = W.clone()
-            fused_merge(layer, inplace, A, B, s, in_place=True)
-        row["fused"] = compare(fused, exact, twice, terms, r)
-        row["fused_in_place_equals_fused"] = bool(torch.equal(inplace, fused))
+            inplace.addmm_(B, A, alpha=s)
+        row["gemm"] = compare(gemm, exact, twice, terms, r)
+        row["gemm_in_place_equals_gemm"] = bool(torch.equal(inplace, gemm))
         row["fp32"] = compare(fp32, exact, twice, terms, r)
-        row["fused_default_flags"] = compare(torch.addmm(W, B, A, alpha=s), exact, twice, terms, r)
+        row["gemm_default_flags"] = compare(torch.addmm(W, B, A, alpha=s), exact, twice, terms, r)
         row["fp32_default_flags"] = compare((W.float() + s * (B.float() @ A.float())).to(torch.bfloat16), exact,
                                             twice, terms, r)
+        if dev == "cuda":            # the core's kernel (its host reference is too slow for these shapes)
+            row["kernel"] = compare(kernel_merge(layer, W, A, B, s, in_place=False), exact, twice, terms, r)
+            row["merge_in_place_ms"] = timings(W, A, B, s, layer)
         report["shapes"][name] = row
         print(name, json.dumps(row))
     os.makedirs(a.out, exist_ok=True)

@@ -280,6 +280,15 @@ def exponential_rows(q: int, row_stride: int, n_q_rows: int, vocab: int, meta: i
     column) into n rows of the float32 matrix at q: meta holds 3 * n int64, the rows, their seeds, their
     offsets. device=-1: host memory; else device memory on that GPU, one launch on `stream`, asynchronous.
     """
+def lora_merge(w: int, ws0: int, ws1: int, p: int, ps0: int, ps1: int, q: int, qs0: int, qs1: int, out: int,
+               os0: int, os1: int, m: int, n: int, r: int, scale: float, factors: int = 0, stream: int = 0,
+               device: int = -1) -> None:
+    """
+    out = bf16(w + scale * p @ q) with one rounding: w and out bf16 m x n, p m x r and q r x n (bf16 with
+    factors=0, fp32 with factors=1), each an address and two element strides; out may be w. The product is
+    summed in fp32 (fused multiply-adds, k ascending) and added to the weight in fp32. device=-1: host memory;
+    else device memory on that GPU, one launch on `stream`, asynchronous, bit for bit the host's result.
+    """
 def copy_ranges(ops: int, count: int, dst_base: int = 0, src_base: int = 0, stream: int = 0, device: int = -1) -> None:
     """
     Copies `count` ranges, int64 triples (dst, src, nbytes) at host address `ops`, each address plus its base; destinations must not overlap (the copies may run concurrently). device >= 0: enqueued on `stream` (batched); device=-1: host memcpy now.

@@ -112,11 +112,15 @@ def fused_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling:
     weight's (addmm takes one dtype: peft's fp32 adapters on a bf16 base), or a weight on a GPU, where
     cuBLAS's reduced-precision GEMM rounds the product to the weight's dtype before it adds the weight, whatever
     the precision flags say (two roundings: up to 256 bf16 steps from the exact sum where the terms nearly
-    cancel; benchmarks/diag_merge_rounding.py shows it). The caller then takes the fp32 path."""
+    cancel; benchmarks/diag_merge_rounding.py shows it). The caller then takes the fp32 path. On a GPU the
+    core's one-rounding kernel (colomem.engines.lora_merge_kernel) takes its place once it is switched on."""
     import torch
 
-    if A.dtype != weight.dtype or B.dtype != weight.dtype or not weight.is_floating_point() \
-            or weight.device.type != "cpu":
+    if weight.device.type != "cpu":     # the core's one-rounding kernel, once its GPU test has run
+        from colomem.engines.lora_merge_kernel import GPU_KERNEL, kernel_merge
+
+        return kernel_merge(layer, weight, A, B, scaling, in_place) if GPU_KERNEL else None
+    if A.dtype != weight.dtype or B.dtype != weight.dtype or not weight.is_floating_point():
         return None
     m1, m2 = (A.T, B.T) if getattr(layer, "fan_in_fan_out", False) else (B, A)
     with torch.no_grad(), exact_matmul():

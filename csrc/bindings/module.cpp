@@ -9,6 +9,7 @@ void register_pool(py::module_& m);
 void register_copy(py::module_& m);
 void register_pointer(py::module_& m);
 void register_noise(py::module_& m);
+void register_merge(py::module_& m);
 void register_mapped(py::module_& m);
 // Weak until bindings/ipc.cpp lands, so the core builds on its own.
 __attribute__((weak)) void register_ipc(py::module_& m);
@@ -22,6 +23,7 @@ PYBIND11_MODULE(_C, m) {
   register_copy(m);
   register_pointer(m);
   register_noise(m);
+  register_merge(m);
   register_mapped(m);
   if (register_ipc) register_ipc(m);
 }

@@ -1,5 +1,5 @@
-// The only nvcc-compiled file: the bucket checksum of core/checksum.h and the sampling noise of
-// core/seeded_noise.h on the GPU.
+// The bucket checksum of core/checksum.h and the sampling noise of core/seeded_noise.h on the GPU (the LoRA
+// merge has its own file, cuda/lora_merge.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -147,26 +147,6 @@ void require_device(int device) {
   require(device >= 0 && device < n, cat("checksum: cuda:", device, " is not visible (", n, " devices)"));
 }
 
-// Refuses plain host memory before a kernel touches it (an illegal address would poison the context).
-void check_device_pointer(uintptr_t ptr, size_t nbytes, int device) {
-  if (nbytes == 0) return;
-  cudaPointerAttributes attr{};
-  cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr));
-  if (err != cudaSuccess) (void)cudaGetLastError();
-  if (err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device != device)
-    throw InvalidArgument(cat("checksum: address ", hex(ptr), " is on cuda:", attr.device,
-                              ", not cuda:", device));
-  if (err == cudaSuccess && attr.type != cudaMemoryTypeUnregistered) return;
-  // VMM mappings (ours, vLLM's) may report no memory type: they have an allocation handle.
-  CUmemGenericAllocationHandle h = 0;
-  if (driver().cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(ptr)) == CUDA_SUCCESS) {
-    driver().cuMemRelease(h);
-    return;
-  }
-  throw InvalidArgument(cat("checksum: address ", hex(ptr),
-                            " is not CUDA memory; pass device=-1 for host memory"));
-}
-
 // A private non-blocking stream per device for reading results back once they are known to be ready: a copy
 // to pageable memory returns only when it completed, so on the caller's stream it would wait, without bound,
 // for whatever was queued there after the checksum. Created on first use, kept for the process.
@@ -195,6 +175,26 @@ unsigned long long* mapped_host_word(uintptr_t host_out, const char* what = "hos
 
 }  // namespace
 
+// Refuses plain host memory before a kernel touches it (an illegal address would poison the context).
+void check_device_pointer(uintptr_t ptr, size_t nbytes, int device, const char* what) {
+  if (nbytes == 0) return;
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr));
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  if (err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device != device)
+    throw InvalidArgument(cat(what, ": address ", hex(ptr), " is on cuda:", attr.device,
+                              ", not cuda:", device));
+  if (err == cudaSuccess && attr.type != cudaMemoryTypeUnregistered) return;
+  // VMM mappings (ours, vLLM's) may report no memory type: they have an allocation handle.
+  CUmemGenericAllocationHandle h = 0;
+  if (driver().cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(ptr)) == CUDA_SUCCESS) {
+    driver().cuMemRelease(h);
+    return;
+  }
+  throw InvalidArgument(cat(what, ": address ", hex(ptr),
+                            " is not CUDA memory; pass device=-1 for host memory"));
+}
+
 void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t out, uintptr_t stream,
                           int device, uintptr_t host_out) {
   require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
@@ -202,7 +202,7 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
   require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
   require_device(device);
   DeviceGuard guard(device);
-  check_device_pointer(ptr, nbytes, device);
+  check_device_pointer(ptr, nbytes, device, "checksum");
   unsigned long long* host_word = host_out ? mapped_host_word(host_out) : nullptr;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto* result = reinterpret_cast<unsigned long long*>(out);
@@ -241,7 +241,7 @@ void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr
     require(d[2] >= 1, cat("checksum_many: window ", i, ": stride_words must be >= 1, got ", d[2]));
     require(d[0] % 8 == 0, cat("checksum_many: window ", i, ": the GPU needs an 8-byte aligned address, got ",
                                hex(d[0])));
-    check_device_pointer(static_cast<uintptr_t>(d[0]), static_cast<size_t>(d[1]), device);
+    check_device_pointer(static_cast<uintptr_t>(d[0]), static_cast<size_t>(d[1]), device, "checksum");
     const uint64_t n_words = d[1] / 8;
     most = std::max(most, n_words == 0 ? uint64_t{0} : (n_words - 1) / d[2] + 1);
   }
@@ -307,7 +307,7 @@ void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintp
                                          n_words));
   require_device(device);
   DeviceGuard guard(device);
-  check_device_pointer(src, n_words * 8, device);
+  check_device_pointer(src, n_words * 8, device, "store_words");
   unsigned long long* dst = mapped_host_word(host_out);
   const unsigned int blocks = static_cast<unsigned int>(std::min<uint64_t>((n_words + kThreads - 1) / kThreads, 64));
   store_words_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(

@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/lora_merge.h"
+
 namespace colomem {
 
 // How long device_checksum waits by default for its stream to get through the work queued before it.
@@ -46,5 +48,14 @@ void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintp
 // Asynchronous: nothing waits.
 void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,
                              int64_t n, uintptr_t stream, int device);
+
+// Refuses an address that is not device memory of `device` (plain host memory, another GPU's) before a kernel
+// touches it: an illegal address would poison the context. `what` names the caller in the message. (CUDA
+// build only.)
+void check_device_pointer(uintptr_t ptr, size_t nbytes, int device, const char* what);
+
+// The LoRA merge of core/lora_merge.h on device memory of `device` (cuda/lora_merge.cu): one launch on
+// `stream`, asynchronous; the arguments are checked as the host version checks them before anything runs.
+void device_lora_merge(const LoraMergeArgs& a, uintptr_t stream, int device);
 
 }  // namespace colomem

@@ -38,6 +38,8 @@ void device_checksum_many_into(uintptr_t, size_t, uintptr_t, uintptr_t, int, uin
 
 void device_store_words(uintptr_t, size_t, uintptr_t, uintptr_t, int) { unavailable("store_words on a CUDA device"); }
 
+void device_lora_merge(const LoraMergeArgs&, uintptr_t, int) { unavailable("lora_merge on a CUDA device"); }
+
 void device_exponential_rows(uintptr_t, int64_t, int64_t, int64_t, uintptr_t, int64_t, uintptr_t, int) {
   unavailable("sampling noise on a CUDA device");
 }
