@@ -14,13 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifndef COLOMEM_HD
-#if defined(__CUDACC__)
-#define COLOMEM_HD __host__ __device__ __forceinline__
-#else
-#define COLOMEM_HD inline
-#endif
-#endif
+#include "core/host_device.h"
 
 #if !defined(__CUDA_ARCH__)
 #include <cmath>

@@ -8,13 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#ifndef COLOMEM_HD
-#if defined(__CUDACC__)
-#define COLOMEM_HD __host__ __device__ __forceinline__
-#else
-#define COLOMEM_HD inline
-#endif
-#endif
+#include "core/host_device.h"
 
 namespace colomem {
 namespace noise_detail {

@@ -136,16 +136,6 @@ __global__ void exponential_rows_kernel(float* __restrict__ q, int64_t row_strid
   }
 }
 
-void require_device(int device) {
-  int n = 0;
-  cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw NotAvailable(cat("checksum on cuda:", device, ": no CUDA device is usable (", cudaGetErrorName(err),
-                           "); pass device=-1 for host memory"));
-  }
-  require(device >= 0 && device < n, cat("checksum: cuda:", device, " is not visible (", n, " devices)"));
-}
 
 // A private non-blocking stream per device for reading results back once they are known to be ready: a copy
 // to pageable memory returns only when it completed, so on the caller's stream it would wait, without bound,
@@ -175,6 +165,17 @@ unsigned long long* mapped_host_word(uintptr_t host_out, const char* what = "hos
 
 }  // namespace
 
+void require_device(int device, const char* what) {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw NotAvailable(cat(what, " on cuda:", device, ": no CUDA device is usable (", cudaGetErrorName(err),
+                           "); pass device=-1 for host memory"));
+  }
+  require(device >= 0 && device < n, cat(what, ": cuda:", device, " is not visible (", n, " devices)"));
+}
+
 // Refuses plain host memory before a kernel touches it (an illegal address would poison the context).
 void check_device_pointer(uintptr_t ptr, size_t nbytes, int device, const char* what) {
   if (nbytes == 0) return;
@@ -200,7 +201,7 @@ void device_checksum_into(uintptr_t ptr, size_t nbytes, size_t stride_words, uin
   require(stride_words >= 1, cat("stride_words must be >= 1, got ", stride_words));
   require(ptr % 8 == 0, cat("checksum on the GPU needs an 8-byte aligned address, got ", hex(ptr)));
   require(out != 0 && out % 8 == 0, "checksum: `out` must be an 8-byte aligned device address");
-  require_device(device);
+  require_device(device, "checksum");
   DeviceGuard guard(device);
   check_device_pointer(ptr, nbytes, device, "checksum");
   unsigned long long* host_word = host_out ? mapped_host_word(host_out) : nullptr;
@@ -229,7 +230,7 @@ void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr
   if (n == 0) return;
   require(descs != 0 && descs % 8 == 0, "checksum_many: `descs` must be an 8-byte aligned host address");
   require(out != 0 && out % 8 == 0, "checksum_many: `out` must be an 8-byte aligned device address");
-  require_device(device);
+  require_device(device, "checksum");
   DeviceGuard guard(device);
   // page-locked host memory first (a device address would fault this thread's reads below), then every
   // window checked before anything is queued: a bad address would poison the context
@@ -268,7 +269,7 @@ void device_checksum_many_into(uintptr_t descs, size_t n, uintptr_t out, uintptr
 uint64_t device_checksum(uintptr_t ptr, size_t nbytes, size_t stride_words, uintptr_t stream, int device,
                          double timeout_s) {
   const auto bound = wait_bound(timeout_s);  // a bad timeout is refused before any work is queued
-  require_device(device);
+  require_device(device, "checksum");
   DeviceGuard guard(device);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   void* scratch = nullptr;
@@ -305,7 +306,7 @@ void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintp
   require(src != 0 && src % 8 == 0, "store_words: `src` must be an 8-byte aligned device address");
   require(n_words <= kStoreWordsMax, cat("store_words moves at most ", kStoreWordsMax, " words (small results), got ",
                                          n_words));
-  require_device(device);
+  require_device(device, "store_words");
   DeviceGuard guard(device);
   check_device_pointer(src, n_words * 8, device, "store_words");
   unsigned long long* dst = mapped_host_word(host_out);
@@ -320,7 +321,7 @@ void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, 
   check_exponential_rows_args(row_stride, n_q_rows, vocab, n);
   if (n == 0) return;
   require(q != 0 && q % 4 == 0 && meta != 0 && meta % 8 == 0, "exponential_rows: null or misaligned pointer");
-  require_device(device);
+  require_device(device, "exponential_rows");
   DeviceGuard guard(device);
   int sms = 0;
   COLOMEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

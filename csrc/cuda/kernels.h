@@ -49,6 +49,10 @@ void device_store_words(uintptr_t src, size_t n_words, uintptr_t host_out, uintp
 void device_exponential_rows(uintptr_t q, int64_t row_stride, int64_t n_q_rows, int64_t vocab, uintptr_t meta,
                              int64_t n, uintptr_t stream, int device);
 
+// NotAvailable when no CUDA device is usable, InvalidArgument when `device` is not visible; `what` names the
+// caller in the message. (CUDA build only.)
+void require_device(int device, const char* what);
+
 // Refuses an address that is not device memory of `device` (plain host memory, another GPU's) before a kernel
 // touches it: an illegal address would poison the context. `what` names the caller in the message. (CUDA
 // build only.)

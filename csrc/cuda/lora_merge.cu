@@ -63,23 +63,12 @@ __global__ void lora_merge_kernel(LoraMergeArgs a) {
   }
 }
 
-void require_merge_device(int device) {
-  int n = 0;
-  cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw NotAvailable(cat("lora_merge on cuda:", device, ": no CUDA device is usable (", cudaGetErrorName(err),
-                           "); pass device=-1 for host memory"));
-  }
-  require(device >= 0 && device < n, cat("lora_merge: cuda:", device, " is not visible (", n, " devices)"));
-}
-
 }  // namespace
 
 void device_lora_merge(const LoraMergeArgs& a, uintptr_t stream, int device) {
   check_lora_merge_args(a);
   if (a.m == 0 || a.n == 0) return;
-  require_merge_device(device);
+  require_device(device, "lora_merge");
   DeviceGuard guard(device);
   // the first element of each operand is device memory of this GPU (a host tensor's address would fault)
   check_device_pointer(a.w, 2, device, "lora_merge");
