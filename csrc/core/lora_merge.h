@@ -11,14 +11,11 @@
 // same, and the host version pins what the kernel must give.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "core/host_device.h"
-
-#if !defined(__CUDA_ARCH__)
-#include <cmath>
-#endif
 
 namespace colomem {
 
