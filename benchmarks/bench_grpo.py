@@ -86,7 +86,7 @@ from grpo_modes import CONFIGS, MODES, PEER_MODULES, PEER_ONLY_FLAGS, PEER_SCRIP
 from grpo_peer_figures import lora_top_level, recompute_top_level  # noqa: E402
 from grpo_table import table  # noqa: E402
 from stage_deadline import bound_or_skip  # noqa: E402
-from warm_imports import warm  # noqa: E402
+import warm_imports  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -447,8 +447,9 @@ def main(argv=None) -> int:
 
     # a fresh machine compiles every package's Python files at their first import (tens of seconds for vLLM):
     # done here, outside the timed runs, so the first run does not pay it for the ones after it
-    report["warm_imports"] = warm(("vllm", "deepspeed", "transformers", "peft",
-                                   *(PEER_MODULES[m] for m in modes if m in PEER_MODULES)), a.run_timeout_s, ROOT)
+    report["warm_imports"] = warm_imports.warm(("vllm", "deepspeed", "transformers", "peft",
+                                                *(PEER_MODULES[m] for m in modes if m in PEER_MODULES)),
+                                               a.run_timeout_s, ROOT)
     for cfg in configs:
         # the config-built model goes into the cache before any timed run: no mode pays for building it (the
         # first run of a call still fills vLLM's compile cache, which later runs load: `first_run` says which)

@@ -10,12 +10,21 @@ kernel's GPU test (tests/gpu/test_lora_merge_kernel_gpu.py: the GPU's result bit
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 GPU_KERNEL = False        # the merge paths use the kernel on a GPU (see the module's docstring)
+
+
+@functools.cache
+def _core_has_cuda() -> bool:
+    """Whether the core was built with CUDA (asked once: the merge calls this for every layer)."""
+    from colomem import _C
+
+    return bool(_C.build_info().get("cuda"))
 
 
 def kernel_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling: float,
@@ -31,7 +40,7 @@ def kernel_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or A.dtype != B.dtype \
             or A.dtype not in (torch.bfloat16, torch.float32) or not (weight.device == A.device == B.device):
         return None
-    if weight.is_cuda and not _C.build_info().get("cuda"):
+    if weight.is_cuda and not _core_has_cuda():
         return None
     P, Q = (A.T, B.T) if getattr(layer, "fan_in_fan_out", False) else (B, A)     # P: m x r, Q: r x n
     m, n = weight.shape

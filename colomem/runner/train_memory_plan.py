@@ -19,9 +19,9 @@ from colomem.units import format_bytes, parse_bytes
 from .batch_width import widened
 from .kv_need import kv_layout, kv_shrink_hint, rollout_kv_need
 from .loop_memory import grow_sync_bucket
-from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, keep_part_fit,
-                        kv_hint, kv_release_fit, micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit, micro_batch_tokens_hint,
-                        fits, reload_at_step, state_to_plan, train_spare)
+from .placement import (MemoryFigures, Placement, choose, early_reload_room, figures_from_step, fits, keep_part_fit,
+                        kv_hint, kv_release_fit, micro_batch_fit, micro_batch_hint, micro_batch_tokens_fit,
+                        micro_batch_tokens_hint, reload_at_step, state_to_plan, train_spare)
 from .ranks import Ranks
 from .recompute_plan import (RecomputeProbe, asleep_trade, micro_batch_rows, no_fit_reason, probe, recompute_fit,
                              recompute_hint)
