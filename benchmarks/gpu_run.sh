@@ -102,6 +102,8 @@ run() {  # run NAME TIMEOUT CMD...
 }
 stage() {  # the stages run in the order given on the command line
   case $1 in
+    # tests: the GPU test files TESTS names alone (e.g. one changed kernel's), bounded by TESTS_TIMEOUT_S
+    tests) run gpu_tests "${TESTS_TIMEOUT_S:-180}" python3 -m pytest -q -rs ${TESTS:?name the test files in TESTS} ;;
     core) run core_tests 120 python3 -m pytest -q -rs -m "gpu and not vllm and not deepspeed and not ipc" tests \
       --deselect tests/gpu/test_cuda_waits_gpu.py ;;
     # held streams and a copy that fails part-way: in a process of their own, each test's stack dumped when it

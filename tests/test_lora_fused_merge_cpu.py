@@ -109,9 +109,10 @@ def test_a_nested_exact_matmul_leaves_the_flags_off_until_the_outer_one_ends():
         m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
 
 
-def test_a_weight_off_the_cpu_is_left_to_the_fp32_path():
-    """cuBLAS's bf16 GEMM rounds the product before adding the weight (two roundings), so a weight on any
-    device but the CPU takes the fp32 path: fused_merge declines it and writes nothing."""
+def test_a_weight_neither_on_the_cpu_nor_on_a_cuda_gpu_is_left_to_the_fp32_path():
+    """Off the CPU the merge is the core's kernel (cuBLAS's bf16 GEMM rounds the product before adding the
+    weight: two roundings), which runs on CUDA GPUs only: a weight elsewhere takes the fp32 path, fused_merge
+    declines it and writes nothing."""
     w, A, B = (t.to("meta") for t in _factors())
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=True) is None
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=False) is None

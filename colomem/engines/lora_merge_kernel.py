@@ -5,8 +5,8 @@ and writing the weight once: what the fp32 path gives (one rounding) at the memo
 where cuBLAS's bf16 GEMM would round twice. On a GPU it is one launch on the current stream; on the host the
 core's reference version runs (slow: for tests; the CPU's own addmm rounds once already).
 
-The merge paths in colomem.engines.lora take it on a GPU only once GPU_KERNEL is True: it is set when the
-kernel's GPU test (tests/gpu/test_lora_merge_kernel_gpu.py: the GPU's result bit for bit the host's) has run.
+The merge paths in colomem.engines.lora take it on a GPU while GPU_KERNEL is True (the fp32 path otherwise).
+Its GPU test, tests/gpu/test_lora_merge_kernel_gpu.py, checks the GPU's result bit for bit against the host's.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from torch import Tensor
 
-GPU_KERNEL = False        # the merge paths use the kernel on a GPU (see the module's docstring)
+GPU_KERNEL = True         # the merge paths use the kernel on a GPU (see the module's docstring)
 
 
 @functools.cache
@@ -32,13 +32,15 @@ def kernel_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling
     """weight + scaling * B @ A by the core's kernel, into `weight` (in_place) or a new tensor; oriented as
     the layer's base weight (peft's fan_in_fan_out: the transposed product, read through strides, no copy).
     None, nothing written, where it does not apply: a weight that is not a 2-D bf16 tensor, factors neither
-    both bf16 nor both fp32, tensors on different devices, or a GPU where the core was built without CUDA."""
+    both bf16 nor both fp32, tensors on different devices or on a device that is neither the CPU nor a CUDA
+    GPU, or a GPU where the core was built without CUDA."""
     import torch
 
     from colomem import _C
 
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or A.dtype != B.dtype \
-            or A.dtype not in (torch.bfloat16, torch.float32) or not (weight.device == A.device == B.device):
+            or A.dtype not in (torch.bfloat16, torch.float32) or not (weight.device == A.device == B.device) \
+            or weight.device.type not in ("cpu", "cuda"):
         return None
     if weight.is_cuda and not _core_has_cuda():
         return None

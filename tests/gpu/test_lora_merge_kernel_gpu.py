@@ -33,8 +33,10 @@ def _factors(m, n, r, dtype=torch.bfloat16, seed=0):
     (512, 3584, 16, torch.bfloat16, False),          # k_proj's shape, r 16
     (3584, 1000, 16, torch.float32, False),          # fp32 factors (peft's, on a bf16 base)
     (777, 1031, 7, torch.bfloat16, True),            # ragged edges, odd r, fan_in_fan_out
+    (100, 2100, 70, torch.bfloat16, False),          # a rank past two of the kernel's tiles of ranks
+    (3584, 18944, 16, torch.bfloat16, False),        # down_proj's shape
     (600_000, 3, 2, torch.bfloat16, False),          # more row blocks than one launch's grid.y
-], ids=["k_proj", "fp32-factors", "ragged-transposed", "tall"])
+], ids=["k_proj", "fp32-factors", "ragged-transposed", "ranks-past-a-tile", "down_proj", "tall"])
 def test_the_gpu_gives_the_host_references_bits(m, n, r, dtype, fan):
     w, A, B = _factors(m, n, r, dtype)
     if fan:
