@@ -2,10 +2,10 @@
 merge itself (base + scaling * B @ A under the base's HF names), which is what the rollout engine loads.
 
 The merge never touches the model (no merge_and_unload: no rounding drift across steps) and sums in fp32
-with one rounding to the weight's dtype: one adapter in one pass over the weight (fused_merge: on the CPU one
-GEMM, on a GPU the core's kernel, as cuBLAS's bf16 GEMM rounds twice), anything else in fp32. A trainer
-whose parameters are partitioned (ZeRO-3) passes `full`, a context manager that hands out the complete
-tensors of a module's parameters while they are read.
+with one rounding to the weight's dtype: one adapter in one pass over the weight where it can (fused_merge:
+on the CPU one GEMM; on a GPU the core's kernel once switched on, as cuBLAS's bf16 GEMM rounds twice),
+anything else in fp32. A trainer whose parameters are partitioned (ZeRO-3) passes `full`, a context manager
+that hands out the complete tensors of a module's parameters while they are read.
 
 Nothing here imports torch or peft at module level (DeepSpeedConfig imports build_lora_config).
 """
@@ -113,8 +113,9 @@ def fused_merge(layer: Any, weight: "Tensor", A: "Tensor", B: "Tensor", scaling:
     cuBLAS's reduced-precision GEMM rounds the product to the weight's dtype before it adds the weight, whatever
     the precision flags say (two roundings: up to 256 bf16 steps from the exact sum where the terms nearly
     cancel; benchmarks/diag_merge_rounding.py shows it). On a GPU the core's one-rounding kernel
-    (colomem.engines.lora_merge_kernel) does the merge instead, also for fp32 factors on a bf16 weight; where
-    it does not apply (another dtype, a core built without CUDA) the caller takes the fp32 path."""
+    (colomem.engines.lora_merge_kernel) does the merge instead while its GPU_KERNEL is on, also for fp32
+    factors on a bf16 weight; where it is off or does not apply (another dtype, a core built without CUDA)
+    the caller takes the fp32 path."""
     import torch
 
     if weight.device.type != "cpu":     # the core's one-rounding kernel
