@@ -18,6 +18,8 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
                level-2 sleep, weights refilled by the bridge (colomem's switch with nothing left in place)
   resident     --offload none --rollout-sleep always: the trainer stays, vLLM sleeps (verl's and TRL's layout)
   still        --offload none --rollout-sleep never: nothing moves, whether or not the planner would choose it
+  still_nogc   the same without gradient checkpointing (a forced placement cannot trim the recompute: this is
+               nothing-moves' fastest setting where the activations fit)
   timesplit    DeepSpeed engine.offload_states()/reload_states() and vLLM level-1 sleep (weights backed up by vLLM)
   enginerng    the default with --rollout-seeding engine: vLLM's own generator, seeded once, as TRL samples
   batchednoise the default's --seeded-noise batched named: the seeded requests' noise of a step in one launch

@@ -16,6 +16,10 @@ MODES = {"colomem": ["--switch", "colomem"],
          "colomem_all": ["--switch", "colomem", "--offload", "all", "--rollout-sleep", "always"],
          "resident": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "always"],
          "still": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never"],
+         # nothing moves and no layer recomputed: a forced placement measures nothing, so it cannot trim the
+         # recompute as the default does; where the activations fit, this is nothing-moves at its fastest
+         "still_nogc": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "never",
+                        "--gradient-checkpointing", "false"],
          # the planner's with vLLM's whole sleep where it sleeps (the default releases only the part of its KV
          # cache training needs)
          "wholesleep": ["--switch", "colomem", "--kv-release", "all"],
@@ -86,5 +90,6 @@ PEER_ONLY_FLAGS = {"--trl-sleep"}                       # a peer mode's flags th
 # top-level speedups of the planner's default against each other layout, on the full fine-tune
 VERSUS = {"timesplit": "speedup_vs_timesplit", "colomem_all": "speedup_vs_offload_all",
           "resident": "speedup_vs_resident", "still": "speedup_vs_all_resident",
+          "still_nogc": "speedup_vs_all_resident_nogc",
           "trl": "speedup_vs_trl", "trl_sleep": "speedup_vs_trl_sleep", "enginerng": "speedup_vs_enginerng",
           "batchednoise": "speedup_vs_batchednoise", "vllmnoise": "speedup_vs_vllmnoise"}
