@@ -111,13 +111,18 @@ class MappedRange:
         """
         device -1: host memory. chunk_bytes is rounded up to the mapping granularity; nothing is mapped yet.
         """
+    @staticmethod
+    def attach(device: int, address: int, nbytes: int, chunk_bytes: int) -> MappedRange:
+        """
+        A range laid over [address, address + nbytes), addresses another allocator reserved and keeps, with nothing mapped there now (its owner took its own mapping down first). address and nbytes are multiples of the mapping granularity (the driver's smallest on a GPU, the page size on the host). Its chunks map and unmap as any range's; close() unmaps them and leaves the addresses reserved to their owner.
+        """
     def chunk_offset(self, i: int) -> int:
         ...
     def chunk_size(self, i: int) -> int:
         ...
     def close(self, timeout_s: float = 60.0) -> None:
         """
-        Waits up to timeout_s (inf: no bound) for the work queued on the device, then unmaps every chunk and frees the addresses. TransferTimeoutError if that work still runs (nothing changed: close again). Idempotent.
+        Waits up to timeout_s (inf: no bound) for the work queued on the device, then unmaps every chunk and frees the addresses (an attached range leaves them reserved to their owner). TransferTimeoutError if that work still runs (nothing changed: close again). Idempotent.
         """
     def is_mapped(self, i: int) -> bool:
         ...
@@ -152,6 +157,9 @@ class MappedRange:
         ...
     @property
     def nchunks(self) -> int:
+        ...
+    @property
+    def owns_addresses(self) -> bool:
         ...
     @property
     def ptr(self) -> int:

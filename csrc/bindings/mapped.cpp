@@ -21,6 +21,17 @@ void register_mapped(py::module_& m) {
            }),
            py::arg("device"), py::arg("nbytes"), py::arg("chunk_bytes"),
            "device -1: host memory. chunk_bytes is rounded up to the mapping granularity; nothing is mapped yet.")
+      .def_static(
+          "attach",
+          [](int device, uintptr_t address, size_t nbytes, size_t chunk_bytes) {
+            py::gil_scoped_release nogil;
+            return attach_mapped_range(device, address, nbytes, chunk_bytes);
+          },
+          py::arg("device"), py::arg("address"), py::arg("nbytes"), py::arg("chunk_bytes"),
+          "A range laid over [address, address + nbytes), addresses another allocator reserved and keeps, with "
+          "nothing mapped there now (its owner took its own mapping down first). address and nbytes are multiples "
+          "of the mapping granularity (the driver's smallest on a GPU, the page size on the host). Its chunks map "
+          "and unmap as any range's; close() unmaps them and leaves the addresses reserved to their owner.")
       .def_property_readonly("ptr", &MappedRange::ptr)
       .def_property_readonly("nbytes", &MappedRange::nbytes)
       .def_property_readonly("chunk_bytes", &MappedRange::chunk_bytes)
@@ -31,6 +42,7 @@ void register_mapped(py::module_& m) {
       .def_property_readonly("mapped_chunks", &MappedRange::mapped_chunks)
       .def_property_readonly("mapped_bytes", &MappedRange::mapped_bytes)
       .def_property_readonly("closed", &MappedRange::closed)
+      .def_property_readonly("owns_addresses", &MappedRange::owns_addresses)
       .def("chunk_offset", &MappedRange::chunk_offset, py::arg("i"))
       .def("chunk_size", &MappedRange::chunk_size, py::arg("i"))
       .def("is_mapped", &MappedRange::is_mapped, py::arg("i"))
@@ -43,6 +55,6 @@ void register_mapped(py::module_& m) {
       .def("close", &MappedRange::close, py::arg("timeout_s") = MappedRange::kCloseWaitS,
            py::call_guard<py::gil_scoped_release>(),
            "Waits up to timeout_s (inf: no bound) for the work queued on the device, then unmaps every chunk and "
-           "frees the addresses. TransferTimeoutError if that work still runs (nothing changed: close again). "
+           "frees the addresses (an attached range leaves them reserved to their owner). TransferTimeoutError if that work still runs (nothing changed: close again). "
            "Idempotent.");
 }

@@ -138,14 +138,23 @@ void MappedRange::teardown() noexcept {
     if (mapped_[i]) unmap_chunk(ptr_ + i * chunk_bytes_, sizes_[i]);
   mapped_.assign(sizes_.size(), false);
   mapped_count_ = mapped_bytes_ = 0;
-  if (ptr_) release_range();
+  if (ptr_ && owns_addresses_) release_range();
   ptr_ = 0;
+}
+
+void MappedRange::adopt(uintptr_t address, size_t nbytes) {
+  require(address != 0, "attaching a mapped range needs a non-null address");
+  require(address % granularity_ == 0 && nbytes % granularity_ == 0,
+          cat("attaching a mapped range: address ", hex(address), " and size ", nbytes, " must be multiples of the "
+              "mapping granularity (", granularity_, " bytes)"));
+  ptr_ = address;
+  owns_addresses_ = false;
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Host memory: a PROT_NONE reservation; a chunk is an anonymous read-write mapping placed over its part of it
 // (populated at once, as device memory is backed when mapped); unmapping puts a PROT_NONE mapping back in
-// its place, which drops the pages and keeps the addresses reserved.
+// its place, which drops the pages and keeps the addresses reserved (also where another owner reserved them).
 
 namespace {
 
@@ -158,6 +167,11 @@ class HostRange final : public MappedRange {
       throw PoolExhausted(cat("reserving ", gib(reserved_bytes()), " of host address space failed: ",
                               std::strerror(errno)));
     ptr_ = reinterpret_cast<uintptr_t>(p);
+  }
+
+  HostRange(uintptr_t address, size_t nbytes, size_t chunk_bytes) {  // laid over another's reservation
+    layout(-1, nbytes, chunk_bytes, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+    adopt(address, nbytes);
   }
 
   ~HostRange() override {
@@ -194,6 +208,11 @@ class HostRange final : public MappedRange {
 std::shared_ptr<MappedRange> make_mapped_range(int device, size_t nbytes, size_t chunk_bytes) {
   if (device < 0) return std::make_shared<HostRange>(nbytes, chunk_bytes);
   return make_device_range(device, nbytes, chunk_bytes);
+}
+
+std::shared_ptr<MappedRange> attach_mapped_range(int device, uintptr_t address, size_t nbytes, size_t chunk_bytes) {
+  if (device < 0) return std::make_shared<HostRange>(address, nbytes, chunk_bytes);
+  return attach_device_range(device, address, nbytes, chunk_bytes);
 }
 
 }  // namespace colomem

@@ -13,6 +13,11 @@
 // Reading or writing an unmapped chunk faults (an illegal address on the GPU, SIGSEGV on the host). unmap()
 // does not wait for the device: the caller unmaps a chunk only once nothing queued still uses it (its copy
 // out has ended). close() waits, bounded, for the device's queued work before unmapping everything.
+//
+// A range may also be laid over addresses someone else reserved (attach_mapped_range): another allocator's
+// allocation whose own mapping its owner took down first (vLLM's KV cache, one handle per layer, re-backed by
+// chunks that come and go on their own). Such a range maps and unmaps its chunks the same way but never frees
+// the addresses: close() unmaps its chunks and leaves the reservation to its owner, who maps it again.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +46,7 @@ class MappedRange {
   size_t reserved_bytes() const { return reserved_; }  // the chunks' sizes summed
   int device() const { return device_; }
   size_t granularity() const { return granularity_; }  // chunk sizes are multiples of it
+  bool owns_addresses() const { return owns_addresses_; }  // false: laid over another's reservation
   // Offset and size of chunk i; InvalidArgument out of range.
   size_t chunk_offset(size_t i) const;
   size_t chunk_size(size_t i) const;
@@ -64,8 +70,11 @@ class MappedRange {
 
  protected:
   MappedRange() = default;
-  // Sets the chunk layout; the subclass then reserves [ptr_, ptr_ + reserved_bytes()).
+  // Sets the chunk layout; the subclass then reserves [ptr_, ptr_ + reserved_bytes()), or adopts a range.
   void layout(int device, size_t nbytes, size_t chunk_bytes, size_t granularity);
+  // After layout(): the range is [address, address + nbytes), reserved by another owner (InvalidArgument
+  // unless both are multiples of the granularity); teardown leaves the addresses reserved.
+  void adopt(uintptr_t address, size_t nbytes);
 
   // Map or unmap one chunk at ptr_ + offset (mu_ held). unmap_chunk reports failures through warn().
   virtual void map_chunk(uintptr_t address, size_t size) = 0;
@@ -80,6 +89,7 @@ class MappedRange {
   uintptr_t ptr_ = 0;
   mutable std::mutex mu_;
   bool closed_ = false;
+  bool owns_addresses_ = true;  // release_range() runs at teardown only then
 
  private:
   void check_span(size_t first, size_t count) const;
@@ -100,5 +110,12 @@ class MappedRange {
 std::shared_ptr<MappedRange> make_mapped_range(int device, size_t nbytes, size_t chunk_bytes);
 // The GPU kind (cuda/mapped_range_cuda.cpp; the host-only build's stub raises NotAvailable).
 std::shared_ptr<MappedRange> make_device_range(int device, size_t nbytes, size_t chunk_bytes);
+
+// A range laid over [address, address + nbytes), addresses the caller's allocator reserved and keeps: nothing
+// may be mapped there (the owner unmapped its own mapping first), address and nbytes are multiples of the
+// mapping granularity (the smallest the driver allows on a GPU, the page size on the host), and the range
+// never frees those addresses. chunk_bytes is rounded up to the granularity. Nothing is mapped yet.
+std::shared_ptr<MappedRange> attach_mapped_range(int device, uintptr_t address, size_t nbytes, size_t chunk_bytes);
+std::shared_ptr<MappedRange> attach_device_range(int device, uintptr_t address, size_t nbytes, size_t chunk_bytes);
 
 }  // namespace colomem

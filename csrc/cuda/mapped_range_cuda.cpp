@@ -1,5 +1,6 @@
-// The GPU kind of MappedRange (core/mapped_range.h): a cuMemAddressReserve'd range whose chunks are
-// cuMemCreate'd allocations, mapped and given read-write access one by one, unmapped and released one by one.
+// The GPU kind of MappedRange (core/mapped_range.h): a cuMemAddressReserve'd range (or one another allocator
+// reserved) whose chunks are cuMemCreate'd allocations, mapped and given read-write access one by one,
+// unmapped and released one by one.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -26,29 +27,16 @@ CUmemAllocationProp chunk_prop(CUdevice dev) {
 class DeviceRange final : public MappedRange {
  public:
   DeviceRange(int device, size_t nbytes, size_t chunk_bytes) {
-    int n = 0;
-    if (cudaError_t err = cudaGetDeviceCount(&n); err != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw NotAvailable(cat("no CUDA device is usable (", cudaGetErrorName(err), "): check nvidia-smi and "
-                             "CUDA_VISIBLE_DEVICES, or map host memory (device -1)"));
-    }
-    require(device < n, cat("device ", device, " is not visible in this process (", n, " visible)"));
-    DeviceGuard guard(device);
-    COLOMEM_CUDA_CHECK(cudaFree(nullptr));  // the primary context, current on this thread
-    const DriverApi& d = driver();
-    COLOMEM_CU_CHECK(d.cuDeviceGet(&dev_, device));
-    int vmm = 0;
-    COLOMEM_CU_CHECK(d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev_));
-    if (!vmm)
-      throw NotAvailable(cat("cuda:", device, " does not support CUDA virtual memory management; colomem cannot "
-                             "map memory there chunk by chunk (leave the optimizer state in torch's memory)"));
-    CUmemAllocationProp prop = chunk_prop(dev_);
-    size_t g = 0;
-    COLOMEM_CU_CHECK(d.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
-    layout(device, nbytes, chunk_bytes, g);
+    layout(device, nbytes, chunk_bytes, open_device(device, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     CUdeviceptr addr = 0;
-    COLOMEM_CU_CHECK(d.cuMemAddressReserve(&addr, reserved_bytes(), g, 0, 0));
+    COLOMEM_CU_CHECK(driver().cuMemAddressReserve(&addr, reserved_bytes(), granularity(), 0, 0));
     ptr_ = static_cast<uintptr_t>(addr);
+  }
+
+  // Laid over addresses another allocator reserved (and mapped with the smallest granularity: vLLM's does).
+  DeviceRange(int device, uintptr_t address, size_t nbytes, size_t chunk_bytes) {
+    layout(device, nbytes, chunk_bytes, open_device(device, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    adopt(address, nbytes);
   }
 
   ~DeviceRange() override {
@@ -133,6 +121,31 @@ class DeviceRange final : public MappedRange {
   }
 
  private:
+  // Checks the device (visible, VMM supported), makes its primary context current, sets dev_; returns the
+  // chunks' mapping granularity of that kind.
+  size_t open_device(int device, CUmemAllocationGranularity_flags kind) {
+    int n = 0;
+    if (cudaError_t err = cudaGetDeviceCount(&n); err != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw NotAvailable(cat("no CUDA device is usable (", cudaGetErrorName(err), "): check nvidia-smi and "
+                             "CUDA_VISIBLE_DEVICES, or map host memory (device -1)"));
+    }
+    require(device >= 0 && device < n, cat("device ", device, " is not visible in this process (", n, " visible)"));
+    DeviceGuard guard(device);
+    COLOMEM_CUDA_CHECK(cudaFree(nullptr));  // the primary context, current on this thread
+    const DriverApi& d = driver();
+    COLOMEM_CU_CHECK(d.cuDeviceGet(&dev_, device));
+    int vmm = 0;
+    COLOMEM_CU_CHECK(d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev_));
+    if (!vmm)
+      throw NotAvailable(cat("cuda:", device, " does not support CUDA virtual memory management; colomem cannot "
+                             "map memory there chunk by chunk (leave the optimizer state in torch's memory)"));
+    CUmemAllocationProp prop = chunk_prop(dev_);
+    size_t g = 0;
+    COLOMEM_CU_CHECK(d.cuMemGetAllocationGranularity(&g, &prop, kind));
+    return g;
+  }
+
   CUdevice dev_ = 0;
   std::unordered_map<uintptr_t, CUmemGenericAllocationHandle> handles_;  // mapped chunks by address
   std::shared_ptr<DeviceDrain> drain_;  // a close() that timed out leaves its wait here
@@ -142,6 +155,10 @@ class DeviceRange final : public MappedRange {
 
 std::shared_ptr<MappedRange> make_device_range(int device, size_t nbytes, size_t chunk_bytes) {
   return std::make_shared<DeviceRange>(device, nbytes, chunk_bytes);
+}
+
+std::shared_ptr<MappedRange> attach_device_range(int device, uintptr_t address, size_t nbytes, size_t chunk_bytes) {
+  return std::make_shared<DeviceRange>(device, address, nbytes, chunk_bytes);
 }
 
 }  // namespace colomem
