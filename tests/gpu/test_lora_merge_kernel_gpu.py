@@ -35,7 +35,7 @@ def _factors(m, n, r, dtype=torch.bfloat16, seed=0):
     (777, 1031, 7, torch.bfloat16, True),            # ragged edges, odd r, fan_in_fan_out
     (100, 2100, 70, torch.bfloat16, False),          # a rank past two of the kernel's tiles of ranks
     (3584, 18944, 16, torch.bfloat16, False),        # down_proj's shape
-    (600_000, 3, 2, torch.bfloat16, False),          # more row blocks than one launch's grid.y
+    (1_100_000, 3, 2, torch.bfloat16, False),        # more row blocks (16 rows each) than one launch's grid.y
 ], ids=["k_proj", "fp32-factors", "ragged-transposed", "ranks-past-a-tile", "down_proj", "tall"])
 def test_the_gpu_gives_the_host_references_bits(m, n, r, dtype, fan):
     w, A, B = _factors(m, n, r, dtype)
