@@ -55,6 +55,6 @@ void register_mapped(py::module_& m) {
       .def("close", &MappedRange::close, py::arg("timeout_s") = MappedRange::kCloseWaitS,
            py::call_guard<py::gil_scoped_release>(),
            "Waits up to timeout_s (inf: no bound) for the work queued on the device, then unmaps every chunk and "
-           "frees the addresses (an attached range leaves them reserved to their owner). TransferTimeoutError if that work still runs (nothing changed: close again). "
-           "Idempotent.");
+           "frees the addresses (an attached range leaves them reserved to their owner). TransferTimeoutError if "
+           "that work still runs (nothing changed: close again). Idempotent.");
 }

@@ -3,8 +3,8 @@
 // columns blockDim.x apart so that a warp's loads and stores of the weight are contiguous. The block's rows
 // of P are staged in shared memory as fp32, kTileK ranks at a time: every thread reads the same value there
 // (a broadcast), so the rank loop is fused multiply-adds and one load of Q per column, with no 64-bit index
-// products in it (they had bound an earlier version at a fifth of the memory's speed). The sums run over k in
-// ascending order, as the host version's do, so both give the same bits.
+// products in it (integer work per load would otherwise bound the kernel far below the memory's speed). The
+// sums run over k in ascending order, as the host version's do, so both give the same bits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
