@@ -136,7 +136,6 @@ __global__ void exponential_rows_kernel(float* __restrict__ q, int64_t row_strid
   }
 }
 
-
 // A private non-blocking stream per device for reading results back once they are known to be ready: a copy
 // to pageable memory returns only when it completed, so on the caller's stream it would wait, without bound,
 // for whatever was queued there after the checksum. Created on first use, kept for the process.

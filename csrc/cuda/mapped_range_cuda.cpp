@@ -11,6 +11,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_drain.h"
 #include "cuda/driver_api.h"
+#include "cuda/kernels.h"  // require_device
 
 namespace colomem {
 
@@ -124,13 +125,7 @@ class DeviceRange final : public MappedRange {
   // Checks the device (visible, VMM supported), makes its primary context current, sets dev_; returns the
   // chunks' mapping granularity of that kind.
   size_t open_device(int device, CUmemAllocationGranularity_flags kind) {
-    int n = 0;
-    if (cudaError_t err = cudaGetDeviceCount(&n); err != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw NotAvailable(cat("no CUDA device is usable (", cudaGetErrorName(err), "): check nvidia-smi and "
-                             "CUDA_VISIBLE_DEVICES, or map host memory (device -1)"));
-    }
-    require(device >= 0 && device < n, cat("device ", device, " is not visible in this process (", n, " visible)"));
+    require_device(device, "a mapped range");   // NotAvailable without a usable GPU, InvalidArgument if unseen
     DeviceGuard guard(device);
     COLOMEM_CUDA_CHECK(cudaFree(nullptr));  // the primary context, current on this thread
     const DriverApi& d = driver();
