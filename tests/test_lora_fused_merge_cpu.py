@@ -113,9 +113,12 @@ def test_a_weight_neither_on_the_cpu_nor_on_a_cuda_gpu_is_left_to_the_fp32_path(
     """Off the CPU the merge is the core's kernel (cuBLAS's bf16 GEMM rounds the product before adding the
     weight: two roundings), which runs on CUDA GPUs only: a weight elsewhere takes the fp32 path, fused_merge
     declines it and writes nothing."""
+    from colomem.engines.lora_merge_kernel import kernel_merge
+
     w, A, B = (t.to("meta") for t in _factors())
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=True) is None
     assert fused_merge(_layer(), w, A, B, 2.0, in_place=False) is None
+    assert kernel_merge(_layer(), w, A, B, 2.0, in_place=True) is None     # also once the kernel is on
 
 
 def test_the_fp32_path_computes_its_product_without_tf32_even_where_the_job_turned_it_on(monkeypatch):
