@@ -374,3 +374,22 @@ def test_the_default_trim_of_the_recompute_trains_bit_for_bit_as_recomputing_eve
     a, b = (torch.load(tmp_path / k / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
             for k in ("trim", "every"))
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+
+
+def test_a_rollout_whose_kv_comes_back_as_a_lent_tail_does_not_wait_for_the_offload(job_env, tmp_path,
+                                                                                   monkeypatch):
+    """A lent KV tail maps back only as the rollout's blocks run short, so nothing of the switch waits for
+    the trainer's copy out before the rollout: no offload_wait phase, and reload() ends the copy instead."""
+    from colomem.engines.hf_rollout import HFRollout
+
+    lines = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    kw = dict(offload="all", rollout_sleep="always", overlap_offload=True)   # the copy out runs behind the wake
+    ref = run_job(job(tmp_path / "whole", **kw), print_fn=lambda *_: None)
+    waited = [x for x in lines(tmp_path / "whole") if "reward_mean" in x and "offload_wait" in x["phase_s"]]
+    monkeypatch.setattr(HFRollout, "kv_tail_lent", property(lambda self: True), raising=False)
+    res = run_job(job(tmp_path / "tail", **kw), print_fn=lambda *_: None)
+    assert ref.summary["status"] == res.summary["status"] == "ok"
+    steps = [x for x in lines(tmp_path / "tail") if "reward_mean" in x]
+    assert waited and not any("offload_wait" in x["phase_s"] for x in steps), waited
+    rewards = lambda out: [x["reward_mean"] for x in lines(out) if "reward_mean" in x]  # noqa: E731
+    assert rewards(tmp_path / "tail") == rewards(tmp_path / "whole")

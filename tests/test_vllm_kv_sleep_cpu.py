@@ -133,7 +133,10 @@ class KvRollout(FakeRollout):
 
 
 def make_kv(**kw) -> KvRollout:
+    """The stand-in engine; its partial releases are whole layers (kv_tail: vLLM's scheduler and KV tensors,
+    which the stand-in has not, decide whether a tail can be lent: tests/gpu/test_vllm_kv_sleep_gpu.py)."""
     kw.setdefault("bucket_bytes", 256)
+    kw.setdefault("kv_tail", False)
     return KvRollout("/models/tiny", gpu_memory_utilization=0.3, max_model_len=256, **kw)
 
 

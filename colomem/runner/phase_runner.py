@@ -185,14 +185,19 @@ class PhaseRunner:
         self.trainer.start_offload()
         rec.phase_s["offload"] = rec.phase_s.get("offload", 0.0) + time.perf_counter() - t0
 
-    def _finish_offload_during_rollout(self) -> None:
-        """optim_out: the moments' copy out ends during the rollout, and their memory goes back to the driver
-        then, in a thread (0.14 s of cudaFree on the 7.6B job, off the switch), where vLLM runs in its own
-        process. With vLLM in this process the free's device-wide wait would stall its kernels: reload()
-        ends it then, as it ends it when nothing ran it here."""
-        if self.placement.optim_out and self.cfg.effective_engine == "cross-process" \
+    def _finish_offload_during_rollout(self, tail: bool = False) -> None:
+        """optim_out, or a lent KV tail (tail): the copy out ends during the rollout, and its memory goes back
+        to the driver then, in a thread (0.14 s of cudaFree on the 7.6B job, off the switch), where vLLM runs
+        in its own process (the tail then grows into it as the rollout needs). With vLLM in this process the
+        free's device-wide wait would stall its kernels: reload() ends it then, as it ends it when nothing ran
+        it here, and until then the tail grows only into memory free already."""
+        if (self.placement.optim_out or tail) and self.cfg.effective_engine == "cross-process" \
                 and self.trainer.offload_pending:
             self.trainer.finish_offload(background=True)
+
+    def _kv_tail_lent(self) -> bool:
+        """Whether the rollout's released KV is a lent tail (optional in the Rollout protocol)."""
+        return bool(getattr(self.rollout, "kv_tail_lent", False))
 
     def _sleep_rollout(self) -> None:
         """The rollout's sleep: its KV cache only when the trainer reads its weights (a shared base), only
@@ -233,14 +238,17 @@ class PhaseRunner:
                 if self.shared is not None and not merged:    # nobody wrote into the base both sides read
                     self.shared.check()                         # (merged: after the restore, in sleep)
             current = "offload_wait"
-            if not self.placement.optim_out:       # the KV cache needs the memory the optimizer state held
-                self._finish_offload(rec)          # (optim_out: the plan counted it through the rollout)
+            # the KV cache needs the memory the optimizer state held; not so with optim_out (the plan counted it
+            # through the rollout) or a lent KV tail (it maps back only as the rollout's blocks run short)
+            tail = self._kv_tail_lent()
+            if not (self.placement.optim_out or tail):
+                self._finish_offload(rec)
             current = "wake_kv"
             with self.phase(rec, "wake_kv"):
                 if self.rollout.phase == WEIGHTS_ONLY:
                     self.rollout.wake_kv()
             self._start_deferred_offload(rec)
-            self._finish_offload_during_rollout()
+            self._finish_offload_during_rollout(tail)
             for name, fn in work:
                 current = name
                 with self.phase(rec, name):

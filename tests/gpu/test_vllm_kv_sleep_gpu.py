@@ -109,9 +109,12 @@ def test_vllms_own_sleep_while_the_cache_is_released_then_a_plain_cycle(engine, 
 
 
 def test_a_partial_release_frees_only_its_allocations_and_greedy_tokens_come_back(engine, tiny):
-    """sleep(keep_weights=True, kv_bytes=N): the fewest KV allocations holding N bytes go back to the driver
-    (vLLM has one a layer), the rest stays mapped, and the tokens after the wake are those before."""
+    """sleep(keep_weights=True, kv_bytes=N) with kv_tail off: the fewest KV allocations holding N bytes go
+    back to the driver (vLLM has one a layer), the rest stays mapped, and the tokens after the wake are those
+    before."""
     r = engine
+    assert r.kv_tail, "VLLMConfig.kv_tail is on by default: vLLM runs colomem's scheduler"
+    r.kv_tail = False
     _, prompts = tiny
     before = [c.token_ids for c in greedy(r, prompts)]
     state = r.rpc("colomem_kv_state")[0]
@@ -133,3 +136,79 @@ def test_a_partial_release_frees_only_its_allocations_and_greedy_tokens_come_bac
         r.wake_kv()
         assert asleep - driver_free() >= 0.95 * want and r.timings["kv_mapped_bytes"] == want
         assert [c.token_ids for c in greedy(r, prompts)] == before, f"cycle {cycle}: other tokens after the wake"
+    r.kv_tail = True
+
+
+def tail_state(r):
+    return r.rpc("colomem_kv_tail_state")[0]
+
+
+def test_a_lent_tail_frees_its_chunks_at_once_and_the_rollout_starts_on_the_head(engine, tiny):
+    """kv_tail (the default): sleep(keep_weights=True, kv_bytes=N) lends every layer's tail, at least N
+    bytes, to the driver; wake_kv() maps nothing; greedy tokens equal those of the whole cache; each later
+    cycle frees the tail again (what the rollout grew back included)."""
+    r = engine
+    _, prompts = tiny
+    before = [c.token_ids for c in greedy(r, prompts)]
+    kv_bytes = r.rpc("colomem_memory")[0]["cumem_bytes_by_tag"]["kv_cache"]
+    ask = kv_bytes // 2
+    for cycle in range(CYCLES):
+        awake = driver_free()
+        r.sleep(keep_weights=True, kv_bytes=ask)
+        freed = driver_free() - awake
+        lent = r.timings["kv_released_bytes"]
+        st = tail_state(r)
+        assert st["held"] and st["held_blocks"] > 0 and r.kv_tail_lent
+        assert ask <= lent <= ask + st["layers"] * st["chunk_bytes"]
+        assert 0.95 * lent <= freed <= lent + 512 * MiB, (
+            f"cycle {cycle}: the lent tail freed {freed / MiB:.0f} MiB, it is {lent / MiB:.0f} MiB")
+        assert st["mapped_bytes"] + lent == st["layers"] * st["layer_bytes"] <= kv_bytes
+        r.check()
+        asleep = driver_free()
+        r.wake_kv()
+        assert r.timings["kv_mapped_bytes"] == 0 and asleep - driver_free() < 256 * MiB, "the wake mapped memory"
+        assert [c.token_ids for c in greedy(r, prompts)] == before, f"cycle {cycle}: other tokens on the head"
+
+
+def test_a_tail_of_nearly_everything_grows_back_as_the_scheduler_runs_short(engine, tiny):
+    """Lending all but each layer's first chunk leaves the scheduler under its low-water mark: its first
+    schedule() maps chunks back (their memory taken from the driver) and the tokens are those of the whole
+    cache; the next lend frees what grew."""
+    r = engine
+    _, prompts = tiny
+    before = [c.token_ids for c in greedy(r, prompts)]
+    kv_bytes = r.rpc("colomem_memory")[0]["cumem_bytes_by_tag"]["kv_cache"]
+    for cycle in range(2):
+        r.sleep(keep_weights=True, kv_bytes=kv_bytes)
+        st = tail_state(r)
+        assert st["start"] == 1 and st["grown_chunks"] == 0
+        r.check()
+        r.wake_kv()
+        asleep = driver_free()
+        assert [c.token_ids for c in greedy(r, prompts)] == before, f"cycle {cycle}: other tokens after growing"
+        st = tail_state(r)
+        assert st["grown_chunks"] >= 1
+        assert asleep - driver_free() >= 0.9 * st["grown_chunks"] * st["layers"] * st["chunk_bytes"]
+
+
+def test_vllms_own_sleep_and_a_plain_cycle_after_a_lent_tail(engine, tiny):
+    """vLLM's level-1 sleep while a tail is lent (and after one came back) frees all of vLLM's memory: the
+    chunks go back to vLLM's table first, unmapped; its wake maps them whole; the tokens are unchanged."""
+    r = engine
+    _, prompts = tiny
+    before = [c.token_ids for c in greedy(r, prompts)]
+    for lent_now in (True, False):
+        r.sleep(keep_weights=True, kv_bytes=1)
+        if not lent_now:                          # the tail came back: the chunks are held, none lent
+            r.check()
+            r.wake_kv()
+        held = tail_state(r)["mapped_bytes"] + sum(r.rpc("colomem_memory")[0]["cumem_bytes_by_tag"].values())
+        free0 = driver_free()
+        r.sleep()
+        assert not tail_state(r)["held"] and r.phase == "asleep"
+        assert driver_free() - free0 >= 0.9 * held, "vLLM's sleep left memory of the chunks mapped"
+        r.wake_weights()
+        r.check()
+        r.wake_kv()
+        assert all(m for _, _, m in r.rpc("colomem_kv_state")[0]["kv_cache"])
+        assert [c.token_ids for c in greedy(r, prompts)] == before

@@ -15,6 +15,7 @@ from colomem.errors import InvalidArgumentError
 from colomem.units import parse_bytes
 
 from .lora_adapter import LORA_RANKS, lora_attr, vllm_lora_rank
+from .tail_scheduler import QUALNAME as TAIL_SCHEDULER
 
 WORKER_EXTENSION = "colomem.engines.vllm.worker.ColomemWorkerExtension"
 
@@ -100,6 +101,9 @@ class VLLMConfig(BaseModel):
     shutdown_timeout_s: float = 30.0
     llm_kwargs: Optional[dict] = None
     worker_extension: str = WORKER_EXTENSION   # dotted path of vLLM's worker_extension_cls
+    # a partial KV release lends each layer's tail by chunks, mapped back as the rollout needs them
+    # (kv_tail.py); vLLM's scheduler is then built with the tail's hooks (tail_scheduler.py)
+    kv_tail: bool = True
 
     def __init__(self, **options: Any):
         try:
@@ -189,8 +193,11 @@ class VLLMConfig(BaseModel):
             kw["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         if self.effective_lora_mode == "adapter":
             kw.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora))
+        if self.kv_tail:
+            kw["scheduler_cls"] = TAIL_SCHEDULER   # another scheduler_cls in llm_kwargs wins: no tail then
         kw.update(self.llm_kwargs or {})
         return kw
+
 
 def _describe(err: ValidationError) -> str:
     lines = []

@@ -14,6 +14,13 @@ worker does it (worker/kv_release.py), and this module keeps vLLM's own bookkeep
              released entries are lent out of its table for that call (the worker's lend / take_back) and
              from then on vLLM counts the cache as asleep, like after its own sleep.
 
+A release of part of the cache (nbytes) lends each layer's tail instead where vLLM's layout and scheduler
+allow (worker/kv_tail.py): nothing maps back at the wake, the scheduler maps the tail's chunks as its free
+blocks run short, so the rollout starts on the head's blocks at once. The prefix cache (stale after the new
+weights, and the first lend's head holds new bytes) is reset on the engine's call thread right after the
+lend, while the trainer trains; the wake only collects that reset. Where the tail cannot be lent (another
+layout, another scheduler), the whole-layer release takes over and the reason is logged once.
+
 Every call runs through EngineCalls, so each wait is bounded; the worker's errors come back as their classes.
 """
 
@@ -23,13 +30,14 @@ import contextlib
 import logging
 from typing import Iterator, Optional
 
-from colomem.errors import ColomemError, CudaOutOfMemoryError, NotAvailableError, PhaseOrderError
+from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
+                            PhaseOrderError)
 from colomem.units import format_bytes
 
 from . import wake_memory
 from .wake_memory import WakeOptions
 from .engine_calls import EngineCalls
-from .prefix_cache import reset_prefix_cache
+from .prefix_cache import PrefixCache, reset_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +45,21 @@ log = logging.getLogger(__name__)
 class KvSleep:
     """Releases vLLM's KV cache and maps it back, the weights left mapped. `released` while it is out."""
 
-    def __init__(self, calls: EngineCalls, llm_kwargs: dict, options: WakeOptions, margin: int):
+    def __init__(self, calls: EngineCalls, llm_kwargs: dict, options: WakeOptions, margin: int,
+                 prefix: Optional[PrefixCache] = None):
         self._calls = calls
         self._sleep_mode = bool(llm_kwargs.get("enable_sleep_mode", False))
         self._opt = options                  # the rollout: its device and wake timeout, read at each use
         self.margin = int(margin)
         self.released = False
         self.nbytes = 0              # what the workers released (the largest worker's figure)
+        from .tail_scheduler import QUALNAME
+        # the tail is lent only with colomem's scheduler in the engine (VLLMConfig.kv_tail, no other given)
+        self._tail_scheduler = llm_kwargs.get("scheduler_cls") == QUALNAME and prefix is not None
+        self.tail_possible = self._tail_scheduler
+        self.tail = False            # a tail is lent now (released is True too)
+        self.tail_held = False       # the workers hold vLLM's KV allocations as chunks (from the first lend)
+        self._prefix = prefix
 
     def check_available(self) -> None:
         if not self._sleep_mode:
@@ -72,6 +88,10 @@ class KvSleep:
         if already_out:
             return {"kv_released_bytes": 0, "kv_freed_bytes": 0, "kv_release_s": 0.0}
         self._call(lambda llm: llm.sleep(level=0), "sleep(level=0)")
+        if nbytes is not None and self.tail_possible:
+            out = self._lend_tail(int(nbytes))
+            if out is not None:
+                return out
         try:
             r = self._rpc("colomem_kv_release", None if nbytes is None else int(nbytes))
         except ColomemError:
@@ -82,6 +102,54 @@ class KvSleep:
         self.nbytes = max(int(x["released_bytes"]) for x in r)
         return {"kv_released_bytes": self.nbytes, "kv_freed_bytes": max(int(x["freed_bytes"]) for x in r),
                 "kv_release_s": max(float(x["seconds"]) for x in r)}
+
+    def set_tail(self, on: bool) -> None:
+        """Lend tails from now on (on), or release whole layers. InvalidArgumentError when the engine was not
+        built with colomem's scheduler; PhaseOrderError while the workers hold the cache as chunks."""
+        from .tail_scheduler import QUALNAME
+
+        if not isinstance(on, bool):
+            raise InvalidArgumentError(f"kv_tail must be True or False, got {on!r}")
+        if on and not self._tail_scheduler:
+            raise InvalidArgumentError("this engine was built without colomem's scheduler (VLLMConfig.kv_tail "
+                                       f"False, or another scheduler_cls than {QUALNAME}): it cannot lend a tail")
+        if self.tail_held and not on:
+            raise PhaseOrderError("the KV cache is held as chunks now; switch kv_tail off before the first "
+                                  "partial release, or after vLLM's own sleep gave it back")
+        self.tail_possible = on
+
+    def _lend_tail(self, nbytes: int) -> Optional[dict]:
+        """The tail's lend (scheduling paused); None when the layout or the scheduler cannot (said once)."""
+        try:
+            r = self._rpc("colomem_kv_tail_lend", nbytes)
+        except NotAvailableError as exc:
+            self.tail_possible = False
+            log.warning("vLLM's KV cache cannot lend its tail (%s); its released part is whole layers, mapped "
+                        "back before each rollout", exc)
+            return None
+        except ColomemError:
+            if not self._calls.broken:
+                self._undo_tail()
+            raise
+        self.released = self.tail = self.tail_held = True
+        self.nbytes = max(int(x["lent_bytes"]) for x in r)
+        assert self._prefix is not None
+        self._prefix.retire()        # the stale cache drops while the trainer trains (the wake collects it)
+        return {"kv_released_bytes": self.nbytes, "kv_freed_bytes": self.nbytes,
+                "kv_release_s": max(float(x["seconds"]) for x in r),
+                "kv_tail_held_blocks": max(int(x["held_blocks"]) for x in r)}
+
+    def _undo_tail(self) -> None:
+        """A lend failed partway: the workers' allocations back to vLLM, mapped, scheduling resumed."""
+        try:
+            self._rpc("colomem_kv_tail_restore", True)
+        except ColomemError as exc:
+            log.error("giving vLLM back its KV cache after a failed lend failed: %s", exc)
+        self.tail = self.tail_held = False
+        try:
+            self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+        except ColomemError as exc:
+            log.error("resuming vLLM's scheduling after a failed KV lend failed: %s", exc)
 
     def _undo_release(self) -> None:
         """A worker failed partway: what it released is mapped again, scheduling resumes (best effort)."""
@@ -115,11 +183,20 @@ class KvSleep:
 
     @contextlib.contextmanager
     def lent_to_vllm_sleep(self) -> Iterator[None]:
-        """Around vLLM's own sleep while the cache is released (see the module docstring)."""
-        if not self.released:
+        """Around vLLM's own sleep while the cache is released (see the module docstring). Workers that hold
+        the allocations as chunks give them back first, unmapped and lent out of vLLM's table as a whole-layer
+        release lends them: vLLM's sleep must free all of its memory, and its wake maps them whole."""
+        if self.tail_held:
+            if self.tail and self._prefix is not None:
+                self._prefix.settle(self.timeout_s)      # the lend's reset, queued before this call anyway
+            r = self._rpc("colomem_kv_tail_restore", False)
+            self.tail_held, self.tail, self.released = False, False, True
+            self.nbytes = max(int(x.get("released_bytes", 0)) for x in r)
+        elif not self.released:
             yield
             return
-        self._rpc("colomem_kv_lend")
+        else:
+            self._rpc("colomem_kv_lend")
         slept = False
         try:
             yield
@@ -132,7 +209,16 @@ class KvSleep:
     def map_before_close(self) -> None:
         """An in-process engine's tensors are freed in this process after close; vLLM's free callback would
         unmap the released cache a second time and leave its allocator's error state set for the next engine
-        of this process. So the cache is mapped back first, when the memory is there."""
+        of this process. So the cache is mapped back first, when the memory is there (and workers that hold
+        it as chunks give it back to vLLM, mapped whole)."""
+        if self.tail_held:
+            try:
+                self._rpc("colomem_kv_tail_restore", True)
+                self.tail_held, self.tail, self.released, self.nbytes = False, False, False, 0
+                return
+            except ColomemError as exc:
+                self.tail_held = self.tail = False   # what it could not map is released in vLLM's table
+                log.warning("could not give vLLM its KV cache back whole before closing (%s)", exc)
         if not self.released:
             return
         try:
@@ -143,7 +229,7 @@ class KvSleep:
                         "engine in this process may fail to allocate", format_bytes(self.nbytes), exc)
 
     def report(self) -> dict:
-        return {"kv_released": self.released, "kv_released_bytes": self.nbytes}
+        return {"kv_released": self.released, "kv_released_bytes": self.nbytes, "kv_tail_lent": self.tail}
 
 
 __all__ = ["KvSleep"]

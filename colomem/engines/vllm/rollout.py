@@ -88,7 +88,7 @@ class VLLMRollout:
         self._tag_wake = TagWake(self._calls, self)
         self._prefix = PrefixCache(self._calls)
         t0 = time.perf_counter()
-        self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN)
+        self._kv = KvSleep(self._calls, self.llm_kwargs, self, WAKE_MARGIN, self._prefix)
         self._calls.attach(self._build_llm(self.llm_kwargs))
         if self.engine_in_process:      # its CUDA graphs, captured in this process, replay over them
             hold_cublas_workspaces(self)
@@ -319,6 +319,22 @@ class VLLMRollout:
         """wake_weights() then wake_kv(), for when no sync happens in between."""
         self.wake_weights()
         self.wake_kv()
+
+    @property
+    def kv_tail(self) -> bool:
+        """Whether a partial KV release (sleep(keep_weights=True, kv_bytes=N)) lends each layer's tail (see
+        kv_sleep.py); False: it releases whole layers. Only an engine built with VLLMConfig.kv_tail can."""
+        return self._kv.tail_possible
+
+    @kv_tail.setter
+    def kv_tail(self, on: bool) -> None:
+        self._kv.set_tail(on)
+
+    @property
+    def kv_tail_lent(self) -> bool:
+        """Whether the KV cache's released part is a lent tail now (kv_sleep.py): wake_kv() then maps nothing
+        and the rollout needs none of that memory at its start, only as its blocks run short."""
+        return self._kv.tail
 
     @property
     def kv_cache_bytes(self) -> Optional[int]:

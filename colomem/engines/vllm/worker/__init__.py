@@ -15,6 +15,7 @@ returns `colomem.errors.error_payload(exc)` instead and the parent re-raises the
     load_plan.py      load_weights recorded once, replayed as plain copies
     pool_backup.py    weights_backup="pool"
     kv_release.py     the KV cache released alone, the weights left mapped (sleep(keep_weights=True))
+    kv_tail.py        part of it lent as each layer's tail, its blocks back as the scheduler needs them
     wake_rollback.py  undoing a wake that ran out of memory
     trainer_watch.py  ending the engine's process when the trainer that started it is gone
     ../lora_inplace.py  the trainer's LoRA adapter written into the slot vLLM activated for it
@@ -36,7 +37,7 @@ from colomem.errors import InvalidArgumentError, error_payload
 
 from ..checks import CHECKSUM_SAMPLE_WORDS, checksum_parts, finish_checksums, param_info, spread_sample
 from .. import lora_inplace
-from . import kv_release, pool_backup, receive
+from . import kv_release, kv_tail, pool_backup, receive
 from .listener import Listener
 from .state import SyncState, WorkerState, torch_device
 from .trainer_watch import TrainerWatch
@@ -276,6 +277,26 @@ class ColomemWorkerExtension:
     def colomem_kv_state(self) -> dict:
         """vLLM's "weights" and "kv_cache" allocations ([address, bytes, mapped]) and what is released."""
         return kv_release.state(self)
+
+    @rpc_method
+    def colomem_kv_tail_lend(self, nbytes: Optional[int] = None) -> dict:
+        """Lends at least nbytes of the KV cache (None: all but each layer's first chunk) as every layer's
+        tail: its blocks out of the scheduler's queue, its memory back with the driver; the scheduler maps
+        it back chunk by chunk when its free blocks run short. NotAvailableError (nothing changed) for a
+        layout or a scheduler that cannot: the caller releases whole layers instead."""
+        return kv_tail.lend(self, nbytes)
+
+    @rpc_method
+    def colomem_kv_tail_restore(self, mapped: bool) -> dict:
+        """vLLM's KV allocations back in its table: mapped whole again (mapped=True, before the engine
+        closes), or unmapped and lent out of its table as after a release (for vLLM's own sleep, between
+        colomem_kv_tail_restore(False) and colomem_kv_take_back)."""
+        return kv_tail.restore(self, bool(mapped))
+
+    @rpc_method
+    def colomem_kv_tail_state(self) -> dict:
+        """The lent tail's figures: its chunks, blocks held, bytes mapped, chunks grown back."""
+        return kv_tail.state(self)
 
     @rpc_method
     def colomem_param_pointers(self) -> dict:

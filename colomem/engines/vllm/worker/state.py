@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..kv_tail import TailGeometry
 from .load_plan import VersionRecord
 
 
@@ -49,6 +50,17 @@ class KvRelease:
 
 
 @dataclass
+class KvTail:
+    """What a worker keeps while it holds vLLM's KV allocations (WorkerState.tail)."""
+    geometry: Optional[TailGeometry] = None             # None: vLLM's own allocations, nothing held
+    ranges: list = field(default_factory=list)          # MappedRange per layer allocation, in address order
+    taken: dict = field(default_factory=dict)           # address -> vLLM's AllocationData, out of its table
+    start: int = 0                                      # the lent tail's first chunk (0: nothing lent)
+    scheduler: Any = None
+    lent_bytes: int = 0
+
+
+@dataclass
 class WorkerState:
     importer: Any = None
     address: Optional[str] = None
@@ -62,6 +74,7 @@ class WorkerState:
     listener: Any = None                                 # Listener while the bridge is served by a thread
     trainer_watch: Any = None                            # TrainerWatch: ends the engine if the trainer dies
     kv: KvRelease = field(default_factory=KvRelease)     # the KV cache released without the weights
+    tail: KvTail = field(default_factory=KvTail)         # the KV cache's tail lent by chunks (kv_tail.py)
 
 
 def torch_device(worker: Any) -> torch.device:
@@ -91,4 +104,4 @@ def device_copy(device: torch.device, direction: str, copies: list, timeout: flo
     return time.perf_counter() - t0
 
 
-__all__ = ["KvRelease", "PoolBackup", "SyncState", "WorkerState", "device_copy", "synchronize", "torch_device"]
+__all__ = ["KvRelease", "KvTail", "PoolBackup", "SyncState", "WorkerState", "device_copy", "synchronize", "torch_device"]

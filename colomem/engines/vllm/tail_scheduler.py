@@ -1,0 +1,95 @@
+"""vLLM's scheduler with a KV tail that can be held out of its free queue (kv_tail.py).
+
+VLLMRollout names `make_scheduler` as vLLM's `scheduler_cls` (a dotted path, so it reaches an engine in its
+own process too). vLLM calls it where it would build its scheduler; it builds that same class (the async
+scheduler when vLLM chose async scheduling, else the plain one) with three additions, all of them run on the
+engine's own thread, between scheduling steps:
+
+  - `colomem_tail`: the BlockHold over its block pool, which the worker (worker/kv_tail.py, in this process:
+    the engine inside the trainer's process, or vLLM's engine process with its worker inside) fills when it
+    lends the tail, found through `active_scheduler()`;
+  - schedule(): before scheduling, a tail whose blocks are held grows back chunk by chunk while the free
+    blocks run short (Grower), so a rollout that needs more than the head's blocks gets them;
+  - reset_prefix_cache(): vLLM's reset refuses while any block is out of the queue; the held blocks are put
+    back around it.
+
+Nothing changes while no tail is held: the additions are a check each.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional
+
+from colomem.errors import NotAvailableError
+
+from .kv_tail import BlockHold
+
+_lock = threading.Lock()
+_schedulers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_classes: dict = {}
+
+QUALNAME = "colomem.engines.vllm.tail_scheduler.make_scheduler"
+
+
+class TailMixin:
+    """The additions; mixed in front of vLLM's scheduler class (make_scheduler)."""
+
+    colomem_tail: BlockHold
+    colomem_grower: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.colomem_tail = BlockHold(self.kv_cache_manager.block_pool)   # type: ignore[attr-defined]
+        self.colomem_grower = None           # set by the worker while it lends a tail
+        with _lock:
+            _schedulers.add(self)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        grower = self.colomem_grower
+        if grower is not None and self.colomem_tail.held:
+            grower.top_up(self.colomem_tail, self.colomem_tail.pool.get_num_free_blocks())
+        return super().schedule(*args, **kwargs)    # type: ignore[misc]
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        with self.colomem_tail.lent():
+            return super().reset_prefix_cache(*args, **kwargs)   # type: ignore[misc]
+
+
+def _with_tail(base: type) -> type:
+    with _lock:
+        cls = _classes.get(base)
+        if cls is None:
+            cls = type(f"Colomem{base.__name__}", (TailMixin, base), {"__module__": __name__})
+            _classes[base] = cls
+    return cls
+
+
+def make_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's scheduler_cls: the scheduler vLLM would build, with the tail's additions."""
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    if getattr(getattr(config, "scheduler_config", None), "async_scheduling", False):
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as base
+    return _with_tail(base)(*args, **kwargs)
+
+
+def active_scheduler(num_blocks: Optional[int] = None) -> Any:
+    """This process's scheduler built by make_scheduler (with `num_blocks` blocks, when given).
+    NotAvailableError when there is none (vLLM built its own scheduler: another scheduler_cls, or the engine
+    core in another process than this worker's) or more than one could be meant."""
+    with _lock:
+        found = [s for s in list(_schedulers)
+                 if num_blocks is None or len(s.colomem_tail.pool.blocks) == int(num_blocks)]
+    if len(found) != 1:
+        why = ("no scheduler of colomem's in this process (vLLM was given another scheduler_cls, or its engine "
+               "core runs in another process than this worker)" if not found else
+               f"{len(found)} of colomem's schedulers in this process match")
+        raise NotAvailableError(f"the KV cache's tail cannot be lent: {why}; the KV cache is released by "
+                                "whole layers instead")
+    return found[0]
+
+
+__all__ = ["QUALNAME", "TailMixin", "active_scheduler", "make_scheduler"]

@@ -1,0 +1,273 @@
+"""The KV tail's arithmetic and its hold on a block pool's free queue (colomem.engines.vllm.kv_tail).
+
+vLLM is not installed on the CPU machine, so the pool here is a small stand-in with the same shape as vLLM
+0.24's BlockPool (an intrusive free list, blocks with a reference count and a prefix-cache hash); the GPU test
+(tests/gpu/test_kv_tail_gpu.py) runs the same code on vLLM's own pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from colomem.engines.vllm.kv_tail import BlockHold, Grower, tail_geometry
+from colomem.errors import InvalidArgumentError, NotAvailableError, PhaseOrderError
+
+MiB = 1 << 20
+
+
+class Block:
+    def __init__(self, i: int):
+        self.block_id, self.ref_cnt, self.block_hash = i, 0, None
+        self.prev_free_block = self.next_free_block = None
+
+
+class Queue:
+    """vLLM's FreeKVCacheBlockQueue: a doubly linked list through the blocks, with fake ends."""
+
+    def __init__(self, blocks):
+        self.head, self.tail = Block(-1), Block(-1)
+        self.head.next_free_block, self.tail.prev_free_block = self.tail, self.head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def remove(self, b):
+        if b.prev_free_block is None or b.next_free_block is None:
+            raise RuntimeError(f"block {b.block_id} is not in the queue")
+        b.prev_free_block.next_free_block = b.next_free_block
+        b.next_free_block.prev_free_block = b.prev_free_block
+        b.prev_free_block = b.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append_n(self, blocks):
+        last = self.tail.prev_free_block
+        for b in blocks:
+            b.prev_free_block, last.next_free_block = last, b
+            last = b
+        last.next_free_block, self.tail.prev_free_block = self.tail, last
+        self.num_free_blocks += len(blocks)
+
+    def popleft_n(self, n):
+        out = []
+        for _ in range(n):
+            b = self.head.next_free_block
+            self.remove(b)
+            out.append(b)
+        return out
+
+    def ids(self):
+        out, b = [], self.head.next_free_block
+        while b is not self.tail:
+            out.append(b.block_id)
+            b = b.next_free_block
+        return out
+
+
+class Pool:
+    """vLLM's BlockPool as far as the hold uses it; block 0 is the null block, out of the queue."""
+
+    def __init__(self, n: int):
+        self.blocks = [Block(i) for i in range(n)]
+        self.free_block_queue = Queue(self.blocks[1:])
+        self.hashes = {}                          # hash -> block, the prefix cache
+
+    def get_num_free_blocks(self):
+        return self.free_block_queue.num_free_blocks
+
+    def evict_blocks(self, ids):
+        for i in ids:
+            b = self.blocks[i]
+            if b.block_hash is not None:
+                del self.hashes[b.block_hash]
+                b.block_hash = None
+
+    def allocate(self, n, hashed=False):
+        out = self.free_block_queue.popleft_n(n)
+        for b in out:
+            assert b.ref_cnt == 0
+            b.ref_cnt = 1
+            if hashed:
+                b.block_hash = ("h", b.block_id)
+                self.hashes[b.block_hash] = b
+        return out
+
+    def free(self, blocks):
+        for b in blocks:
+            b.ref_cnt -= 1
+        self.free_block_queue.append_n(blocks)
+
+    def reset_prefix_cache(self):
+        if len(self.blocks) - self.get_num_free_blocks() != 1:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.hashes.clear()
+        return True
+
+
+def geo(num_blocks=64, page=16 << 10, layers=4, chunk=128 << 10, gran=64 << 10):
+    size = -(-num_blocks * page // gran) * gran
+    return tail_geometry(page, num_blocks, [size] * layers, gran, chunk)
+
+
+def test_geometry_chunks_hold_whole_blocks_and_the_tail_covers_the_bytes_asked():
+    g = geo()
+    assert g.chunk_bytes == 128 << 10 and g.blocks_per_chunk == 8 and g.nchunks == 8
+    assert g.first_block(3) == 24 and g.first_block(9) == 64
+    # each chunk over 4 layers is 512 KiB: 1 MiB asked -> the last two chunks
+    assert g.tail_start(1 << 20) == 6 and g.tail_bytes(6) == 1 << 20
+    assert g.tail_start((1 << 20) + 1) == 5
+    assert g.tail_start(None) == 1 and g.tail_start(1 << 40) == 1     # chunk 0 (the null block) stays
+    with pytest.raises(InvalidArgumentError):
+        g.tail_start(0)
+
+
+def test_geometry_rounds_the_chunk_to_pages_and_granularity():
+    # pages of 48 KiB and a 64 KiB granularity: whole blocks need multiples of 192 KiB; 1 MiB -> 5 of them
+    g = tail_geometry(48 << 10, 1000, [48000 << 10] * 2, 64 << 10, 1 << 20)
+    assert g.chunk_bytes == 960 << 10 and g.blocks_per_chunk == 20
+    assert tail_geometry(16 << 10, 64, [1 << 20], 64 << 10, 1).chunk_bytes == 64 << 10    # at least one unit
+
+
+@pytest.mark.parametrize("sizes, page, blocks, why", [
+    ([1 << 20, 2 << 20], 16 << 10, 64, "differ in size"),
+    ([(1 << 20) + 4096], 16 << 10, 64, "granularity"),
+    ([1 << 20], 16 << 10, 65, "do not fit"),
+    ([640 << 10], 96 << 10, 6, "over a quarter"),
+])
+def test_geometry_refuses_layouts_it_cannot_lend_by_chunks(sizes, page, blocks, why):
+    with pytest.raises(NotAvailableError, match=why):
+        tail_geometry(page, blocks, sizes, 64 << 10, 1 << 20)
+
+
+def test_hold_takes_the_tail_out_of_the_queue_and_gives_it_back_in_order():
+    pool = Pool(64)
+    hold = BlockHold(pool)
+    assert hold.hold_from(40) == 24 and hold.held == 24
+    assert pool.get_num_free_blocks() == 39 and max(pool.free_block_queue.ids()) == 39
+    got = pool.allocate(39)                     # the scheduler can have every head block, never a tail one
+    assert {b.block_id for b in got} == set(range(1, 40))
+    assert hold.give(48) == 8 and hold.held == 16
+    assert sorted(b.block_id for b in pool.allocate(8)) == list(range(40, 48))
+    assert hold.give_all() == 16 and hold.held == 0 and hold.first is None
+
+
+def test_hold_drops_the_prefix_cache_of_the_blocks_it_takes():
+    pool = Pool(32)
+    blocks = pool.allocate(31, hashed=True)
+    pool.free(blocks)
+    hold = BlockHold(pool)
+    hold.hold_from(16)
+    assert all(pool.blocks[i].block_hash is None for i in range(16, 32))
+    assert all(pool.blocks[i].block_hash is not None for i in range(1, 16))
+    assert set(h[1] for h in pool.hashes) == set(range(1, 16))
+
+
+def test_hold_refuses_while_a_request_holds_a_tail_block_and_changes_nothing():
+    pool = Pool(32)
+    busy = pool.allocate(31)
+    pool.free(busy[:-1])                         # block 31 still held by a request
+    hold = BlockHold(pool)
+    before = pool.free_block_queue.ids()
+    with pytest.raises(PhaseOrderError, match="still held by requests"):
+        hold.hold_from(16)
+    assert pool.free_block_queue.ids() == before and hold.held == 0
+
+
+def test_hold_again_takes_back_what_was_given_and_follows_a_longer_or_shorter_tail():
+    pool = Pool(64)
+    hold = BlockHold(pool)
+    hold.hold_from(40)
+    hold.give(56)                                # the rollout grew the tail by two chunks' blocks
+    used = pool.allocate(pool.get_num_free_blocks())
+    pool.free(used)
+    assert hold.hold_from(40) == 16 and hold.held == 24     # only what came back goes out again
+    assert hold.hold_from(32) == 8 and hold.held == 32      # a longer tail
+    assert hold.hold_from(48) == 0 and hold.held == 16      # a shorter one: blocks 32..47 go back
+    assert sorted(pool.free_block_queue.ids()) == list(range(1, 48))
+
+
+def test_lent_puts_the_held_blocks_back_around_a_prefix_cache_reset():
+    pool = Pool(32)
+    pool.free(pool.allocate(10, hashed=True))
+    hold = BlockHold(pool)
+    hold.hold_from(16)
+    assert pool.reset_prefix_cache() is False    # vLLM's reset refuses while blocks are out of the queue
+    with hold.lent():
+        assert pool.reset_prefix_cache() is True
+    assert not pool.hashes and hold.held == 16 and pool.get_num_free_blocks() == 15
+
+
+def test_grower_grows_the_tail_while_the_free_blocks_run_short_and_waits_after_a_failure():
+    g = geo(num_blocks=256, chunk=64 << 10)      # 4 blocks a chunk; low water: max(8, 16) blocks
+    pool = Pool(256)
+    hold = BlockHold(pool)
+    hold.hold_from(g.first_block(16))            # blocks 64.. held: 63 free
+    mapped, now, room = [], [0.0], [3]
+
+    def grow(c):
+        if room[0] == 0:
+            return False
+        room[0] -= 1
+        mapped.append(c)
+        return True
+
+    grower = Grower(g, grow, lambda: now[0], retry_s=0.05)
+    assert grower.top_up(hold, pool.get_num_free_blocks()) == 0 and not mapped     # plenty free
+    pool.allocate(60)                            # 3 free: under 16
+    assert grower.top_up(hold, pool.get_num_free_blocks()) == 12 and mapped == [16, 17, 18]
+    assert grower.failed == 1 and hold.held == 256 - 76
+    assert grower.top_up(hold, 3) == 0 and mapped == [16, 17, 18] and grower.failed == 1   # spaced
+    now[0], room[0] = 0.06, 1
+    assert grower.top_up(hold, 3) == 4 and mapped[-1] == 19
+
+
+def test_the_engine_is_built_with_the_tail_scheduler_unless_told_otherwise():
+    from colomem.engines.vllm.config import VLLMConfig
+    from colomem.engines.vllm.tail_scheduler import QUALNAME, make_scheduler
+    import importlib
+
+    assert VLLMConfig().llm_arguments("m")["scheduler_cls"] == QUALNAME
+    mod, name = QUALNAME.rsplit(".", 1)
+    assert getattr(importlib.import_module(mod), name) is make_scheduler      # what vLLM resolves the name to
+    assert "scheduler_cls" not in VLLMConfig(kv_tail=False).llm_arguments("m")
+    mine = VLLMConfig(llm_kwargs={"scheduler_cls": "my.Scheduler"}).llm_arguments("m")
+    assert mine["scheduler_cls"] == "my.Scheduler"
+
+
+def test_the_scheduler_mixin_holds_grows_and_lends_around_a_reset():
+    """TailMixin in front of a scheduler shaped like vLLM's (its kv_cache_manager.block_pool, schedule(),
+    reset_prefix_cache()): registered for the worker, the tail grown before scheduling, the reset made to
+    work while blocks are held."""
+    from colomem.engines.vllm import tail_scheduler as ts
+    from colomem.errors import NotAvailableError as NA
+
+    class Manager:
+        def __init__(self, pool):
+            self.block_pool = pool
+
+    class Base:
+        def __init__(self, n):
+            self.kv_cache_manager = Manager(Pool(n))
+            self.scheduled = []
+
+        def schedule(self):
+            self.scheduled.append(self.kv_cache_manager.block_pool.get_num_free_blocks())
+            return "output"
+
+        def reset_prefix_cache(self):
+            return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    cls = ts._with_tail(Base)
+    assert ts._with_tail(Base) is cls
+    s = cls(256)
+    assert ts.active_scheduler(256) is s
+    with pytest.raises(NA, match="no scheduler"):
+        ts.active_scheduler(999)
+    s.colomem_tail.hold_from(64)
+    assert s.reset_prefix_cache() is True and s.colomem_tail.held == 192
+    g = geo(num_blocks=256, chunk=64 << 10)
+    grown = []
+    s.colomem_grower = Grower(g, lambda c: grown.append(c) or True, lambda: 0.0)
+    s.kv_cache_manager.block_pool.allocate(60)
+    assert s.schedule() == "output" and grown == [16, 17, 18, 19] and s.scheduled == [19]
+    del s
