@@ -88,6 +88,23 @@ def test_the_runner_asks_the_rollout_for_that_part_and_says_so(job_env, tmp_path
     assert ["rollout/wake_weights_s" in s for s in steps] == [True, True, False]
 
 
+def test_kv_release_layers_asks_for_the_same_part_in_whole_layers(job_env, tmp_path, gpu_like):
+    """--kv-release layers: the same part, and vLLM built without the scheduler that lends a tail (auto lends
+    it where vLLM allows, in the plan's words)."""
+    said = []
+    res = run_job(job(tmp_path / "l", placement_margin="2GB", kv_release="layers"), print_fn=said.append)
+    assert res.summary["status"] == "ok", res.summary.get("error")
+    (plan,), steps = events(tmp_path / "l")
+    assert plan["kv_release"] == 35 * GB and "lent as the tail" not in plan["why"]
+    assert [s.get("rollout/kv_release_asked_bytes") for s in steps] == [0, 35 * GB, 35 * GB]
+    res = run_job(job(tmp_path / "t", placement_margin="2GB"), print_fn=lambda *_: None)
+    assert "lent as the tail of every layer's cache" in events(tmp_path / "t")[0][0]["why"]
+    from colomem.runner.config import RunConfig
+
+    assert RunConfig(kv_release="layers").vllm_config().kv_tail is False
+    assert RunConfig().vllm_config().kv_tail is True
+
+
 def test_kv_release_all_keeps_the_whole_sleep(job_env, tmp_path, gpu_like):
     res = run_job(job(tmp_path / "a", placement_margin="2GB", kv_release="all"), print_fn=lambda *_: None)
     assert res.summary["status"] == "ok", res.summary.get("error")

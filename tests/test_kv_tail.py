@@ -260,9 +260,12 @@ def test_the_scheduler_mixin_holds_grows_and_lends_around_a_reset():
     cls = ts._with_tail(Base)
     assert ts._with_tail(Base) is cls
     s = cls(256)
-    assert ts.active_scheduler(256) is s
+    assert ts.active_scheduler(lambda n: n == 256) is s
     with pytest.raises(NA, match="no scheduler"):
-        ts.active_scheduler(999)
+        ts.active_scheduler(lambda n: n == 999)
+    newer = cls(256)
+    assert ts.active_scheduler(lambda n: n == 256) is newer         # of two alive, the newest
+    del newer
     s.colomem_tail.hold_from(64)
     assert s.reset_prefix_cache() is True and s.colomem_tail.held == 192
     g = geo(num_blocks=256, chunk=64 << 10)

@@ -122,10 +122,13 @@ class RunConfig(_Strict):
                             "more than the sleep and wake, both measured in the first step), always, never (needs offload none or auto), "
                             "alternate (a measurement, with offload none: every other step, so both layouts "
                             "run in one process; each step's metrics say which)")
-    kv_release: Literal["auto", "all"] = Field(
+    kv_release: Literal["auto", "layers", "all"] = Field(
         "auto", description="colomem switch with rollout_sleep auto, what a sleeping vLLM gives the trainer: auto "
-                            "(only the part of its KV cache training needs, weights and the rest staying mapped: "
-                            "the wake maps back only that part), all (vLLM's whole sleep, weights included)")
+                            "(only the part of its KV cache training needs, weights and the rest staying mapped, "
+                            "lent as the tail of every layer's cache: the rollout starts at once and maps it "
+                            "back only as its blocks run short; whole layers where vLLM's layout does not "
+                            "allow it), layers (that part in whole layers, mapped back before each rollout), "
+                            "all (vLLM's whole sleep, weights included)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
                                                               "the larger of 2 GiB and 3 percent of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")
@@ -411,7 +414,8 @@ class RunConfig(_Strict):
                           lora_mode="adapter" if self.shared_base_adapter else "merged",
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
                           bucket_bytes=self.start_bucket_bytes, sync_transport="direct" if in_rank else "listener",
-                          engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device)
+                          engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device,
+                          kv_tail=self.kv_release == "auto")
 
     # derived settings -------------------------------------------------------------------------------------
     @property

@@ -18,9 +18,11 @@ Nothing changes while no tail is held: the additions are a check each.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from colomem.errors import NotAvailableError
 
@@ -29,6 +31,7 @@ from .kv_tail import BlockHold
 _lock = threading.Lock()
 _schedulers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _classes: dict = {}
+_born = itertools.count()
 
 QUALNAME = "colomem.engines.vllm.tail_scheduler.make_scheduler"
 
@@ -38,12 +41,14 @@ class TailMixin:
 
     colomem_tail: BlockHold
     colomem_grower: Any
+    colomem_born: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.colomem_tail = BlockHold(self.kv_cache_manager.block_pool)   # type: ignore[attr-defined]
         self.colomem_grower = None           # set by the worker while it lends a tail
         with _lock:
+            self.colomem_born = next(_born)
             _schedulers.add(self)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -76,20 +81,24 @@ def make_scheduler(*args: Any, **kwargs: Any) -> Any:
     return _with_tail(base)(*args, **kwargs)
 
 
-def active_scheduler(num_blocks: Optional[int] = None) -> Any:
-    """This process's scheduler built by make_scheduler (with `num_blocks` blocks, when given).
-    NotAvailableError when there is none (vLLM built its own scheduler: another scheduler_cls, or the engine
-    core in another process than this worker's) or more than one could be meant."""
-    with _lock:
-        found = [s for s in list(_schedulers)
-                 if num_blocks is None or len(s.colomem_tail.pool.blocks) == int(num_blocks)]
-    if len(found) != 1:
-        why = ("no scheduler of colomem's in this process (vLLM was given another scheduler_cls, or its engine "
-               "core runs in another process than this worker)" if not found else
-               f"{len(found)} of colomem's schedulers in this process match")
-        raise NotAvailableError(f"the KV cache's tail cannot be lent: {why}; the KV cache is released by "
-                                "whole layers instead")
-    return found[0]
+def active_scheduler(fits: Optional[Callable[[int], bool]] = None) -> Any:
+    """This process's scheduler built by make_scheduler (whose block count `fits`, when given: a worker
+    matches its KV tensors'); of several, the newest (an engine closed in this process may leave its
+    scheduler alive until the garbage collector runs). NotAvailableError when there is none (vLLM built its
+    own scheduler: another scheduler_cls, or the engine core runs in another process than this worker)."""
+    def found() -> list:
+        with _lock:
+            return [s for s in list(_schedulers)
+                    if fits is None or fits(len(s.colomem_tail.pool.blocks))]
+    out = found()
+    if len(out) > 1:
+        gc.collect()
+        out = found()
+    if not out:
+        raise NotAvailableError("the KV cache's tail cannot be lent: no scheduler of colomem's in this process "
+                                "(vLLM was given another scheduler_cls, or its engine core runs in another "
+                                "process than this worker); the KV cache is released by whole layers instead")
+    return max(out, key=lambda s: s.colomem_born)
 
 
 __all__ = ["QUALNAME", "TailMixin", "active_scheduler", "make_scheduler"]

@@ -71,10 +71,15 @@ def _page_of(t: torch.Tensor) -> int:
     return page
 
 
-def _geometry(worker: Any, scheduler: Any, table: dict, chunk_bytes: int) -> tuple[TailGeometry, list]:
+def _geometry(worker: Any, table: dict, chunk_bytes: int) -> tuple[TailGeometry, list, Any]:
+    """The tail's geometry, the KV allocations' addresses and the scheduler whose blocks they hold."""
     from colomem import _C
 
+    from ..tail_scheduler import active_scheduler
+
     tensors = _layer_tensors(worker)
+    kernel_blocks = {int(t.shape[0]) for t in tensors}
+    scheduler = active_scheduler(lambda n: all(k % n == 0 for k in kernel_blocks))
     num_blocks = len(scheduler.colomem_tail.pool.blocks)
     sizes, pages = [], set()
     for t in tensors:
@@ -82,28 +87,22 @@ def _geometry(worker: Any, scheduler: Any, table: dict, chunk_bytes: int) -> tup
         if data is None or data.tag != KV_TAG:
             raise NotAvailableError("a KV tensor does not start an allocation of vLLM's tagged 'kv_cache' (tensors "
                                     "packed into one allocation); the KV cache is released by whole layers")
-        used = _page_of(t) * t.shape[0]
-        if used % num_blocks:
-            raise NotAvailableError(f"a layer's {used} bytes of KV are not {num_blocks} equal blocks")
-        pages.add(used // num_blocks)
+        pages.add(_page_of(t) * t.shape[0] // num_blocks)
         sizes.append(int(data.handle[1]))
     if len(pages) != 1:
         raise NotAvailableError(f"the layers' blocks differ in size ({sorted(pages)}); a tail by blocks needs one")
     device = int(tensors[0].device.index)
     geo = tail_geometry(pages.pop(), num_blocks, sizes, int(_C.ipc_granularity(device)), chunk_bytes)
-    return geo, [int(t.data_ptr()) for t in tensors]
+    return geo, [int(t.data_ptr()) for t in tensors], scheduler
 
 
 def _take_over(worker: "ColomemWorkerExtension", tail: KvTail, chunk_bytes: int) -> None:
     """vLLM's KV allocations become MappedRanges at the same addresses, nothing mapped yet."""
     from colomem import _C
 
-    from ..tail_scheduler import active_scheduler
-
     api = worker._colomem_cumem()
     table = api.allocator.pointer_to_data
-    scheduler = active_scheduler()
-    geo, ptrs = _geometry(worker, scheduler, table, chunk_bytes)
+    geo, ptrs, scheduler = _geometry(worker, table, chunk_bytes)
     unmapped = [hex(p) for p in ptrs if not worker._colomem_is_mapped(p)]
     if unmapped:
         raise PhaseOrderError(f"{len(unmapped)} of vLLM's KV allocations are not mapped (e.g. {unmapped[:2]}): "
