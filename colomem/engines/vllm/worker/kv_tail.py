@@ -109,12 +109,12 @@ def _take_over(worker: "ColomemWorkerExtension", tail: KvTail, chunk_bytes: int)
                               "its own sleep released them; wake it first")
     device = worker._colomem_device()
     synchronize(device)
+    tail.geometry, tail.scheduler = geo, scheduler     # from here on restore() gives back what was taken
     for ptr in ptrs:
         data = table[ptr]
         api.unmap_and_release(data.handle)
         tail.taken[ptr] = table.pop(ptr)
         tail.ranges.append(_C.MappedRange.attach(device.index, ptr, int(data.handle[1]), geo.chunk_bytes))
-    tail.geometry, tail.scheduler = geo, scheduler
 
 
 def _map_rows(tail: KvTail, first: int, count: int) -> None:
