@@ -217,7 +217,8 @@ class KvSleep:
                 self.tail_held, self.tail, self.released, self.nbytes = False, False, False, 0
                 return
             except ColomemError as exc:
-                self.tail_held = self.tail = False   # what it could not map is released in vLLM's table
+                self.tail_held = self.tail = False   # what it could not map is released in vLLM's table:
+                self.released = True                 # mapped below, if the memory came free meanwhile
                 log.warning("could not give vLLM its KV cache back whole before closing (%s)", exc)
         if not self.released:
             return
