@@ -274,3 +274,43 @@ def test_the_scheduler_mixin_holds_grows_and_lends_around_a_reset():
     s.kv_cache_manager.block_pool.allocate(60)
     assert s.schedule() == "output" and grown == [16, 17, 18, 19] and s.scheduled == [19]
     del s
+
+
+def test_a_chunk_without_memory_asks_the_trainers_hook_once_then_waits():
+    """The trainer's hook (its copy out ended, its memory freed) runs once, the first time a chunk finds no
+    memory, on the scheduler's thread; the growth then goes on into what it freed. Without memory after it,
+    the growth waits for the next try."""
+    from colomem.engines.vllm import tail_scheduler as ts
+
+    class Manager:
+        def __init__(self, pool):
+            self.block_pool = pool
+
+    class Base:
+        def __init__(self, n):
+            self.kv_cache_manager = Manager(Pool(n))
+
+        def schedule(self):
+            return self.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    g = geo(num_blocks=256, chunk=64 << 10)
+    s = ts._with_tail(Base)(256)
+    s.colomem_tail.hold_from(64)
+    s.kv_cache_manager.block_pool.allocate(60)            # 3 free, under the low-water mark of 16
+    room, calls = [0], []
+
+    def grow(c):
+        if not room[0]:
+            return False
+        room[0] -= 1
+        return True
+
+    def make_room():
+        calls.append("freed")
+        room[0] = 2
+
+    s.colomem_grower = Grower(g, grow, lambda: 0.0)
+    s.colomem_make_room = make_room
+    assert s.schedule() == 11 and calls == ["freed"] and s.colomem_make_room is None   # two chunks grew
+    assert s.colomem_grower.failed == 1 and s.colomem_grower.grown_chunks == 2
+    del s

@@ -190,10 +190,16 @@ class PhaseRunner:
         to the driver then, in a thread (0.14 s of cudaFree on the 7.6B job, off the switch), where vLLM runs
         in its own process (the tail then grows into it as the rollout needs). With vLLM in this process the
         free's device-wide wait would stall its kernels: reload() ends it then, as it ends it when nothing ran
-        it here, and until then the tail grows only into memory free already."""
-        if (self.placement.optim_out or tail) and self.cfg.effective_engine == "cross-process" \
-                and self.trainer.offload_pending:
+        it here; a lent tail that finds no memory to grow into ends it first, on the engine's thread between
+        two scheduling steps (rollout.set_kv_room), where that wait costs the rollout little."""
+        if not ((self.placement.optim_out or tail) and self.trainer.offload_pending):
+            return
+        if self.cfg.effective_engine == "cross-process":
             self.trainer.finish_offload(background=True)
+        elif tail:     # the engine's thread ends it, between two steps, if the tail needs the memory
+            set_room = getattr(self.rollout, "set_kv_room", None)
+            if set_room is not None:
+                set_room(lambda: self.trainer.finish_offload())
 
     def _kv_tail_lent(self) -> bool:
         """Whether the rollout's released KV is a lent tail (optional in the Rollout protocol)."""
@@ -254,6 +260,8 @@ class PhaseRunner:
                 with self.phase(rec, name):
                     done[name] = fn()
             current = "sleep"
+            if tail and hasattr(self.rollout, "set_kv_room"):
+                self.rollout.set_kv_room(None)     # the hook ends with the rollout (reload() ends the copy)
             with self.phase(rec, "sleep"):
                 if self.placement.rollout_sleeps:
                     self._sleep_rollout()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from colomem.errors import (ColomemError, CudaOutOfMemoryError, InvalidArgumentError, NotAvailableError,
                             PhaseOrderError)
@@ -117,6 +117,18 @@ class KvSleep:
             raise PhaseOrderError("the KV cache is held as chunks now; switch kv_tail off before the first "
                                   "partial release, or after vLLM's own sleep gave it back")
         self.tail_possible = on
+
+    def set_room(self, fn: Optional[Callable[[], Any]], in_process: bool) -> bool:
+        """With the engine in this process and the cache held as chunks: fn runs once, on the engine's thread
+        between two scheduling steps, the first time the tail finds no memory to grow into (the trainer ends
+        its copy out and frees that memory there); None takes it back. Returns whether it is in place (False:
+        the engine runs in its own process, or nothing is held)."""
+        if not (in_process and self.tail_held):
+            return False
+        from .tail_scheduler import active_scheduler
+
+        active_scheduler().colomem_make_room = fn
+        return True
 
     def _lend_tail(self, nbytes: int) -> Optional[dict]:
         """The tail's lend (scheduling paused); None when the layout or the scheduler cannot (said once)."""

@@ -212,14 +212,18 @@ class Grower:
         """The free count under which the tail grows: two chunks' blocks, at least a sixteenth of the cache."""
         return max(2 * self.geometry.blocks_per_chunk, self.geometry.num_blocks // 16)
 
-    def top_up(self, hold: BlockHold, free: int) -> int:
+    def top_up(self, hold: BlockHold, free: int, make_room: Optional[Callable[[], bool]] = None) -> int:
         """Grows the held tail chunk by chunk, from its low end, while `free` blocks are under low(); returns
-        the blocks given back."""
+        the blocks given back. make_room: called once when a chunk finds no memory (the trainer's copy out
+        ended and its memory freed, where it runs in this process); True: it freed some, try again."""
         given = 0
         g = self.geometry
         while hold.held and free + given < self.low(hold) and self._clock() >= self._not_before:
             c = hold.upto // g.blocks_per_chunk
             if not self._grow(c):
+                if make_room is not None and make_room():
+                    make_room = None
+                    continue
                 self.failed += 1
                 self._not_before = self._clock() + self.retry_s
                 break

@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -322,8 +322,7 @@ class VLLMRollout:
 
     @property
     def kv_tail(self) -> bool:
-        """Whether a partial KV release (sleep(keep_weights=True, kv_bytes=N)) lends each layer's tail (see
-        kv_sleep.py); False: it releases whole layers. Only an engine built with VLLMConfig.kv_tail can."""
+        """Whether a partial KV release lends each layer's tail (kv_sleep.py; False: whole layers)."""
         return self._kv.tail_possible
 
     @kv_tail.setter
@@ -335,6 +334,11 @@ class VLLMRollout:
         """Whether the KV cache's released part is a lent tail now (kv_sleep.py): wake_kv() then maps nothing
         and the rollout needs none of that memory at its start, only as its blocks run short."""
         return self._kv.tail
+
+    def set_kv_room(self, fn: Optional[Callable[[], Any]]) -> bool:
+        """fn runs once on the engine's thread the first time a lent tail finds no memory (KvSleep.set_room);
+        returns whether it is in place."""
+        return self._kv.set_room(fn, self.engine_in_process)
 
     @property
     def kv_cache_bytes(self) -> Optional[int]:

@@ -9,7 +9,9 @@ engine's own thread, between scheduling steps:
     the engine inside the trainer's process, or vLLM's engine process with its worker inside) fills when it
     lends the tail, found through `active_scheduler()`;
   - schedule(): before scheduling, a tail whose blocks are held grows back chunk by chunk while the free
-    blocks run short (Grower), so a rollout that needs more than the head's blocks gets them;
+    blocks run short (Grower), so a rollout that needs more than the head's blocks gets them; when a chunk
+    finds no memory, a hook the trainer left (`colomem_make_room`: its copy out ended, its memory freed) runs
+    once on this thread;
   - reset_prefix_cache(): vLLM's reset refuses while any block is out of the queue; the held blocks are put
     back around it.
 
@@ -42,11 +44,16 @@ class TailMixin:
     colomem_tail: BlockHold
     colomem_grower: Any
     colomem_born: int
+    colomem_make_room: Optional[Callable[[], Any]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.colomem_tail = BlockHold(self.kv_cache_manager.block_pool)   # type: ignore[attr-defined]
         self.colomem_grower = None           # set by the worker while it lends a tail
+        # set by the trainer's side while its copy out still holds memory the tail could grow into (the engine
+        # in the trainer's process: freeing it waits for the whole device, which between two scheduling steps
+        # costs the rollout little); run once, the first time a chunk finds no memory
+        self.colomem_make_room: Optional[Callable[[], Any]] = None
         with _lock:
             self.colomem_born = next(_born)
             _schedulers.add(self)
@@ -54,8 +61,16 @@ class TailMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         grower = self.colomem_grower
         if grower is not None and self.colomem_tail.held:
-            grower.top_up(self.colomem_tail, self.colomem_tail.pool.get_num_free_blocks())
+            grower.top_up(self.colomem_tail, self.colomem_tail.pool.get_num_free_blocks(), self._colomem_room)
         return super().schedule(*args, **kwargs)    # type: ignore[misc]
+
+    def _colomem_room(self) -> bool:
+        """The hook the trainer left (colomem_make_room), run once: memory it frees on this thread."""
+        room, self.colomem_make_room = self.colomem_make_room, None
+        if room is None:
+            return False
+        room()
+        return True
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         with self.colomem_tail.lent():
