@@ -99,9 +99,9 @@ def test_the_stand_in_takes_the_same_arguments(tmp_path):
 
 
 def test_a_tail_that_cannot_be_lent_falls_back_to_whole_layers_once_and_says_why(caplog):
-    """kv_tail on, but the engine's worker finds no colomem scheduler beside it (here: the stand-in has no
-    vLLM scheduler at all): the first partial release logs why and releases whole layers; later ones do not
-    ask again."""
+    """kv_tail on, but the engine's worker finds no layout to lend a tail of (here: the stand-in has no KV
+    tensors and no scheduler at all): the first partial release logs why and releases whole layers; later
+    ones do not ask again."""
     r = make_kv(kv_tail=True)
     assert r.kv_tail
     r.load_weights(trainer_weights(1).items(), version=1)
@@ -110,7 +110,7 @@ def test_a_tail_that_cannot_be_lent_falls_back_to_whole_layers_once_and_says_why
     r.llm.calls.clear()
     with caplog.at_level("WARNING"):
         r.sleep(keep_weights=True, kv_bytes=5000)
-    assert "cannot lend its tail" in caplog.text and "no scheduler of colomem's" in caplog.text
+    assert "cannot lend its tail" in caplog.text and "has no KV tensors" in caplog.text
     assert not r.kv_tail and not r.kv_tail_lent
     assert by_size[8192] not in c.mapped and r.timings["kv_released_bytes"] == 8192
     r.check()
