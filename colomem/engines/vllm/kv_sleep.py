@@ -178,7 +178,16 @@ class KvSleep:
 
     def map_back(self) -> dict:
         """Maps the KV cache again, resets the prefix cache, resumes scheduling. Refuses before asking vLLM
-        when the GPU lacks the memory (CudaOutOfMemoryError; the cache stays released, retry later)."""
+        when the GPU lacks the memory (CudaOutOfMemoryError; the cache stays released, retry later). A lent
+        tail maps nothing here: the reset started at the lend is collected and scheduling resumes."""
+        if self.tail:
+            assert self._prefix is not None
+            self._prefix.settle(self.timeout_s, "after its KV cache's tail was lent",
+                                "its cached blocks were computed with the old weights")
+            self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+            self.released = self.tail = False
+            nbytes, self.nbytes = self.nbytes, 0
+            return {"kv_mapped_bytes": 0, "kv_taken_bytes": 0, "kv_map_s": 0.0, "kv_tail_lent_bytes": nbytes}
         free = wake_memory.free_bytes(self.device)
         if self.nbytes and free is not None and free < self.nbytes + self.margin:
             raise CudaOutOfMemoryError(wake_memory.wake_oom_message(
