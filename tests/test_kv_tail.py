@@ -314,3 +314,62 @@ def test_a_chunk_without_memory_asks_the_trainers_hook_once_then_waits():
     assert s.schedule() == 11 and calls == ["freed"] and s.colomem_make_room is None   # two chunks grew
     assert s.colomem_grower.failed == 1 and s.colomem_grower.grown_chunks == 2
     del s
+
+
+@pytest.mark.parametrize("stride_order", [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4)])
+def test_a_block_outermost_kv_tensor_gives_its_page(stride_order):
+    """FlashAttention's layouts (NHD: identity; HND: heads before tokens) keep each block's bytes together,
+    block outermost: the page is one block's bytes, whatever the order inside it."""
+    import torch
+    from colomem.engines.vllm.worker.kv_tail import _page_of
+
+    blocks, shape = 10, (10, 2, 16, 2, 64)          # (blocks, K/V, tokens, kv heads, head size)
+    physical = [shape[i] for i in stride_order]
+    raw = torch.zeros(blocks * 2 * 16 * 2 * 64, dtype=torch.bfloat16)
+    inverse = [stride_order.index(i) for i in range(5)]
+    t = raw.view(physical).permute(inverse)
+    assert tuple(t.shape) == shape and _page_of(t) == 2 * 16 * 2 * 64 * 2
+
+
+def test_a_kv_tensor_with_the_blocks_inside_is_refused():
+    import torch
+    from colomem.engines.vllm.worker.kv_tail import _page_of
+
+    raw = torch.zeros(2 * 10 * 16 * 2 * 64, dtype=torch.bfloat16)
+    t = raw.view(2, 10, 16, 2, 64).transpose(0, 1)    # K and V outermost: a block's bytes in two places
+    with pytest.raises(NotAvailableError, match="block outermost"):
+        _page_of(t)
+
+
+def test_the_worker_finds_one_tensor_per_layer_and_refuses_other_caches():
+    import types
+
+    import torch
+    from colomem.engines.vllm.worker.kv_tail import _layer_tensors
+
+    a, b = torch.zeros(64), torch.zeros(64)
+    def worker(caches, groups=1, dtype="auto"):
+        cfg = types.SimpleNamespace(kv_cache_groups=[object()] * groups)
+        runner = types.SimpleNamespace(kv_caches=caches, kv_cache_config=cfg,
+                                       cache_config=types.SimpleNamespace(cache_dtype=dtype))
+        return types.SimpleNamespace(model_runner=runner)
+    got = _layer_tensors(worker([b, a, b]))           # a layer sharing another's cache counts once
+    assert [t.data_ptr() for t in got] == sorted({a.data_ptr(), b.data_ptr()})
+    with pytest.raises(NotAvailableError, match="attention groups"):
+        _layer_tensors(worker([a], groups=2))
+    with pytest.raises(NotAvailableError, match="quantized"):
+        _layer_tensors(worker([a], dtype="fp8"))
+    with pytest.raises(NotAvailableError, match="no KV tensors"):
+        _layer_tensors(worker([]))
+
+
+def test_the_geometry_of_the_bigkv_job_lends_its_release_in_whole_chunks():
+    """The 1.5B job beside a 112.5 GiB cache (28 layers, pages of 16 KiB, 2 MiB granularity): the 44.2 GiB
+    asked is lent in whole 64 MiB chunks (at most one row of them more), and the head keeps most blocks."""
+    layer = (112 * (1 << 30) + (1 << 29)) // 28
+    blocks = layer // (16 << 10)
+    g = tail_geometry(16 << 10, blocks, [-(-blocks * (16 << 10) // (2 * MiB)) * 2 * MiB] * 28, 2 * MiB)
+    start = g.tail_start(int(44.2 * (1 << 30)))
+    assert g.chunk_bytes == 64 * MiB and g.blocks_per_chunk == 4096
+    assert 44.2 * (1 << 30) <= g.tail_bytes(start) < 44.2 * (1 << 30) + 28 * 64 * MiB
+    assert 0.55 < g.first_block(start) / blocks < 0.65
