@@ -104,6 +104,24 @@ class Pool:
         return True
 
 
+class SchedulerLike:
+    """vLLM's scheduler as the tail's mixin uses it: kv_cache_manager.block_pool, schedule() (returns the free
+    blocks it saw), reset_prefix_cache()."""
+
+    def __init__(self, n: int):
+        self.kv_cache_manager = type("Manager", (), {})()
+        self.kv_cache_manager.block_pool = Pool(n)
+        self.scheduled: list = []
+
+    def schedule(self):
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.scheduled.append(free)
+        return free
+
+    def reset_prefix_cache(self):
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+
 def geo(num_blocks=64, page=16 << 10, layers=4, chunk=128 << 10, gran=64 << 10):
     size = -(-num_blocks * page // gran) * gran
     return tail_geometry(page, num_blocks, [size] * layers, gran, chunk)
@@ -241,24 +259,8 @@ def test_the_scheduler_mixin_holds_grows_and_lends_around_a_reset():
     from colomem.engines.vllm import tail_scheduler as ts
     from colomem.errors import NotAvailableError as NA
 
-    class Manager:
-        def __init__(self, pool):
-            self.block_pool = pool
-
-    class Base:
-        def __init__(self, n):
-            self.kv_cache_manager = Manager(Pool(n))
-            self.scheduled = []
-
-        def schedule(self):
-            self.scheduled.append(self.kv_cache_manager.block_pool.get_num_free_blocks())
-            return "output"
-
-        def reset_prefix_cache(self):
-            return self.kv_cache_manager.block_pool.reset_prefix_cache()
-
-    cls = ts._with_tail(Base)
-    assert ts._with_tail(Base) is cls
+    cls = ts._with_tail(SchedulerLike)
+    assert ts._with_tail(SchedulerLike) is cls
     s = cls(256)
     assert ts.active_scheduler(lambda n: n == 256) is s
     with pytest.raises(NA, match="no scheduler"):
@@ -272,7 +274,7 @@ def test_the_scheduler_mixin_holds_grows_and_lends_around_a_reset():
     grown = []
     s.colomem_grower = Grower(g, lambda c: grown.append(c) or True, lambda: 0.0)
     s.kv_cache_manager.block_pool.allocate(60)
-    assert s.schedule() == "output" and grown == [16, 17, 18, 19] and s.scheduled == [19]
+    assert s.schedule() == 19 and grown == [16, 17, 18, 19] and s.scheduled == [19]
     del s
 
 
@@ -282,19 +284,8 @@ def test_a_chunk_without_memory_asks_the_trainers_hook_once_then_waits():
     the growth waits for the next try."""
     from colomem.engines.vllm import tail_scheduler as ts
 
-    class Manager:
-        def __init__(self, pool):
-            self.block_pool = pool
-
-    class Base:
-        def __init__(self, n):
-            self.kv_cache_manager = Manager(Pool(n))
-
-        def schedule(self):
-            return self.kv_cache_manager.block_pool.get_num_free_blocks()
-
     g = geo(num_blocks=256, chunk=64 << 10)
-    s = ts._with_tail(Base)(256)
+    s = ts._with_tail(SchedulerLike)(256)
     s.colomem_tail.hold_from(64)
     s.kv_cache_manager.block_pool.allocate(60)            # 3 free, under the low-water mark of 16
     room, calls = [0], []
