@@ -152,8 +152,8 @@ def test_a_lent_tail_frees_its_chunks_at_once_and_the_rollout_starts_on_the_head
     before = [c.token_ids for c in greedy(r, prompts)]
     kv_bytes = r.rpc("colomem_memory")[0]["cumem_bytes_by_tag"]["kv_cache"]
     ask = kv_bytes // 2
-    for cycle in range(CYCLES):
-        awake = driver_free()
+    awake = driver_free()             # the whole cache mapped; from the first lend on, the tail stays out
+    for cycle in range(CYCLES):       # (the rollout here never runs short of the head's blocks)
         r.sleep(keep_weights=True, kv_bytes=ask)
         freed = driver_free() - awake
         lent = r.timings["kv_released_bytes"]
