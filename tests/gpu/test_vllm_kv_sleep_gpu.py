@@ -145,8 +145,8 @@ def tail_state(r):
 
 def test_a_lent_tail_frees_its_chunks_at_once_and_the_rollout_starts_on_the_head(engine, tiny):
     """kv_tail (the default): sleep(keep_weights=True, kv_bytes=N) lends every layer's tail, at least N
-    bytes, to the driver; wake_kv() maps nothing; greedy tokens equal those of the whole cache; each later
-    cycle frees the tail again (what the rollout grew back included)."""
+    bytes, to the driver; wake_kv() maps nothing; greedy tokens equal those of the whole cache; the tail stays
+    with the driver through the wakes and rollouts that follow (they never run short of the head's blocks)."""
     r = engine
     _, prompts = tiny
     before = [c.token_ids for c in greedy(r, prompts)]
