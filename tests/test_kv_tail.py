@@ -364,3 +364,21 @@ def test_the_geometry_of_the_bigkv_job_lends_its_release_in_whole_chunks():
     assert g.chunk_bytes == 64 * MiB and g.blocks_per_chunk == 4096
     assert 44.2 * (1 << 30) <= g.tail_bytes(start) < 44.2 * (1 << 30) + 28 * 64 * MiB
     assert 0.55 < g.first_block(start) / blocks < 0.65
+
+
+def test_a_hook_that_fails_leaves_the_rollout_on_the_blocks_it_has(caplog):
+    from colomem.engines.vllm import tail_scheduler as ts
+
+    s = ts._with_tail(SchedulerLike)(256)
+    s.colomem_tail.hold_from(64)
+    s.kv_cache_manager.block_pool.allocate(60)
+
+    def broken():
+        raise TimeoutError("the copy out did not end")
+
+    s.colomem_grower = Grower(geo(num_blocks=256, chunk=64 << 10), lambda c: False, lambda: 0.0)
+    s.colomem_make_room = broken
+    with caplog.at_level("WARNING"):
+        assert s.schedule() == 3
+    assert "the rollout goes on" in caplog.text and s.colomem_grower.failed == 1 and s.colomem_make_room is None
+    del s

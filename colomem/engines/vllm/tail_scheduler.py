@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -30,6 +31,7 @@ from colomem.errors import NotAvailableError
 
 from .kv_tail import BlockHold
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _schedulers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _classes: dict = {}
@@ -69,7 +71,12 @@ class TailMixin:
         room, self.colomem_make_room = self.colomem_make_room, None
         if room is None:
             return False
-        room()
+        try:
+            room()
+        except Exception as exc:  # noqa: BLE001  (the rollout goes on with the blocks it has; reload() retries)
+            log.warning("freeing the trainer's memory for the KV cache's tail failed (%s: %s); the rollout goes on "
+                        "with the blocks mapped now", type(exc).__name__, exc)
+            return False
         return True
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
