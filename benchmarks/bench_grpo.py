@@ -29,8 +29,9 @@ fresh process (its outputs under --out/<config>_<mode>[_r<round>]/):
   hidden       the default with --trainer-expandable and --overlap-offload
   mapped       the default with --optimizer-state-memory mapped
   wholesleep   the default with --kv-release all: vLLM's whole sleep where the planner puts it to sleep
-  kvlayers     the default with --kv-release layers: the KV cache's released part in whole layers, mapped back
-               before each rollout (the default lends every layer's tail, mapped back as the rollout needs it)
+  kvtail       the default with --kv-release tail: the KV cache's released part lent as every layer's tail,
+               mapped back only as the rollout's blocks run short
+  kvlayers     the default with --kv-release layers: that part in whole layers, mapped back before each rollout
   saved        the default with a checkpoint every other step (--save-every 2, written beside the next step)
   nogc, ckpt2  the default without gradient checkpointing, and checkpointing every other decoder layer
   mb32, grow   the default with micro-batches of 32 rows, and with --grow-micro-batch (the largest that fits)
@@ -301,7 +302,8 @@ def top_level(report: dict) -> None:
     # jobs that do not fit with nothing moving: what the planner moves costs this share of a step
     for cfg in ("bigkv", "full7b"):
         fracs = {m: over_rounds(cfg, m, "switch_overhead_fraction")
-                 for m in ("colomem", "overlap", "expandable", "hidden", "mapped", "wholesleep", "kvlayers")}
+                 for m in ("colomem", "overlap", "expandable", "hidden", "mapped", "wholesleep", "kvtail",
+                           "kvlayers")}
         fracs = {m: f for m, f in fracs.items() if f is not None}
         if fracs:
             report[f"{cfg}_switch_fraction_by_mode"] = fracs

@@ -23,8 +23,9 @@ MODES = {"colomem": ["--switch", "colomem"],
          # the planner's with vLLM's whole sleep where it sleeps (the default releases only the part of its KV
          # cache training needs)
          "wholesleep": ["--switch", "colomem", "--kv-release", "all"],
-         # the planner's with the released part of the KV cache in whole layers, mapped back before each rollout
-         # (the default lends each layer's tail, mapped back only as the rollout's blocks run short)
+         # the planner's with the released part of the KV cache lent as each layer's tail, mapped back only as
+         # the rollout's blocks run short; and in whole layers, mapped back before each rollout
+         "kvtail": ["--switch", "colomem", "--kv-release", "tail"],
          "kvlayers": ["--switch", "colomem", "--kv-release", "layers"],
          # the two above in one process, step by step (what differs between launches is the same for both)
          "alternate": ["--switch", "colomem", "--offload", "none", "--rollout-sleep", "alternate"],

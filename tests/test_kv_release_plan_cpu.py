@@ -88,21 +88,19 @@ def test_the_runner_asks_the_rollout_for_that_part_and_says_so(job_env, tmp_path
     assert ["rollout/wake_weights_s" in s for s in steps] == [True, True, False]
 
 
-def test_kv_release_layers_asks_for_the_same_part_in_whole_layers(job_env, tmp_path, gpu_like):
-    """--kv-release layers: the same part, and vLLM built without the scheduler that lends a tail (auto lends
-    it where vLLM allows, in the plan's words)."""
-    said = []
-    res = run_job(job(tmp_path / "l", placement_margin="2GB", kv_release="layers"), print_fn=said.append)
-    assert res.summary["status"] == "ok", res.summary.get("error")
-    (plan,), steps = events(tmp_path / "l")
-    assert plan["kv_release"] == 35 * GB and "lent as the tail" not in plan["why"]
-    assert [s.get("rollout/kv_release_asked_bytes") for s in steps] == [0, 35 * GB, 35 * GB]
-    res = run_job(job(tmp_path / "t", placement_margin="2GB"), print_fn=lambda *_: None)
-    assert "lent as the tail of every layer's cache" in events(tmp_path / "t")[0][0]["why"]
-    from colomem.runner.config import RunConfig
+def test_kv_release_tail_and_layers_ask_for_the_same_part(job_env, tmp_path, gpu_like):
+    """--kv-release tail and layers: the same part as auto; tail builds vLLM with the scheduler that lends a
+    tail (the plan says so), layers and auto (for now) without it."""
+    from colomem.runner.config import KV_TAIL_BY_DEFAULT, RunConfig
 
-    assert RunConfig(kv_release="layers").vllm_config().kv_tail is False
-    assert RunConfig().vllm_config().kv_tail is True
+    for mode, lends in (("tail", True), ("layers", False), ("auto", KV_TAIL_BY_DEFAULT)):
+        out = tmp_path / mode
+        res = run_job(job(out, placement_margin="2GB", kv_release=mode), print_fn=lambda *_: None)
+        assert res.summary["status"] == "ok", res.summary.get("error")
+        (plan,), steps = events(out)
+        assert plan["kv_release"] == 35 * GB and ("lent as the tail" in plan["why"]) == lends
+        assert [s.get("rollout/kv_release_asked_bytes") for s in steps] == [0, 35 * GB, 35 * GB]
+        assert RunConfig(kv_release=mode).vllm_config().kv_tail is lends
 
 
 def test_kv_release_all_keeps_the_whole_sleep(job_env, tmp_path, gpu_like):

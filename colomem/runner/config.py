@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from colomem.engines.vllm.config import VLLMConfig
 
 
+# --kv-release auto lends the KV cache's tail once the lent tail's GPU tests have passed on vLLM
+# (tests/gpu/test_vllm_kv_sleep_gpu.py); until then it releases whole layers, as --kv-release layers does
+KV_TAIL_BY_DEFAULT = False
+
 class RunConfig(_Strict):
     """One colocated GRPO run. configs/default.yaml is the embedded tiny job."""
     # what to train
@@ -122,13 +126,13 @@ class RunConfig(_Strict):
                             "more than the sleep and wake, both measured in the first step), always, never (needs offload none or auto), "
                             "alternate (a measurement, with offload none: every other step, so both layouts "
                             "run in one process; each step's metrics say which)")
-    kv_release: Literal["auto", "layers", "all"] = Field(
+    kv_release: Literal["auto", "tail", "layers", "all"] = Field(
         "auto", description="colomem switch with rollout_sleep auto, what a sleeping vLLM gives the trainer: auto "
-                            "(only the part of its KV cache training needs, weights and the rest staying mapped, "
-                            "lent as the tail of every layer's cache: the rollout starts at once and maps it "
-                            "back only as its blocks run short; whole layers where vLLM's layout does not "
-                            "allow it), layers (that part in whole layers, mapped back before each rollout), "
-                            "all (vLLM's whole sleep, weights included)")
+                            "(only the part of its KV cache training needs, weights and the rest staying mapped; "
+                            "as layers for now), tail (that part lent as the tail of every layer's cache: the "
+                            "rollout starts at once and maps it back only as its blocks run short; whole layers "
+                            "where vLLM's layout does not allow it), layers (that part in whole layers, mapped "
+                            "back before each rollout), all (vLLM's whole sleep, weights included)")
     placement_margin: Optional[str] = Field(None, description="GPU memory a placement leaves free; unset = "
                                                               "the larger of 2 GiB and 3 percent of the GPU")
     sleep_level: Optional[Literal[1, 2]] = Field(None, description="unset: colomem 2, timesplit 1")
@@ -415,9 +419,15 @@ class RunConfig(_Strict):
                           weights_backup=self.effective_weights_backup, trust_remote_code=self.trust_remote_code,
                           bucket_bytes=self.start_bucket_bytes, sync_transport="direct" if in_rank else "listener",
                           engine_in_process=in_rank, external_launcher=in_rank, dtype=self.dtype, device=device,
-                          kv_tail=self.kv_release == "auto")
+                          kv_tail=self.lends_kv_tail)
 
     # derived settings -------------------------------------------------------------------------------------
+    @property
+    def lends_kv_tail(self) -> bool:
+        """Whether a partial KV release lends the tail of every layer's cache (--kv-release tail; auto once
+        KV_TAIL_BY_DEFAULT), not whole layers."""
+        return self.kv_release == "tail" or (self.kv_release == "auto" and KV_TAIL_BY_DEFAULT)
+
     @property
     def start_bucket_bytes(self) -> str:
         """The weight bridge's bucket size at start (auto starts small; the planner may grow it)."""

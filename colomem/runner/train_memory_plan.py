@@ -248,9 +248,9 @@ def with_kept_part(cfg: Any, trainer: Any, placement: Placement, figs: list, mar
 
 
 def partial_release(cfg: Any, placement: Placement, figs: list, margin: Optional[int], taken: int) -> Placement:
-    """--kv-release auto / layers: a rollout the planner puts to sleep for training releases only the part of its
+    """--kv-release auto / tail / layers: a rollout the planner puts to sleep for training releases only the part of its
     KV cache training needs (placement.kv_release_fit), with what else the plan gave out (`taken`) counted."""
-    if cfg.kv_release not in ("auto", "layers") or cfg.rollout_sleep != "auto" or not placement.rollout_sleeps:
+    if cfg.kv_release == "all" or cfg.rollout_sleep != "auto" or not placement.rollout_sleeps:
         return placement
     part = kv_release_fit(placement, figs, margin, taken, weights_stay=bool(cfg.shared_base))
     if not part:
@@ -259,7 +259,7 @@ def partial_release(cfg: Any, placement: Placement, figs: list, margin: Optional
     why = (f"{placement.why}; while training it releases {format_bytes(part)} of its "
            f"{format_bytes(cache)} KV cache, what training needs beside the margin, and keeps its weights and the "
            "rest mapped" + (", lent as the tail of every layer's cache, mapped back as the rollout needs it"
-                            if cfg.kv_release == "auto" else "") + " (--kv-release all: the whole sleep)")
+                            if cfg.lends_kv_tail else "") + " (--kv-release all: the whole sleep)")
     return replace(placement, kv_release=part, why=why)
 
 

@@ -52,7 +52,7 @@ def engine(request, tiny):
     in_process = request.param == "in_process"
     kw = dict(engine_in_process=True, sync_transport="direct") if in_process else {}
     r = VLLMRollout(d, gpu_memory_utilization=GPU_UTIL, max_model_len=256, max_num_seqs=16, seed=0,
-                    sleep_level=1, **kw)
+                    sleep_level=1, kv_tail=True, **kw)
     yield r
     r.close()
 
@@ -113,7 +113,7 @@ def test_a_partial_release_frees_only_its_allocations_and_greedy_tokens_come_bac
     back to the driver (vLLM has one a layer), the rest stays mapped, and the tokens after the wake are those
     before."""
     r = engine
-    assert r.kv_tail, "VLLMConfig.kv_tail is on by default: vLLM runs colomem's scheduler"
+    assert r.kv_tail, "built with kv_tail=True: vLLM runs colomem's scheduler"
     r.kv_tail = False
     _, prompts = tiny
     before = [c.token_ids for c in greedy(r, prompts)]
@@ -144,7 +144,7 @@ def tail_state(r):
 
 
 def test_a_lent_tail_frees_its_chunks_at_once_and_the_rollout_starts_on_the_head(engine, tiny):
-    """kv_tail (the default): sleep(keep_weights=True, kv_bytes=N) lends every layer's tail, at least N
+    """kv_tail: sleep(keep_weights=True, kv_bytes=N) lends every layer's tail, at least N
     bytes, to the driver; wake_kv() maps nothing; greedy tokens equal those of the whole cache; the tail stays
     with the driver through the wakes and rollouts that follow (they never run short of the head's blocks)."""
     r = engine

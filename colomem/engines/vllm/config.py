@@ -102,8 +102,9 @@ class VLLMConfig(BaseModel):
     llm_kwargs: Optional[dict] = None
     worker_extension: str = WORKER_EXTENSION   # dotted path of vLLM's worker_extension_cls
     # a partial KV release lends each layer's tail by chunks, mapped back as the rollout needs them
-    # (kv_tail.py); vLLM's scheduler is then built with the tail's hooks (tail_scheduler.py)
-    kv_tail: bool = True
+    # (kv_tail.py); vLLM's scheduler is then built with the tail's hooks (tail_scheduler.py). Off by default
+    # until the lent tail's GPU tests pass on vLLM (tests/gpu/test_vllm_kv_sleep_gpu.py)
+    kv_tail: bool = False
 
     def __init__(self, **options: Any):
         try:
