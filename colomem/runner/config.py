@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # (tests/gpu/test_vllm_kv_sleep_gpu.py); until then it releases whole layers, as --kv-release layers does
 KV_TAIL_BY_DEFAULT = False
 
+
 class RunConfig(_Strict):
     """One colocated GRPO run. configs/default.yaml is the embedded tiny job."""
     # what to train
@@ -424,8 +425,7 @@ class RunConfig(_Strict):
     # derived settings -------------------------------------------------------------------------------------
     @property
     def lends_kv_tail(self) -> bool:
-        """Whether a partial KV release lends the tail of every layer's cache (--kv-release tail; auto once
-        KV_TAIL_BY_DEFAULT), not whole layers."""
+        """Whether a partial KV release lends every layer's tail (tail; auto with KV_TAIL_BY_DEFAULT)."""
         return self.kv_release == "tail" or (self.kv_release == "auto" and KV_TAIL_BY_DEFAULT)
 
     @property
