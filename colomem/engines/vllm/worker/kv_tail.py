@@ -146,8 +146,8 @@ def _grow(tail: KvTail, c: int) -> bool:
 def lend(worker: "ColomemWorkerExtension", nbytes: Optional[int], chunk_bytes: int = CHUNK_BYTES_DEFAULT) -> dict:
     """Lends at least nbytes of the KV cache (None: all of it but the first chunk of each layer), as the
     tail of every layer: its blocks out of the scheduler's queue, its chunks unmapped. The caller paused
-    vLLM's scheduling, and resets the prefix cache afterwards when the report says `fresh` (the head's
-    bytes are new after the first lend)."""
+    vLLM's scheduling, and resets the prefix cache afterwards (new weights come; after the first lend,
+    `fresh` in the report, the head's bytes are new too)."""
     st = worker._colomem()
     tail: KvTail = st.tail
     if st.kv.released or st.kv.lent:
