@@ -38,6 +38,7 @@ from . import wake_memory
 from .wake_memory import WakeOptions
 from .engine_calls import EngineCalls
 from .prefix_cache import PrefixCache, reset_prefix_cache
+from .tail_scheduler import QUALNAME as TAIL_SCHEDULER, active_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,16 @@ class KvSleep:
         self.margin = int(margin)
         self.released = False
         self.nbytes = 0              # what the workers released (the largest worker's figure)
-        from .tail_scheduler import QUALNAME
         # the tail is lent only with colomem's scheduler in the engine (VLLMConfig.kv_tail, no other given)
-        self._tail_scheduler = llm_kwargs.get("scheduler_cls") == QUALNAME and prefix is not None
+        self._tail_scheduler = llm_kwargs.get("scheduler_cls") == TAIL_SCHEDULER and prefix is not None
         self.tail_possible = self._tail_scheduler
         self.tail = False            # a tail is lent now (released is True too)
         self.tail_held = False       # the workers hold vLLM's KV allocations as chunks (from the first lend)
         self._prefix = prefix
+
+    def _resume_scheduling(self) -> None:
+        """vLLM schedules again (after the level-0 sleep that paused it for a release)."""
+        self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
 
     def check_available(self) -> None:
         if not self._sleep_mode:
@@ -106,13 +110,11 @@ class KvSleep:
     def set_tail(self, on: bool) -> None:
         """Lend tails from now on (on), or release whole layers. InvalidArgumentError when the engine was not
         built with colomem's scheduler; PhaseOrderError while the workers hold the cache as chunks."""
-        from .tail_scheduler import QUALNAME
-
         if not isinstance(on, bool):
             raise InvalidArgumentError(f"kv_tail must be True or False, got {on!r}")
         if on and not self._tail_scheduler:
             raise InvalidArgumentError("this engine was built without colomem's scheduler (VLLMConfig.kv_tail "
-                                       f"False, or another scheduler_cls than {QUALNAME}): it cannot lend a tail")
+                                       f"False, or another scheduler_cls than {TAIL_SCHEDULER}): it cannot lend a tail")
         if self.tail_held and not on:
             raise PhaseOrderError("the KV cache is held as chunks now; switch kv_tail off before the first "
                                   "partial release, or after vLLM's own sleep gave it back")
@@ -125,8 +127,6 @@ class KvSleep:
         the engine runs in its own process, or nothing is held)."""
         if not (in_process and self.tail_held):
             return False
-        from .tail_scheduler import active_scheduler
-
         active_scheduler().colomem_make_room = fn
         return True
 
@@ -159,7 +159,7 @@ class KvSleep:
             log.error("giving vLLM back its KV cache after a failed lend failed: %s", exc)
         self.tail = self.tail_held = False
         try:
-            self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+            self._resume_scheduling()
         except ColomemError as exc:
             log.error("resuming vLLM's scheduling after a failed KV lend failed: %s", exc)
 
@@ -172,7 +172,7 @@ class KvSleep:
         except ColomemError as exc:
             log.error("mapping back what a failed KV release unmapped failed: %s", exc)
         try:
-            self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+            self._resume_scheduling()
         except ColomemError as exc:
             log.error("resuming vLLM's scheduling after a failed KV release failed: %s", exc)
 
@@ -184,7 +184,7 @@ class KvSleep:
             assert self._prefix is not None
             self._prefix.settle(self.timeout_s, "after its KV cache's tail was lent",
                                 "its cached blocks were computed with the old weights")
-            self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+            self._resume_scheduling()
             self.released = self.tail = False
             nbytes, self.nbytes = self.nbytes, 0
             return {"kv_mapped_bytes": 0, "kv_taken_bytes": 0, "kv_map_s": 0.0, "kv_tail_lent_bytes": nbytes}
@@ -198,7 +198,7 @@ class KvSleep:
         self.nbytes = 0
         reset_prefix_cache(self._calls, self.timeout_s, "after its KV cache was mapped back",
                            "its cached blocks hold undefined bytes now")
-        self._call(lambda llm: llm.wake_up(tags=["scheduling"]), "wake_up(['scheduling'])")
+        self._resume_scheduling()
         return {"kv_mapped_bytes": nbytes, "kv_taken_bytes": max(int(x["taken_bytes"]) for x in r),
                 "kv_map_s": max(float(x["seconds"]) for x in r)}
 

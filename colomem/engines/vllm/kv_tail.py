@@ -162,7 +162,7 @@ class BlockHold:
         if self.first is None:
             return 0
         upto = min(int(upto), len(self.pool.blocks))
-        lo = max(self.upto, self.first)
+        lo = self.upto                        # never below first: blocks [first, upto) are back
         if upto <= lo:
             return 0
         back = self.pool.blocks[lo:upto]
@@ -208,7 +208,8 @@ class Grower:
         self.grown_chunks = 0
         self.failed = 0
 
-    def low(self, hold: BlockHold) -> int:
+    @property
+    def low(self) -> int:
         """The free count under which the tail grows: two chunks' blocks, at least a sixteenth of the cache."""
         return max(2 * self.geometry.blocks_per_chunk, self.geometry.num_blocks // 16)
 
@@ -218,7 +219,7 @@ class Grower:
         ended and its memory freed, where it runs in this process); True: it freed some, try again."""
         given = 0
         g = self.geometry
-        while hold.held and free + given < self.low(hold) and self._clock() >= self._not_before:
+        while hold.held and free + given < self.low and self._clock() >= self._not_before:
             c = hold.upto // g.blocks_per_chunk
             if not self._grow(c):
                 if make_room is not None and make_room():

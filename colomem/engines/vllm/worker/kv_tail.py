@@ -162,10 +162,8 @@ def lend(worker: "ColomemWorkerExtension", nbytes: Optional[int], chunk_bytes: i
     hold = tail.scheduler.colomem_tail
     if fresh:
         _map_rows(tail, 0, start)
-    elif start < tail.start or not tail.start:
-        pass                                       # a longer tail: its extra chunks unmap below
-    else:
-        _map_rows(tail, tail.start, start - tail.start)   # a shorter one: what it no longer lends comes back
+    elif start > tail.start:       # a shorter tail: what it no longer lends comes back (a longer one's extra
+        _map_rows(tail, tail.start, start - tail.start)   # chunks unmap below)
     hold.hold_from(geo.first_block(start))
     synchronize(worker._colomem_device())          # nothing queued may still touch the chunks that go
     for r in tail.ranges:
